@@ -1,0 +1,1 @@
+"""The `pie` command line: each subcommand lives in its own module with a `register(subparsers)`."""

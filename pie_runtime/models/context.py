@@ -1,0 +1,115 @@
+"""The explicit forward context: where each row of a ragged batch sits in the paged KV cache and which cache
+slots it may attend. Model code receives this beside token ids; it knows nothing of requests or clients.
+
+A *slot* is a flat index into the page pool: ``page * page_size + offset``. Row ``i`` of a sequence segment
+that starts at sequence index ``start`` lives at sequence index ``start + i``; it writes its K/V into that
+index's slot and attends every key at sequence index ``<= start + i`` (causal over the page table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Segments with at most this many query rows are padded into one attention call; longer ones (prefill
+# chunks) get a call of their own so that a decode row never pays for a prefill's padding.
+SHORT_SEGMENT_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a batch: ``n_rows`` consecutive rows written from sequence index ``start``."""
+
+    page_table: list[int]  # physical page ids, in sequence order
+    start: int
+    n_rows: int
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """A padded attention call over some segments: B sequences, Q query rows, K keys each."""
+
+    query_rows: torch.Tensor  # (B, Q) int64 row index in the batch (padding repeats a valid row)
+    query_valid: torch.Tensor  # (B, Q) bool
+    key_slots: torch.Tensor  # (B, K) int64 cache slots in sequence order (padding points at slot 0)
+    mask: torch.Tensor  # (B, 1, Q, K) bool, True where the query may attend the key
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    positions: torch.Tensor  # (N,) int64 RoPE position of each row
+    write_slots: torch.Tensor  # (N,) int64 slot each row's K/V is written to
+    groups: tuple[AttentionGroup, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @staticmethod
+    def build(
+        segments: list[Segment],
+        page_size: int,
+        device: torch.device | str = "cpu",
+        positions: list[int] | None = None,
+    ) -> "ForwardContext":
+        """Lay out ``segments`` (rows concatenated in this order). ``positions`` defaults to each row's
+        sequence index; a caller may pass others (RoPE only; attention stays causal over the page table)."""
+        write_slots: list[int] = []
+        seq_index: list[int] = []
+        row_start: list[int] = []
+        n = 0
+        for seg in segments:
+            if seg.n_rows <= 0:
+                raise ValueError("a segment needs at least one row")
+            if (seg.start + seg.n_rows + page_size - 1) // page_size > len(seg.page_table):
+                raise ValueError("segment extends past its page table")
+            row_start.append(n)
+            for j in range(seg.start, seg.start + seg.n_rows):
+                write_slots.append(seg.page_table[j // page_size] * page_size + j % page_size)
+                seq_index.append(j)
+            n += seg.n_rows
+        pos = seq_index if positions is None else list(positions)
+        if len(pos) != n:
+            raise ValueError("one position per row is required")
+
+        short = [i for i, s in enumerate(segments) if s.n_rows <= SHORT_SEGMENT_ROWS]
+        long = [i for i, s in enumerate(segments) if s.n_rows > SHORT_SEGMENT_ROWS]
+        plans = ([short] if short else []) + [[i] for i in long]
+        groups = tuple(
+            _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device) for plan in plans
+        )
+        as_long = dict(dtype=torch.int64, device=device)
+        return ForwardContext(
+            positions=torch.tensor(pos, **as_long),
+            write_slots=torch.tensor(write_slots, **as_long),
+            groups=groups,
+        )
+
+
+def _group(segments: list[Segment], row_start: list[int], page_size: int, device) -> AttentionGroup:
+    b = len(segments)
+    q = max(s.n_rows for s in segments)
+    k = max(s.start + s.n_rows for s in segments)
+    query_rows = torch.zeros(b, q, dtype=torch.int64)
+    query_valid = torch.zeros(b, q, dtype=torch.bool)
+    key_slots = torch.zeros(b, k, dtype=torch.int64)
+    mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
+    for i, (seg, r0) in enumerate(zip(segments, row_start)):
+        query_rows[i, : seg.n_rows] = torch.arange(r0, r0 + seg.n_rows)
+        query_rows[i, seg.n_rows :] = r0
+        query_valid[i, : seg.n_rows] = True
+        kl = seg.start + seg.n_rows
+        idx = torch.arange(kl)
+        pages = torch.tensor(seg.page_table, dtype=torch.int64)[idx // page_size]
+        key_slots[i, :kl] = pages * page_size + idx % page_size
+        # query row r sits at sequence index start + r and sees keys 0..start + r
+        qi = torch.arange(seg.start, kl).unsqueeze(1)
+        mask[i, 0, : seg.n_rows, :kl] = idx.unsqueeze(0) <= qi
+        mask[i, 0, seg.n_rows :, 0] = True  # padding rows attend something, so softmax stays finite
+    return AttentionGroup(
+        query_rows=query_rows.to(device),
+        query_valid=query_valid.to(device),
+        key_slots=key_slots.to(device),
+        mask=mask.to(device),
+    )

@@ -1,0 +1,34 @@
+"""The paged KV pool's tensors: per layer, K and V for ``num_pages * page_size`` slots. Which pages belong
+to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device="cpu"):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (cfg.num_hidden_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * page_size * cfg.kv_size * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages (copy-on-write of a shared page before it is written)."""
+        ps = self.page_size
+        s = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in src]).to(self.k.device)
+        d = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in dst]).to(self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
