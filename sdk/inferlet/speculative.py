@@ -1,0 +1,221 @@
+"""Speculative verification: which drafted tokens a target model keeps.
+
+Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling".
+
+A round drafts k tokens d_0..d_{k-1} cheaply, then runs the target once over the verify window
+[last, d_0..d_{k-1}] with a readout on every row, giving p_0..p_k: p_i is the target's next-token
+distribution at row i, so p_i is what d_i is judged by and p_k follows the last draft. q_i is the
+drafter's distribution that d_i was drawn from. The rule:
+
+    for i in 0..k-1:
+        if uniform() < min(1, p_i(d_i) / q_i(d_i)):  emit d_i                       # accepted
+        else: emit x ~ normalize(max(0, p_i - q_i)); stop                            # recovered
+    emit x ~ p_k                                                                     # bonus
+
+Every emitted token is then distributed exactly as the target samples it. Terms:
+    accepted token   a draft the target kept (counted in `VerifyResult.accepted`);
+    recovered token  the token sampled from the residual max(0, p_i - q_i) at the first rejection;
+    bonus token      the token sampled from p_k when all k drafts were accepted.
+Each round emits its accepted tokens plus exactly one recovered-or-bonus token.
+
+Point-mass drafts (prompt lookup, an MTP head's argmax) have q_i = one-hot(d_i): accept with
+probability p_i(d_i), on rejection sample p_i with d_i zeroed. A residual with no mass left falls
+back to p_i. Greedy decoding (temperature 0) is
+the special case where every p_i is one-hot, which `verify_greedy` does without probabilities.
+
+p and q must come from the same `filter_distribution` (same temperature, top-k, top-p, mask); that
+function is the reference the engine's torch sampler implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def filter_distribution(
+    logits: np.ndarray,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mask: np.ndarray | None = None,
+) -> np.ndarray:
+    """Logits (..., V) -> float64 probabilities (..., V), each row summing to 1.
+
+    Steps, in order, per row:
+      1. mask: tokens where `mask` is False get probability 0 (mask broadcasts against logits);
+      2. temperature 0: one-hot at the argmax of the masked logits, ties to the lowest index;
+         otherwise divide the logits by the temperature;
+      3. top-k (k > 0): keep every token whose logit is >= the k-th largest, so ties at the
+         boundary are all kept;
+      4. softmax over the kept tokens;
+      5. top-p (< 1): sort by probability descending, ties by lower index first (a stable sort),
+         and keep the shortest prefix whose mass is >= top_p; the first token is always kept;
+      6. renormalize.
+    """
+    x = np.array(logits, dtype=np.float64)
+    if x.ndim == 0:
+        raise ValueError("logits must have a vocabulary axis")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if mask is not None:
+        allowed = np.broadcast_to(np.asarray(mask, dtype=bool), x.shape)
+        if not allowed.any(axis=-1).all():
+            raise ValueError("mask allows no token in some row")
+        x = np.where(allowed, x, -np.inf)
+
+    if temperature == 0:
+        return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
+
+    x = x / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = -np.partition(-x, top_k - 1, axis=-1)[..., top_k - 1 : top_k]  # (..., 1)
+        x = np.where(x >= kth, x, -np.inf)
+
+    x = x - x.max(axis=-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        # Mass strictly before each token: keep it while that is still short of top_p.
+        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < top_p
+        keep_sorted[..., 0] = True
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+@dataclass
+class VerifyResult:
+    """One verify round: `tokens` is the accepted drafts then one recovered-or-bonus token."""
+
+    tokens: list[int]
+    accepted: int
+    proposed: int
+
+
+def verify_greedy(drafts: Sequence[int], target_tokens: Sequence[int]) -> VerifyResult:
+    """Greedy verification; target_tokens[i] is the target's argmax at window row i (len k+1)."""
+    k = len(drafts)
+    if len(target_tokens) != k + 1:
+        raise ValueError(f"need {k + 1} target tokens for {k} drafts, got {len(target_tokens)}")
+    accepted = 0
+    while accepted < k and int(drafts[accepted]) == int(target_tokens[accepted]):
+        accepted += 1
+    tokens = [int(t) for t in drafts[:accepted]] + [int(target_tokens[accepted])]
+    return VerifyResult(tokens=tokens, accepted=accepted, proposed=k)
+
+
+def verify_sampled(
+    drafts: Sequence[int],
+    p: np.ndarray,
+    q: np.ndarray | None,
+    rng: np.random.Generator,
+) -> VerifyResult:
+    """Speculative sampling (module docstring) for one row.
+
+    p: (k+1, V) target probabilities per window row. q: (k, V) drafter probabilities per draft
+    position, or None when each draft is a point mass (lookup, MTP argmax).
+    """
+    k = len(drafts)
+    p = np.asarray(p, dtype=np.float64)
+    if p.ndim != 2 or p.shape[0] != k + 1:
+        raise ValueError(f"p must be ({k + 1}, V), got {p.shape}")
+    vocab = p.shape[1]
+    if q is not None:
+        q = np.asarray(q, dtype=np.float64)
+        if q.shape != (k, vocab):
+            raise ValueError(f"q must be ({k}, {vocab}), got {q.shape}")
+
+    tokens: list[int] = []
+    for i, d in enumerate(drafts):
+        d = int(d)
+        if not 0 <= d < vocab:
+            raise ValueError(f"draft {d} outside vocabulary of {vocab}")
+        p_d = p[i, d]
+        q_d = 1.0 if q is None else q[i, d]
+        # A draft its own drafter gave probability 0 carries no valid ratio: reject it.
+        if q_d > 0 and rng.random() < min(1.0, p_d / q_d):
+            tokens.append(d)
+            continue
+        if q is None:
+            residual = p[i].copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p[i] - q[i], 0.0)
+        if not residual.sum() > 0:
+            residual = p[i]
+        tokens.append(_sample(residual, rng))
+        return VerifyResult(tokens=tokens, accepted=i, proposed=k)
+    tokens.append(_sample(p[k], rng))
+    return VerifyResult(tokens=tokens, accepted=k, proposed=k)
+
+
+def _sample(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn proportionally to non-negative `weights` (need not sum to 1)."""
+    cdf = np.cumsum(weights)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    # u * total can round up to total; never return a zero-weight index.
+    return min(i, int(np.flatnonzero(weights > 0)[-1]))
+
+
+@dataclass
+class SpecStats:
+    """Counters over a speculative run; `accepted` counts drafts kept, not tokens returned."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)  # [i]: rounds with >= i+1 drafts
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds keeping draft i+1
+    rounds_with_rejection: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def record(self, result: VerifyResult) -> None:
+        self.rounds += 1
+        self.proposed += result.proposed
+        self.accepted += result.accepted
+        missing = result.proposed - len(self.proposed_per_position)
+        if missing > 0:
+            self.proposed_per_position.extend([0] * missing)
+            self.accepted_per_position.extend([0] * missing)
+        for i in range(result.proposed):
+            self.proposed_per_position[i] += 1
+        for i in range(result.accepted):
+            self.accepted_per_position[i] += 1
+        if result.accepted < result.proposed:
+            self.rounds_with_rejection += 1
+
+    def skip(self, reason: str) -> None:
+        """Count a step that did not speculate, e.g. 'penalties', 'near_capacity', 'no_draft'."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def as_dict(self, decode_tokens_per_s: float, prefill_ms: float) -> dict:
+        return {
+            "rounds": self.rounds,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
+            "acceptance_per_position": [
+                a / n if n else 0.0
+                for a, n in zip(self.accepted_per_position, self.proposed_per_position)
+            ],
+            "rejecting_round_share": (
+                self.rounds_with_rejection / self.rounds if self.rounds else 0.0
+            ),
+            "skipped": dict(self.skipped),
+            "decode_tokens_per_s": decode_tokens_per_s,
+            "prefill_ms": prefill_ms,
+        }
