@@ -1,0 +1,59 @@
+"""`pie engine`: run an engine process that serves models from the store on one ZeroMQ address."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
+    kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("engine", help="run an engine process")
+    p.add_argument("--model", action="append", default=None, help="a model in the store (repeatable)")
+    p.add_argument("--listen", required=True, help="ipc:///path or tcp://host:port (tcp needs --token)")
+    p.add_argument("--token", default=None, help="auth token clients must present in hello")
+    add_engine_options(p)
+    p.set_defaults(func=run_engine)
+
+
+def run_engine(args) -> int:
+    import torch
+
+    from ..engine.build import build_served_model
+    from ..engine.core import EngineCore
+    from ..engine.server import EngineServer
+    from ..store import DEFAULT_MODEL, StoreError, ensure_default_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.model or [DEFAULT_MODEL]
+    try:
+        if DEFAULT_MODEL in names:
+            ensure_default_model()
+        served = [
+            build_served_model(
+                n, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_pages=args.kv_pages,
+                kv_bytes=args.kv_memory << 20,
+            )
+            for n in names
+        ]
+        server = EngineServer(EngineCore(served, args.max_batch_tokens), args.listen, args.token)
+    except (StoreError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pools = ", ".join(f"{s.name}: {s.pool.num_pages} pages x {s.info.page_size}" for s in served)
+    print(f"pie engine ready on {args.listen} ({pools})", flush=True)
+    server.serve_forever()
+    return 0

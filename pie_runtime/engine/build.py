@@ -1,0 +1,51 @@
+"""Builds a served model from the store: weights on the device, a KV pool sized by pages or bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.kv_cache import KVCache
+from ..protocol.messages import ModelInfo
+from ..store import ModelStore, load_model
+from .core import ServedModel
+from .page_pool import PagePool
+from .runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_served_model(
+    name: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    page_size: int = 16,
+    kv_pages: int | None = None,
+    kv_bytes: int = 1 << 30,
+    store: ModelStore | None = None,
+) -> ServedModel:
+    torch_dtype = DTYPES[dtype]
+    loaded = load_model(name, dtype=torch_dtype, device=device, store=store)
+    cfg = loaded.model.config
+    if kv_pages is None:
+        kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype))
+    kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
+    manifest = loaded.manifest
+    info = ModelInfo(
+        name=manifest.name,
+        vocab_size=cfg.vocab_size,
+        max_positions=cfg.max_position_embeddings,
+        page_size=page_size,
+        bos_token_id=manifest.tokenizer.bos_token_id,
+        eos_token_ids=list(manifest.tokenizer.eos_token_ids),
+        chat_template=manifest.tokenizer.chat_template,
+        drafters=[d.model_dump() for d in manifest.drafters],
+    )
+    runner = ModelRunner(loaded.model, kv, torch.device(device))
+    return ServedModel(
+        name=manifest.name,
+        info=info,
+        runner=runner,
+        pool=PagePool(kv_pages),
+        tokenizer_json=loaded.tokenizer_path.read_text(),
+    )

@@ -1,0 +1,341 @@
+"""The engine core: applies protocol requests to working sets, and runs one step at a time as
+schedule → execute → commit over the fires of every client.
+
+Every request is checked before it changes anything, so a refused request leaves no trace; a fire's pages
+are reserved when it is accepted, so running out of pages is an immediate typed error, never a stall.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..models.context import Segment
+from ..protocol import ErrorCode, PieError
+from ..protocol import messages as m
+from ..protocol.arrays import encode_array
+from .page_pool import PagePool
+from .runner import ModelRunner, ReadoutRequest
+from .scheduler import Chunk, schedule
+from .working_set import WorkingSet
+
+Reply = tuple[bytes, dict]  # (client identity, reply map)
+
+
+@dataclass
+class ServedModel:
+    name: str
+    info: m.ModelInfo
+    runner: ModelRunner
+    pool: PagePool
+    tokenizer_json: str
+    queue: deque["FireJob"] = field(default_factory=deque)
+
+
+@dataclass
+class FireJob:
+    client: bytes
+    req_id: int
+    ws: WorkingSet
+    tokens: list[int]
+    positions: list[int]
+    readouts: list[m.Readout]
+    masks: list[np.ndarray | None]
+    fold: int | None  # None: deferred
+    start: int  # sequence index of the first row
+    done: int = 0  # rows already run
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # window row → final hidden state
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    rows: int = 0
+    fires: int = 0
+    forward_s: float = 0.0
+    step_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, models: list[ServedModel], max_batch_tokens: int = 256):
+        self.models = {sm.name: sm for sm in models}
+        self.default_model = models[0].name
+        self.max_batch_tokens = max_batch_tokens
+        self.working_sets: dict[int, WorkingSet] = {}
+        self._ids = itertools.count(1)
+        self.stats = StepStats()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def handle(self, client: bytes, req) -> dict | None:
+        """Applies one request. Returns the reply, or None when the reply comes after a step (fires)."""
+        handler = getattr(self, f"_op_{req.op}")
+        return handler(client, req)
+
+    def _op_ping(self, client, req: m.Ping) -> dict:
+        return {}
+
+    def _op_hello(self, client, req: m.Hello) -> dict:
+        if req.version != m.PROTOCOL_VERSION:
+            raise PieError(
+                ErrorCode.VERSION_MISMATCH, f"client speaks protocol {req.version}, engine {m.PROTOCOL_VERSION}"
+            )
+        return {
+            "version": m.PROTOCOL_VERSION,
+            "default_model": self.default_model,
+            "models": [sm.info.model_dump() for sm in self.models.values()],
+        }
+
+    def _op_tokenizer(self, client, req: m.GetTokenizer) -> dict:
+        return {"tokenizer_json": self._model(req.model).tokenizer_json}
+
+    def _op_stats(self, client, req: m.Stats) -> dict:
+        s = self.stats
+        return {
+            "steps": s.steps,
+            "rows": s.rows,
+            "fires": s.fires,
+            "forward_s": s.forward_s,
+            "step_s": s.step_s,
+            "working_sets": len(self.working_sets),
+            "models": {
+                name: {"pages_total": sm.pool.num_pages, "pages_free": sm.pool.free_pages, "queued": len(sm.queue)}
+                for name, sm in self.models.items()
+            },
+        }
+
+    def _op_ws_open(self, client, req: m.WsOpen) -> dict:
+        sm = self._model(req.model)
+        ws = WorkingSet(id=next(self._ids), owner=client, model=sm.name)
+        self.working_sets[ws.id] = ws
+        return {"ws": ws.id, "model": sm.name, "committed": 0}
+
+    def _op_ws_fork(self, client, req: m.WsFork) -> dict:
+        parent = self._idle_ws(client, req.ws)
+        sm = self.models[parent.model]
+        keep = parent.pages[: parent.pages_for(parent.committed, sm.info.page_size)]
+        sm.pool.share(keep)  # copy-on-write: the first fire that writes a shared page copies it
+        child = WorkingSet(id=next(self._ids), owner=client, model=parent.model, pages=list(keep),
+                           committed=parent.committed)
+        self.working_sets[child.id] = child
+        return {"ws": child.id, "committed": child.committed}
+
+    def _op_ws_release(self, client, req: m.WsRelease) -> dict:
+        ws = self._ws(client, req.ws)
+        self._release(ws)
+        return {}
+
+    def _op_ws_fold(self, client, req: m.WsFold) -> dict:
+        ws = self._ws(client, req.ws)
+        if ws.in_flight:
+            raise PieError(ErrorCode.BUSY, "fold after the deferred fire has been answered")
+        if ws.pending_fold is None:
+            raise PieError(ErrorCode.NO_PENDING_FOLD, f"working set {ws.id} has no deferred fold to settle")
+        if req.n > ws.pending_fold:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {req.n} exceeds the fire's {ws.pending_fold} rows")
+        ws.committed += req.n
+        ws.pending_fold = None
+        self._trim(ws)
+        return {"committed": ws.committed}
+
+    def _op_ws_truncate(self, client, req: m.WsTruncate) -> dict:
+        ws = self._idle_ws(client, req.ws)
+        if req.n > ws.committed:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"truncate to {req.n} past committed length {ws.committed}")
+        ws.committed = req.n
+        self._trim(ws)
+        return {"committed": ws.committed}
+
+    def _op_fire(self, client, req: m.Fire) -> None:
+        ws = self._ws(client, req.ws)
+        if ws.pending_fold is not None:
+            raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
+        sm = self.models[ws.model]
+        info = sm.info
+        w = len(req.tokens)
+        start = self._planned_length(ws)
+        bad = next((t for t in req.tokens if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {bad} outside vocab [0, {info.vocab_size})")
+        if start + w > info.max_positions:
+            raise PieError(
+                ErrorCode.CAPACITY, f"rows {start}..{start + w - 1} exceed the model's {info.max_positions} positions"
+            )
+        positions = list(range(start, start + w)) if req.positions is None else req.positions
+        if len(positions) != w or any(not 0 <= p < info.max_positions for p in positions):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "positions need one value per token, each within capacity")
+        masks = [self._check_readout(r, w, sm) for r in req.readouts]
+        if req.fold == m.DEFERRED:
+            fold = None
+        else:
+            fold = w if req.fold is None else req.fold
+            if not 0 <= fold <= w:
+                raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
+        self._reserve_pages(ws, sm, start, w)
+        job = FireJob(client, req.id, ws, list(req.tokens), positions, list(req.readouts), masks, fold, start)
+        ws.in_flight += 1
+        if fold is None:
+            ws.pending_fold = w  # refuses the next fire from now on
+        sm.queue.append(job)
+        return None
+
+    # ---- checks and page bookkeeping --------------------------------------------------------------
+
+    def _model(self, name: str | None) -> ServedModel:
+        sm = self.models.get(name or self.default_model)
+        if sm is None:
+            raise PieError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; serving {', '.join(self.models)}")
+        return sm
+
+    def _ws(self, client: bytes, ws_id: int) -> WorkingSet:
+        ws = self.working_sets.get(ws_id)
+        if ws is None or ws.owner != client:
+            raise PieError(ErrorCode.UNKNOWN_WORKING_SET, f"no working set {ws_id} (never opened, or released)")
+        return ws
+
+    def _idle_ws(self, client: bytes, ws_id: int) -> WorkingSet:
+        ws = self._ws(client, ws_id)
+        if ws.in_flight:
+            raise PieError(ErrorCode.BUSY, f"working set {ws.id} has fires in flight")
+        if ws.pending_fold is not None:
+            raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
+        return ws
+
+    def _planned_length(self, ws: WorkingSet) -> int:
+        """Committed length once every queued fire of ``ws`` has folded (queued fires never defer)."""
+        sm = self.models[ws.model]
+        return ws.committed + sum(j.fold for j in sm.queue if j.ws is ws)
+
+    def _check_readout(self, r: m.Readout, w: int, sm: ServedModel) -> np.ndarray | None:
+        if any(not 0 <= row < w for row in r.rows):
+            raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"readout rows must lie in the fire's window [0, {w})")
+        if r.kind == "mtp" and sm.runner.mtp is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
+        if r.kind == "mtp" and r.k > sm.info.mtp_depth:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
+        if r.mask is None:
+            return None
+        words = (sm.info.vocab_size + 31) // 32
+        mask = r.mask.to_numpy()
+        if mask.dtype not in (np.int32, np.uint32) or mask.shape != (len(r.rows), words):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"mask must be int32 of shape ({len(r.rows)}, {words})")
+        return mask
+
+    def _reserve_pages(self, ws: WorkingSet, sm: ServedModel, start: int, w: int) -> None:
+        ps, pool = sm.info.page_size, sm.pool
+        need = ws.pages_for(start + w, ps)
+        grow = max(0, need - len(ws.pages))
+        shared = [i for i in range(start // ps, min(need, len(ws.pages))) if pool.refcount(ws.pages[i]) > 1]
+        fresh = pool.alloc(grow + len(shared))  # all or nothing
+        if shared:
+            src = [ws.pages[i] for i in shared]
+            dst = fresh[grow:]
+            sm.runner.copy_pages(src, dst)
+            pool.release(src)
+            for i, p in zip(shared, dst):
+                ws.pages[i] = p
+        ws.pages.extend(fresh[:grow])
+
+    def _trim(self, ws: WorkingSet) -> None:
+        """Returns pages past the committed length (they hold only unfolded rows)."""
+        sm = self.models[ws.model]
+        keep = ws.pages_for(ws.committed, sm.info.page_size)
+        sm.pool.release(ws.pages[keep:])
+        del ws.pages[keep:]
+
+    def _release(self, ws: WorkingSet) -> None:
+        sm = self.models[ws.model]
+        ws.released = True
+        self.working_sets.pop(ws.id, None)
+        if ws.in_flight:
+            # its queued fires are dropped; their pages go back with the rest
+            sm.queue = deque(j for j in sm.queue if j.ws is not ws)
+            ws.in_flight = 0
+        sm.pool.release(ws.pages)
+        ws.pages = []
+
+    def drop_client(self, client: bytes) -> int:
+        """Releases everything a departed client held. Returns how many working sets it had."""
+        mine = [ws for ws in self.working_sets.values() if ws.owner == client]
+        for ws in mine:
+            self._release(ws)
+        return len(mine)
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return any(sm.queue for sm in self.models.values())
+
+    def step(self) -> list[Reply]:
+        """schedule → execute → commit, once per model with queued fires."""
+        t0 = time.perf_counter()
+        replies: list[Reply] = []
+        for sm in self.models.values():
+            if not sm.queue:
+                continue
+            chunks = schedule(list(sm.queue), self.max_batch_tokens)
+            finished = self._execute(sm, chunks)
+            replies.extend(self._commit(sm, finished))
+        self.stats.steps += 1
+        self.stats.step_s += time.perf_counter() - t0
+        return replies
+
+    def _execute(self, sm: ServedModel, chunks: list[Chunk]) -> list[tuple[FireJob, list[dict]]]:
+        segments, tokens, positions = [], [], []
+        for c in chunks:
+            j = c.job
+            segments.append(Segment(j.ws.pages, j.start + j.done, c.rows))
+            tokens.extend(j.tokens[j.done : j.done + c.rows])
+            positions.extend(j.positions[j.done : j.done + c.rows])
+        t0 = time.perf_counter()
+        hidden = sm.runner.forward(segments, tokens, positions)
+        offset = 0
+        finished: list[FireJob] = []
+        for c in chunks:
+            j = c.job
+            wanted = {row for r in j.readouts for row in r.rows}
+            for row in range(j.done, j.done + c.rows):
+                if row in wanted:
+                    j.hidden[row] = hidden[offset + row - j.done]
+            offset += c.rows
+            j.done += c.rows
+            if j.remaining == 0:
+                finished.append(j)
+        requests = [
+            ReadoutRequest(r, torch.stack([j.hidden[row] for row in r.rows]), mask)
+            for j in finished
+            for r, mask in zip(j.readouts, j.masks)
+            if r.rows
+        ]
+        results = sm.runner.readouts(requests) if requests else []
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.rows += len(tokens)
+        it = iter(results)
+        return [(j, [next(it) if r.rows else {} for r in j.readouts]) for j in finished]
+
+    def _commit(self, sm: ServedModel, finished: list[tuple[FireJob, list[dict]]]) -> list[Reply]:
+        replies = []
+        for j, results in finished:
+            sm.queue.remove(j)
+            ws = j.ws
+            ws.in_flight -= 1
+            if j.fold is not None:
+                ws.committed = j.start + j.fold
+                if not ws.in_flight:  # later queued fires already hold the pages past committed
+                    self._trim(ws)
+            self.stats.fires += 1
+            wire = [{k: encode_array(v) for k, v in res.items()} for res in results]
+            replies.append(
+                (j.client, {"id": j.req_id, "ok": True, "results": wire, "committed": ws.committed,
+                            "pending_fold": ws.pending_fold})
+            )
+        return replies

@@ -1,0 +1,82 @@
+"""The model runner: one batched forward over ragged rows on the device, then the readouts of the rows
+asked for. It turns engine-side plans (page tables, row lists) into tensors and tensors into numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..models.context import ForwardContext, Segment
+from ..models.kv_cache import KVCache
+from ..models.llama import LlamaForCausalLM
+from ..protocol.messages import Readout
+from . import sampling
+
+
+@dataclass
+class ReadoutRequest:
+    """A readout of one fire: its spec and the final hidden states of its rows."""
+
+    spec: Readout
+    hidden: torch.Tensor  # (R, H)
+    mask: np.ndarray | None  # packed allowed-token bitmask (R, W)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.vocab = model.config.vocab_size
+        self.mtp = None  # an MTP drafter module, when the model has one
+
+    def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V, returns (N, H) hidden."""
+        ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            return self.model(self.model.embed(ids), ctx, self.kv)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.kv.copy_pages(src, dst)
+
+    @torch.inference_mode()
+    def readouts(self, requests: list[ReadoutRequest]) -> list[dict[str, np.ndarray]]:
+        """Runs the lm head once over every logit-needing row, then each readout's kernel."""
+        needs_logits = [r for r in requests if r.spec.kind not in ("hidden", "mtp")]
+        logits_all = None
+        if needs_logits:
+            logits_all = self.model.logits(torch.cat([r.hidden for r in needs_logits]))
+        out: list[dict[str, np.ndarray]] = []
+        offset = 0
+        for r in requests:
+            kind = r.spec.kind
+            if kind == "hidden":
+                out.append({"hidden": r.hidden.float().cpu().numpy()})
+                continue
+            if kind == "mtp":
+                out.append(self._mtp(r))
+                continue
+            n = r.hidden.shape[0]
+            logits = logits_all[offset : offset + n]
+            offset += n
+            mask = None
+            if r.mask is not None:
+                mask = sampling.unpack_mask(torch.from_numpy(r.mask.astype(np.int32)).to(self.device), self.vocab)
+            out.append(self._kernel(r.spec, logits, mask))
+        return out
+
+    def _kernel(self, spec: Readout, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
+        if spec.kind == "logits":
+            return {"logits": sampling.masked_logits(logits, mask).cpu().numpy()}
+        if spec.kind == "argmax":
+            return {"tokens": sampling.argmax(logits, mask).to(torch.int32).cpu().numpy()}
+        probs = sampling.filtered_probs(logits, spec.temperature, spec.top_k, spec.top_p, mask)
+        if spec.kind == "distribution":
+            return {"probs": probs.cpu().numpy()}
+        return {"tokens": sampling.sample(probs, spec.seed).to(torch.int32).cpu().numpy()}
+
+    def _mtp(self, r: ReadoutRequest) -> dict[str, np.ndarray]:
+        raise NotImplementedError  # replaced when the model has an MTP drafter (see core's check)

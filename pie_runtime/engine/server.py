@@ -1,0 +1,112 @@
+"""The engine's ZeroMQ ROUTER loop: drain every pending request, answer control ops at once, then run one
+batched step over all ready fires and answer those.
+
+Client departure (even kill -9) releases everything the client held. libzmq's ROUTER_NOTIFY is a draft API,
+so departures come from the socket monitor: each message carries the file descriptor it arrived on
+(SRCFD), and a DISCONNECTED event for that descriptor drops the identities seen on it. The monitor is
+drained before every receive, so a descriptor's disconnect is always handled before a newcomer reusing it
+is heard.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..protocol import ErrorCode, PieError
+from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request
+from ..protocol import messages as m
+from .core import EngineCore
+
+log = logging.getLogger("pie.engine")
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, address: str, token: str | None = None):
+        if address.startswith("tcp://") and not token:
+            raise ValueError("a tcp:// address needs an auth token (--token)")
+        self.core = core
+        self.address = address
+        self.token = token
+        self.authed: set[bytes] = set()
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        # far above the protocol limit, so oversize messages still arrive and get a typed error
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.fd_clients: dict[int, set[bytes]] = {}
+        self._running = False
+
+    def serve_forever(self) -> None:
+        self._running = True
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        try:
+            while self._running:
+                timeout = 0 if self.core.has_work() else 100
+                poller.poll(timeout)
+                self._drain()
+                if self.core.has_work():
+                    for client, reply in self.core.step():
+                        self._send(client, reply)
+        finally:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.sock.close(0)
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _drain(self) -> None:
+        while True:
+            self._drain_departures()
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            client = frames[0].bytes
+            self.fd_clients.setdefault(frames[-1].get(zmq.SRCFD), set()).add(client)
+            self._handle(client, frames[-1].bytes)
+
+    def _drain_departures(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for client in self.fd_clients.pop(event["value"], ()):
+                released = self.core.drop_client(client)
+                self.authed.discard(client)
+                log.info("client %s left; released %d working sets", client.hex(), released)
+
+    def _handle(self, client: bytes, payload: bytes) -> None:
+        req_id = None
+        try:
+            req_id, req = parse_request(payload)
+            if self.token is not None:
+                if isinstance(req, m.Hello) and req.token == self.token:
+                    self.authed.add(client)
+                elif client not in self.authed:
+                    raise PieError(ErrorCode.UNAUTHORIZED, "say hello with the engine's token first")
+            reply = self.core.handle(client, req)
+            if reply is not None:
+                self._send(client, {"id": req.id, "ok": True, **reply})
+        except PieError as e:
+            self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": e.to_wire()})
+        except Exception as e:  # a bug must cost one request, never the engine
+            log.exception("internal error")
+            self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False,
+                                "error": PieError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}").to_wire()})
+
+    def _send(self, client: bytes, reply: dict) -> None:
+        try:
+            self.sock.send_multipart([client, pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client is gone; ROUTER_NOTIFY will tell us

@@ -1,0 +1,102 @@
+"""Runs inferlets as child processes, and starts an embedded engine when none is given.
+
+An inferlet never shares a process with the engine: a crash, a loop or a memory blow-up ends the child,
+and the engine reclaims what it held when its socket closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = REPO_ROOT / "inferlets"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def resolve_inferlet(name_or_file: str) -> Path:
+    """A shipped inferlet's name (``text-completion``) or a path to a user's ``.py`` file."""
+    path = Path(name_or_file)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise LaunchError(f"no inferlet file {path}")
+        return path.resolve()
+    shipped = SHIPPED / f"{name_or_file}.py"
+    if not shipped.is_file():
+        names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.py") if not p.stem.startswith("_")))
+        raise LaunchError(f"no shipped inferlet {name_or_file!r}; shipped: {names}")
+    return shipped
+
+
+def shipped_inferlets() -> list[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.py") if not p.stem.startswith("_"))
+
+
+class EmbeddedEngine:
+    """An engine subprocess on a fresh ipc:// address, up until ``stop()`` (or the with-block ends)."""
+
+    def __init__(self, models: list[str] | None = None, extra_args: list[str] | None = None, timeout: float = 300):
+        self.address = f"ipc://{tempfile.gettempdir()}/pie-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+        cmd = [sys.executable, "-m", "pie_runtime.cli.main", "engine", "--listen", self.address]
+        for m in models or []:
+            cmd += ["--model", m]
+        cmd += extra_args or []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        line = "x"
+        while line and "engine ready" not in line and time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # "pie engine ready on ..." or EOF when it failed
+        if "engine ready" not in line:
+            self.proc.wait(timeout=10)
+            tail = "".join(self._stderr[-20:]).strip()
+            raise LaunchError(f"the engine did not start: {tail.splitlines()[-1] if tail else 'no output'}")
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            if os.environ.get("PIE_ENGINE_LOG"):
+                sys.stderr.write(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self._stderr)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "EmbeddedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_inferlet(path: Path, engine: str, words: list[str], stdout=None) -> dict:
+    """Runs one inferlet against ``engine``; returns ``{"ok": True, "result": ...}`` or ``{"ok": False, ...}``.
+    The child's streamed text goes to ``stdout`` (ours by default)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "inferlet", "--engine", engine, "--result", str(result_file), str(path), "--",
+               *words]
+        proc = subprocess.run(cmd, stdout=stdout if stdout is not None else None)
+        if result_file.exists():
+            return json.loads(result_file.read_text())
+        return {"ok": False, "error": f"the inferlet process died (exit {proc.returncode})"}

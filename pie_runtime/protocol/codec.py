@@ -1,0 +1,50 @@
+"""msgpack framing and request validation: bytes in, a typed request (or a PieError) out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from pydantic import TypeAdapter, ValidationError
+
+from .errors import ErrorCode, PieError
+from .messages import OPS, Request
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+_request_adapter: TypeAdapter = TypeAdapter(Request)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def parse_request(data: bytes) -> tuple[int | None, Any]:
+    """Returns (id, request). Raises PieError carrying whatever id could be read, for the error reply."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise PieError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = unpack(data)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise PieError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(e).__name__}") from None
+    if not isinstance(obj, dict):
+        raise PieError(ErrorCode.BAD_MESSAGE, "a message must be a map")
+    if obj.get("op") not in OPS:
+        raise PieError(ErrorCode.UNKNOWN_OP, f"unknown op {obj.get('op')!r}")
+    try:
+        return obj.get("id"), _request_adapter.validate_python(obj)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
+        raise PieError(ErrorCode.BAD_MESSAGE, f"{where}: {first['msg']}") from None
+
+
+def parse_reply(data: bytes) -> dict:
+    obj = unpack(data)
+    if not isinstance(obj, dict) or "id" not in obj:
+        raise PieError(ErrorCode.BAD_MESSAGE, "malformed reply")
+    return obj

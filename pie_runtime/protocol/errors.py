@@ -1,0 +1,37 @@
+"""Typed error codes. Every refusal the engine sends carries one of these codes and a one-line message."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    BAD_MESSAGE = "bad_message"  # not msgpack, not a map, or fields of the wrong type
+    UNKNOWN_OP = "unknown_op"
+    VERSION_MISMATCH = "version_mismatch"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_WORKING_SET = "unknown_working_set"  # never opened, released, or another client's
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    ROW_OUT_OF_RANGE = "row_out_of_range"
+    INVALID_ARGUMENT = "invalid_argument"
+    FOLD_PENDING = "fold_pending"  # a fire on a working set whose deferred fold is not settled
+    NO_PENDING_FOLD = "no_pending_fold"
+    BUSY = "busy"  # a control op on a working set with fires in flight
+    OUT_OF_PAGES = "out_of_pages"  # the KV pool cannot hold the request
+    CAPACITY = "capacity"  # past the model's maximum positions
+    UNAUTHORIZED = "unauthorized"  # tcp:// engines want their token in hello
+    UNSUPPORTED = "unsupported"  # e.g. MTP readout on a model without an MTP drafter
+    INTERNAL = "internal"
+
+
+class PieError(Exception):
+    """An error with a wire code; raised on both sides of the protocol."""
+
+    def __init__(self, code: ErrorCode | str, message: str):
+        self.code = ErrorCode(code)
+        self.message = message
+        super().__init__(f"{self.code.value}: {message}")
+
+    def to_wire(self) -> dict:
+        return {"code": self.code.value, "message": self.message}

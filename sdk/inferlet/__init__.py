@@ -1,0 +1,30 @@
+"""The inferlet SDK: write your own decode loop against a pie engine.
+
+    import inferlet
+
+    @inferlet.main
+    async def main(args):
+        model = inferlet.model()
+        ws = model.working_set()
+        fp = inferlet.ForwardPass(ws)
+        fp.embed(model.tokenizer.encode(args["prompt"]))
+        fp.readout([0], inferlet.Argmax())
+        res = await fp.submit()
+
+The SDK reaches the engine only through the wire protocol; it never imports engine or model code.
+"""
+
+from pie_runtime.protocol import ErrorCode, PieError
+
+from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
+from .model import Model
+from .readouts import MTP, Argmax, Distribution, Hidden, Logits, Sample
+from .runtime import connect, emit, main, model
+from .tokenizer import StreamDecoder, Tokenizer
+from .working_set import WorkingSet
+
+__all__ = [
+    "DEFERRED", "MTP", "Argmax", "Distribution", "ErrorCode", "ForwardPass", "Hidden", "Logits", "Model",
+    "PassResult", "PieError", "ReadoutResult", "Sample", "StreamDecoder", "Tokenizer", "WorkingSet",
+    "connect", "emit", "main", "model",
+]

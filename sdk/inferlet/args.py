@@ -1,0 +1,78 @@
+"""Turns the words after ``--`` into an inferlet's arguments: its pydantic model's fields, or a dict.
+
+``--max-tokens 8`` → ``max_tokens=8``; a bare ``--chat`` → ``chat=True``; a repeated flag gives a list.
+Values are typed by the pydantic model; in a dict, numbers become numbers and the rest stays text.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any, get_args, get_origin
+
+from pydantic import BaseModel
+
+
+def split_words(words: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--") or len(word) == 2:
+            raise ValueError(f"expected --name, got {word!r}")
+        key, _, inline = word[2:].partition("=")
+        key = key.replace("-", "_")
+        if inline or "=" in word:
+            value: Any = inline
+            i += 1
+        elif i + 1 < len(words) and not (words[i + 1].startswith("--") and len(words[i + 1]) > 2):
+            value = words[i + 1]
+            i += 2
+        else:
+            value = True
+            i += 1
+        if key in out:
+            prev = out[key]
+            out[key] = (prev if isinstance(prev, list) else [prev]) + [value]
+        else:
+            out[key] = value
+    return out
+
+
+def _guess(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_guess(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    if value in ("true", "false"):
+        return value == "true"
+    return value
+
+
+def _wants_list(annotation) -> bool:
+    if get_origin(annotation) in (list, tuple):
+        return True
+    return any(get_origin(a) in (list, tuple) for a in get_args(annotation))
+
+
+def parse_args(words: list[str], fn) -> Any:
+    """Parses ``words`` for ``fn(args)``: into its first parameter's pydantic model, or a dict."""
+    raw = split_words(words)
+    params = list(inspect.signature(fn).parameters.values())
+    ann = params[0].annotation if params else inspect.Parameter.empty
+    if isinstance(ann, str):
+        ann = fn.__globals__.get(ann, inspect.Parameter.empty)
+    if inspect.isclass(ann) and issubclass(ann, BaseModel):
+        fields = ann.model_fields
+        for key, value in list(raw.items()):
+            if key in fields and _wants_list(fields[key].annotation) and not isinstance(value, list):
+                raw[key] = [value]
+            elif key in fields and fields[key].annotation is dict and isinstance(value, str):
+                raw[key] = json.loads(value)
+        return ann.model_validate(raw)
+    return {k: _guess(v) for k, v in raw.items()}

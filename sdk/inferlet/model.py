@@ -1,0 +1,30 @@
+"""Model handles: what ``inferlet.model()`` returns — the model's facts from ``hello``, its tokenizer, and
+working sets on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .client import Client
+from .tokenizer import Tokenizer
+from .working_set import WorkingSet
+
+
+@dataclass
+class Model:
+    name: str
+    client: Client
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_positions: int
+    page_size: int
+    drafters: list[dict]
+    mtp_depth: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.tokenizer.eos_token_ids
+
+    def working_set(self) -> WorkingSet:
+        """A new, empty working set on this model (opened in the engine on first use)."""
+        return WorkingSet(self)

@@ -1,0 +1,67 @@
+"""Readout kinds: what a ForwardPass returns at the rows it reads out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Raw logits (rows, vocab) float32; a mask sets disallowed tokens to -inf."""
+
+    kind = "logits"
+
+
+@dataclass(frozen=True)
+class Argmax:
+    """The greedy token of each row (ties go to the lowest id)."""
+
+    kind = "argmax"
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Probabilities (rows, vocab) after temperature, top-k, top-p and the mask."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kind = "distribution"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One token per row drawn from the filtered distribution; the same seed gives the same tokens."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    kind = "sample"
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """The final hidden state (after the last norm) of each row."""
+
+    kind = "hidden"
+
+
+@dataclass(frozen=True)
+class MTP:
+    """k chained multi-token-prediction drafts from each row; with_probs adds the draft distributions."""
+
+    k: int = 1
+    with_probs: bool = False
+    kind = "mtp"
+
+
+ReadoutKind = Logits | Argmax | Distribution | Sample | Hidden | MTP
+
+
+def to_wire(kind: ReadoutKind) -> dict:
+    fields = {k: v for k, v in kind.__dict__.items()}
+    if "temperature" in fields:
+        fields["temperature"] = float(fields["temperature"])
+        fields["top_p"] = float(fields["top_p"])
+    return {"kind": kind.kind, **fields}

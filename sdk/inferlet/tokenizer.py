@@ -1,0 +1,67 @@
+"""The model's tokenizer on the inferlet side (the engine sends its tokenizer.json), with the chat template
+rendered by jinja2 the way Hugging Face renders it."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str, eos_token_ids: list[int], bos_token_id: int | None,
+                 chat_template: str | None):
+        self._tok = _HFTokenizer.from_str(tokenizer_json)
+        self.eos_token_ids = list(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @cached_property
+    def _template(self):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template)
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Renders ``messages`` ([{"role", "content"}]) with the model's chat template."""
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos, eos_token=eos)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta

@@ -1,0 +1,50 @@
+"""WorkingSet handles: a sequence's KV state in the engine, named by a handle, never by pages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import Model
+
+
+class WorkingSet:
+    """Rows ``0 .. committed-1`` are frozen; a fire writes after them and its fold commits some of its rows.
+
+    Opened lazily: the engine learns of it on its first fire or fork.
+    """
+
+    def __init__(self, model: "Model", handle: int | None = None, committed: int = 0):
+        self.model = model
+        self._handle = handle
+        self.committed = committed
+        self.pending_fold = False
+        self.released = False
+
+    async def handle(self) -> int:
+        if self._handle is None:
+            reply = await self.model.client.request("ws_open", model=self.model.name)
+            self._handle = reply["ws"]
+        return self._handle
+
+    async def fork(self) -> "WorkingSet":
+        """A new working set sharing this one's committed rows copy-on-write."""
+        reply = await self.model.client.request("ws_fork", ws=await self.handle())
+        return WorkingSet(self.model, reply["ws"], reply["committed"])
+
+    async def fold(self, n: int) -> int:
+        """Settles a deferred fold: commits the first ``n`` rows of the last fire."""
+        reply = await self.model.client.request("ws_fold", ws=await self.handle(), n=n)
+        self.committed, self.pending_fold = reply["committed"], False
+        return self.committed
+
+    async def truncate(self, n: int) -> int:
+        """Drops the committed suffix past ``n`` rows."""
+        reply = await self.model.client.request("ws_truncate", ws=await self.handle(), n=n)
+        self.committed = reply["committed"]
+        return self.committed
+
+    async def release(self) -> None:
+        if self._handle is not None and not self.released:
+            await self.model.client.request("ws_release", ws=self._handle)
+        self.released = True
