@@ -1,0 +1,86 @@
+"""Shared fixtures: real engine processes (the default model, and a tiny random model that shares its
+tokenizer), and a helper that runs an inferlet through the real launcher path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
+from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "tiny-smol"  # random weights, SmolLM2's tokenizer and vocab: cheap, so engine overhead shows
+
+
+def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
+    """A 2-layer random Llama checkpoint with the default model's vocabulary and tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, rope_theta=10000.0,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(folder, safe_serialization=True)
+    shutil.copy(tokenizer_json, folder / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def pie_home(tmp_path_factory) -> Path:
+    """A store with the real default model (linked, read-only use) and the tiny model."""
+    real = ensure_default_model()
+    real_dir = ModelStore().path(real.name)
+    home = tmp_path_factory.mktemp("pie-home")
+    (home / "models").mkdir()
+    (home / "models" / DEFAULT_MODEL).symlink_to(real_dir, target_is_directory=True)
+    ckpt = home / "tiny-ckpt"
+    write_tiny_smol(ckpt, real_dir / "tokenizer.json")
+    env = {**os.environ, "PIE_HOME": str(home)}
+    subprocess.run([str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie", "model", "import",
+                    str(ckpt), "--name", TINY], check=True, env=env, capture_output=True)
+    return home
+
+
+def start_engine(pie_home: Path, models: list[str], *extra: str) -> EmbeddedEngine:
+    return EmbeddedEngine(models, ["--kv-pages", "256", *extra], env={"PIE_HOME": str(pie_home)})
+
+
+@pytest.fixture(scope="session")
+def engine(pie_home):
+    """One engine on the default model for the whole session."""
+    eng = start_engine(pie_home, [DEFAULT_MODEL])
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(pie_home):
+    eng = start_engine(pie_home, [TINY])
+    yield eng
+    eng.stop()
+
+
+def run(name_or_file: str, address: str, *words: str, timeout: float = 600) -> dict:
+    """Runs an inferlet through the launcher; returns its result, or fails the test with its error."""
+    outcome = run_inferlet(resolve_inferlet(name_or_file), address, list(words), stdout=subprocess.DEVNULL,
+                           timeout=timeout)
+    assert outcome["ok"], outcome.get("error")
+    return outcome["result"]
+
+
+@pytest.fixture
+def run_inferlet_on():
+    return run
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=True)
