@@ -1,0 +1,140 @@
+"""`pie model import|list|info|remove|verify`: the model store from the command line. A refusal prints one
+`error: ...` line to stderr and exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from ..store import DEFAULT_MODEL, Manifest, ModelStore, StoreError, import_model
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("model", help="import, list, inspect and remove models in the store")
+    sub = parser.add_subparsers(dest="model_command", required=True)
+
+    p = sub.add_parser("import", help="import a .gguf file, a Hugging Face folder or a packaged model")
+    p.add_argument("source", help=f"path to a .gguf file or checkpoint folder, or a packaged alias ({DEFAULT_MODEL})")
+    p.add_argument("--name", help="name in the store (default: the alias, file stem or folder name)")
+    p.add_argument("--force", action="store_true", help="replace a model already imported under this name")
+    p.set_defaults(func=_guarded(_import))
+
+    p = sub.add_parser("list", help="list imported models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guarded(_list))
+
+    p = sub.add_parser("info", help="show one model's manifest")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guarded(_info))
+
+    p = sub.add_parser("remove", help="delete a model from the store")
+    p.add_argument("name")
+    p.set_defaults(func=_guarded(_remove))
+
+    p = sub.add_parser("verify", help="re-hash a model's files against its manifest")
+    p.add_argument("name")
+    p.set_defaults(func=_guarded(_verify))
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except StoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _import(args: argparse.Namespace) -> int:
+    result = import_model(args.source, name=args.name, force=args.force)
+    m = result.manifest
+    if result.imported:
+        print(f"imported {m.name}: {m.family}, {m.parameters / 1e6:.1f}M parameters, from {m.source}")
+    else:
+        print(f"{m.name} is already imported (from {m.source}); use --force to replace it")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    manifests = ModelStore().list()
+    if args.json:
+        print(json.dumps([_summary(m) for m in manifests], indent=2))
+        return 0
+    if not manifests:
+        print(f"no models imported; try `pie model import {DEFAULT_MODEL}`")
+        return 0
+    from rich.console import Console
+    from rich import box
+    from rich.table import Column, Table
+
+    table = Table("family", "params", "dtype", "vocab", "context", "drafters", "imported", box=box.SIMPLE_HEAD)
+    table.columns.insert(0, Column("name", no_wrap=True))
+    for m in manifests:
+        s = _summary(m)
+        table.add_row(
+            m.name, m.family, f"{m.parameters / 1e6:.1f}M", m.dtype, str(s["vocab_size"]),
+            str(s["context"]), str(len(m.drafters)), m.imported_at[:10],
+        )  # fmt: skip
+    Console(width=max(Console().width, 100)).print(table)  # pipes get 80 columns otherwise
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    store = ModelStore()
+    m = store.get(args.name)
+    if args.json:
+        print(json.dumps(m.model_dump(mode="json") | {"path": str(store.path(m.name))}, indent=2))
+        return 0
+    c = m.config
+    print(f"{m.name}  ({store.path(m.name)})")
+    print(f"  family      {m.family}")
+    print(f"  parameters  {m.parameters:,}")
+    print(f"  dtype       {m.dtype}")
+    print(f"  vocab       {c.vocab_size:,}")
+    print(f"  context     {c.max_position_embeddings:,}")
+    print(
+        f"  shape       {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads, "
+        f"{c.num_key_value_heads} kv heads, head dim {c.head_dim}, mlp {c.intermediate_size}"
+    )
+    print(f"  tokens      bos {m.tokenizer.bos_token_id}, eos {m.tokenizer.eos_token_ids}, "
+          f"chat template {'yes' if m.tokenizer.chat_template else 'no'}")  # fmt: skip
+    print(f"  source      {m.source}")
+    print(f"  imported    {m.imported_at}")
+    print("  files")
+    for fname, digest in m.files.items():
+        print(f"    {fname}  sha256:{digest}")
+    print("  drafters" + ("" if m.drafters else "    none"))
+    for d in m.drafters:
+        print(f"    {d.name}  {d.kind}  {d.path}")
+    return 0
+
+
+def _remove(args: argparse.Namespace) -> int:
+    ModelStore().remove(args.name)
+    print(f"removed {args.name}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    m = ModelStore().verify(args.name)
+    print(f"{m.name}: {len(m.files)} files match their digests")
+    return 0
+
+
+def _summary(m: Manifest) -> dict:
+    return {
+        "name": m.name,
+        "family": m.family,
+        "parameters": m.parameters,
+        "dtype": m.dtype,
+        "vocab_size": m.config.vocab_size,
+        "context": m.config.max_position_embeddings,
+        "drafters": [d.name for d in m.drafters],
+        "imported_at": m.imported_at,
+        "source": m.source,
+    }

@@ -1,0 +1,81 @@
+"""What an importer hands to the store: a converted checkpoint (config, Hugging Face-named tensors,
+tokenizer.json text, tokenizer facts), and the shape check every importer runs before reading weights.
+
+Importers raise :class:`CheckpointError` (or the config's ``UnsupportedModelError``); the store turns
+both into its own ``ImportRefused`` so that callers see one error family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+# Tensors some checkpoints carry that the model recomputes or does not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be converted: a missing or misshapen tensor, an unreadable file, ..."""
+
+
+class TokenizerInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    chat_template: str | None = None
+    special_tokens: list[str] = []
+
+
+@dataclass
+class Converted:
+    """A checkpoint in the store's layout, still in memory."""
+
+    family: str
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, no lm_head when embeddings are tied
+    tokenizer_json: str
+    tokenizer: TokenizerInfo
+    source: str
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor a checkpoint for ``cfg`` must hold (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint whose tensor names or shapes differ from what ``cfg`` builds."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(shapes))
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more}")
+    unexpected = sorted(set(shapes) - set(want))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]}")
+    for name, shape in shapes.items():
+        if tuple(shape) != want[name]:
+            raise CheckpointError(f"tensor {name} has shape {tuple(shape)}, the config needs {want[name]}")
+
+
+def drop_ignored(names: list[str], cfg: ModelConfig) -> list[str]:
+    """Names minus recomputed buffers and, for tied embeddings, the duplicate lm_head."""
+    out = [n for n in names if not n.endswith(IGNORED_SUFFIXES)]
+    if cfg.tie_word_embeddings:
+        out = [n for n in out if n != "lm_head.weight"]
+    return out
+
+
+def count_parameters(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors.values())

