@@ -5,14 +5,12 @@ prompts of different lengths."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from tiny_models import FAMILIES, TINY_VOCAB, run_chunks
 from pie_runtime.store import load_model
+from tests.reference import transformers_llama
 
 # 1e-4 absolute plus float32 rounding relative to the logit (SmolLM2 logits reach ~20, and chunking changes
 # the order of the attention sums)
@@ -60,20 +58,7 @@ def test_tiny_checkpoint_matches_transformers(family, tiny_store):
 @pytest.fixture(scope="module")
 def smollm_reference(smollm, tmp_path_factory):
     """transformers' LlamaForCausalLM over the very files the store holds."""
-    import transformers
-
-    folder = tmp_path_factory.mktemp("smollm-hf")
-    c = smollm.config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-    )  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    os.symlink(smollm.tokenizer_path.parent / "model.safetensors", folder / "model.safetensors")
-    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return transformers_llama(smollm.tokenizer_path.parent, smollm.config, tmp_path_factory.mktemp("smollm-hf"))
 
 
 def test_smollm2_matches_transformers(smollm, smollm_reference):

@@ -1,0 +1,36 @@
+"""Hugging Face transformers as the reference implementation (a test-only dependency)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pie_runtime.models.config import ModelConfig
+
+
+def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
+    """transformers' LlamaForCausalLM over the very weights file a store entry holds."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "config.json").write_text(json.dumps(config.to_dict()))
+    if not (scratch / "model.safetensors").exists():
+        os.symlink(store_dir / "model.safetensors", scratch / "model.safetensors")
+    return transformers.LlamaForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
+
+
+def greedy_continuation(hf_model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+    return out[0, len(ids):].tolist()

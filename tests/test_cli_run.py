@@ -1,0 +1,103 @@
+"""`pie run` end to end: shipped and user inferlets through the launcher, on the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pie_runtime.store import ModelStore
+from tests.conftest import REPO, run
+from tests.reference import greedy_continuation, transformers_llama
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(engine, tmp_path_factory):
+    store = ModelStore()
+    manifest = store.get("smollm2-135m")
+    return transformers_llama(store.path(manifest.name), manifest.config, tmp_path_factory.mktemp("hf"))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_text_completion_greedy_equals_transformers(engine, hf_smollm, prompt):
+    result = run("text-completion", engine.address, "--prompt", prompt, "--max-tokens", "32", "--temperature", "0")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ModelStore().path("smollm2-135m") / "tokenizer.json"))
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    expected = greedy_continuation(hf_smollm, ids, 32)
+    assert result["token_ids"] == expected[: len(result["token_ids"])]
+    assert result["finish_reason"] in ("length", "eos")
+    if result["finish_reason"] == "length":
+        assert len(result["token_ids"]) == 32
+    assert result["text"] == tok.decode(result["token_ids"], skip_special_tokens=False)
+    assert result["stats"]["prefill_ms"] > 0 and result["stats"]["decode_tokens_per_s"] > 0
+
+
+def test_seeded_sampling_reproducible_and_two_inferlets_at_once(engine):
+    args = ["--prompt", "Tell me about the sea.", "--max-tokens", "12", "--temperature", "0.9", "--chat"]
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(None, lambda s=s: run("text-completion", engine.address, *args, "--seed", s))
+                for s in ("1", "1", "2")]
+        return await asyncio.gather(*jobs)
+
+    a, b, c = asyncio.run(both())
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+
+
+def test_stop_string_cuts_the_text(engine):
+    result = run("text-completion", engine.address, "--prompt", "Count: 1, 2, 3, 4,", "--max-tokens", "30",
+                 "--stop", " 7")
+    assert result["finish_reason"] == "stop"
+    assert " 7" not in result["text"] and result["text"].rstrip().endswith("6,")
+
+
+CUSTOM = '''
+import inferlet
+@inferlet.main
+async def main(args):
+    model = inferlet.model()
+    ids = model.tokenizer.encode(args["prompt"])
+    ws = model.working_set()
+    fp = inferlet.ForwardPass(ws)
+    fp.embed(ids)
+    fp.readout(list(range(len(ids))), inferlet.Logits())
+    res = await fp.submit()
+    return {"shape": list(res.logits.shape)}
+'''
+
+
+def test_pie_run_custom_file_with_embedded_engine(tmp_path):
+    path = tmp_path / "shape.py"
+    path.write_text(CUSTOM)
+    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", str(path), "--json", "--kv-pages", "64",
+                          "--", "--prompt", "Hello there world"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"shape": [3, 49152]}
+
+
+def test_pie_run_reports_a_crashing_inferlet(engine, tmp_path):
+    path = tmp_path / "crash.py"
+    path.write_text("import inferlet\n@inferlet.main\nasync def main(args):\n    raise ValueError('boom')\n")
+    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", str(path), "--engine", engine.address],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "ValueError: boom" in out.stderr
+
+
+def test_pie_run_unknown_inferlet_is_one_line_error():
+    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", "no-such-inferlet"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: no shipped inferlet")
