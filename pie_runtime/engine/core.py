@@ -1,8 +1,10 @@
-"""The engine core: applies protocol requests to working sets, and runs one step at a time as
-schedule → execute → commit over the fires of every client.
+"""The engine core: applies protocol requests to working sets, channels and programs, and runs one step at
+a time as schedule → execute → commit over the fires of every client.
 
 Every request is checked before it changes anything, so a refused request leaves no trace; a fire's pages
 are reserved when it is accepted, so running out of pages is an immediate typed error, never a stall.
+A fire may carry an epilogue program (run right after the forward; its channel writes and fold are one
+transaction) and may be left with the engine as a run-ahead, re-fired after every step until it stops.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ from ..models.context import Segment
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from ..protocol.arrays import encode_array
+from ..protocol.programs import ModelDims
+from .channels import Channel, ChannelTable, Txn, poison
 from .page_pool import PagePool
+from .programs import Program, run_program, validate
+from .programs.fire import FireIntrinsics, RunState
 from .runner import ModelRunner, ReadoutRequest
 from .scheduler import Chunk, schedule
 from .working_set import WorkingSet
 
 Reply = tuple[bytes, dict]  # (client identity, reply map)
+MAX_PROGRAMS = 256  # per client
+MAX_CHANNELS = 256  # per client
 
 
 @dataclass
@@ -50,6 +58,14 @@ class FireJob:
     start: int  # sequence index of the first row
     done: int = 0  # rows already run
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # window row → final hidden state
+    program: Program | None = None
+    bindings: list[Channel] = field(default_factory=list)
+    source: Channel | None = None  # tokens come from this channel's front cell, taken when the fire runs
+    run: RunState | None = None
+
+    @property
+    def writes(self) -> list[Channel]:
+        return [self.bindings[s] for s in sorted(self.program.writes)] if self.program else []
 
     @property
     def remaining(self) -> int:
@@ -62,6 +78,7 @@ class StepStats:
     rows: int = 0
     fires: int = 0
     forward_s: float = 0.0
+    epilogue_s: float = 0.0
     step_s: float = 0.0
 
 
@@ -73,6 +90,12 @@ class EngineCore:
         self.working_sets: dict[int, WorkingSet] = {}
         self._ids = itertools.count(1)
         self.stats = StepStats()
+        self.channels = ChannelTable()
+        self.programs: dict[bytes, dict[str, Program]] = {}  # client → hash → program
+        self.outbox: list[Reply] = []  # replies owed outside the request being handled (waiting takes)
+        for sm in models:
+            if not sm.info.hidden_size:
+                sm.info.hidden_size = sm.runner.model.config.hidden_size
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -105,8 +128,12 @@ class EngineCore:
             "rows": s.rows,
             "fires": s.fires,
             "forward_s": s.forward_s,
+            "epilogue_s": s.epilogue_s,
             "step_s": s.step_s,
             "working_sets": len(self.working_sets),
+            "channels": len(self.channels.channels),
+            "programs": sum(len(p) for p in self.programs.values()),
+            "run_ahead": sum(j.run is not None for sm in self.models.values() for j in sm.queue),
             "models": {
                 name: {"pages_total": sm.pool.num_pages, "pages_free": sm.pool.free_pages, "queued": len(sm.queue)}
                 for name, sm in self.models.items()
@@ -161,9 +188,10 @@ class EngineCore:
             raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
         sm = self.models[ws.model]
         info = sm.info
-        w = len(req.tokens)
+        source = self._source(client, req, ws)
+        w = len(req.tokens) if source is None else source.shape[0]
         start = self._planned_length(ws)
-        bad = next((t for t in req.tokens if not 0 <= t < info.vocab_size), None)
+        bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {bad} outside vocab [0, {info.vocab_size})")
         if start + w > info.max_positions:
@@ -174,19 +202,120 @@ class EngineCore:
         if len(positions) != w or any(not 0 <= p < info.max_positions for p in positions):
             raise PieError(ErrorCode.INVALID_ARGUMENT, "positions need one value per token, each within capacity")
         masks = [self._check_readout(r, w, sm) for r in req.readouts]
+        program, bindings = self._bind(client, req, ws, w)
         if req.fold == m.DEFERRED:
             fold = None
         else:
+            if program is not None and program.folds:
+                raise PieError(ErrorCode.INVALID_ARGUMENT, "a fire whose program folds needs fold=deferred")
             fold = w if req.fold is None else req.fold
             if not 0 <= fold <= w:
                 raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
+        run = self._check_run_ahead(client, req, program, bindings, source)
         self._reserve_pages(ws, sm, start, w)
-        job = FireJob(client, req.id, ws, list(req.tokens), positions, list(req.readouts), masks, fold, start)
-        ws.in_flight += 1
-        if fold is None:
-            ws.pending_fold = w  # refuses the next fire from now on
-        sm.queue.append(job)
+        job = FireJob(client, req.id, ws, list(req.tokens or []), positions, list(req.readouts), masks, fold, start,
+                      program=program, bindings=bindings, source=source, run=run)
+        self._enqueue(sm, job)
         return None
+
+    def _enqueue(self, sm: ServedModel, job: FireJob) -> None:
+        job.ws.in_flight += 1
+        if job.fold is None:
+            job.ws.pending_fold = len(job.positions)  # refuses the next fire from now on
+        sm.queue.append(job)
+
+    def _source(self, client: bytes, req: m.Fire, ws: WorkingSet) -> Channel | None:
+        if req.tokens_from is None:
+            return None
+        ch = self.channels.get(client, req.tokens_from)
+        if len(ch.shape) != 1 or ch.dtype not in ("int32", "int64") or ch.model != ws.model:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"tokens come from a 1-d int channel on {ws.model}")
+        if req.positions is not None:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a channel-fed fire takes the default positions")
+        ch.check_live()
+        if not ch.cells and not self._has_writer(ch):
+            raise PieError(ErrorCode.CHANNEL_EMPTY, f"channel {ch.id} is empty and no fire in flight writes it")
+        return ch
+
+    def _bind(self, client: bytes, req: m.Fire, ws: WorkingSet, w: int) -> tuple[Program | None, list[Channel]]:
+        bindings = [self.channels.get(client, h) for h in req.bindings]
+        if req.program is None:
+            if bindings:
+                raise PieError(ErrorCode.INVALID_ARGUMENT, "channel bindings need a program")
+            return None, []
+        program = self.programs.get(client, {}).get(req.program)
+        if program is None:
+            raise PieError(ErrorCode.UNKNOWN_PROGRAM, f"no program {req.program} (register it first)")
+        if program.model != ws.model or any(ch.model != ws.model for ch in bindings):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"program and channels must be on the fire's model {ws.model}")
+        program.check_fire(w, bindings)
+        return program, bindings
+
+    def _check_run_ahead(self, client, req: m.Fire, program, bindings, source) -> RunState | None:
+        ra = req.run_ahead
+        if ra is None:
+            return None
+        if source is None or program is None or not program.folds:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "run-ahead needs tokens_from and a program that folds")
+        written = {bindings[s].id for s in program.writes}
+        if source.id not in written or ra.output not in written:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a run-ahead's program writes its input and output channels")
+        if ra.stop_channel is not None:
+            self.channels.get(client, ra.stop_channel)
+        if req.readouts:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a run-ahead reads out through its program's channels")
+        return RunState(ra)
+
+    def _op_program_register(self, client, req: m.ProgramRegister) -> dict:
+        sm = self._model(req.model)
+        dims = ModelDims(sm.info.vocab_size, sm.info.hidden_size, sm.info.mtp_depth)
+        program = validate(sm.name, [n.model_dump() for n in req.nodes], dims)
+        mine = self.programs.setdefault(client, {})
+        if program.hash not in mine and len(mine) >= MAX_PROGRAMS:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_PROGRAMS} programs")
+        mine.setdefault(program.hash, program)
+        return {"program": program.hash, "slots": len(program.slots)}
+
+    def _op_channel_open(self, client, req: m.ChannelOpen) -> dict:
+        sm = self._model(req.model)
+        if sum(c.owner == client for c in self.channels.channels.values()) >= MAX_CHANNELS:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_CHANNELS} channels")
+        ch = self.channels.open(client, sm.name, req.shape, req.dtype, req.capacity, sm.runner.device)
+        return {"channel": ch.id}
+
+    def _op_channel_put(self, client, req: m.ChannelPut) -> dict:
+        ch = self.channels.get(client, req.channel)
+        ch.put(torch.from_numpy(req.value.to_numpy().copy()))
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {"size": len(ch.cells)}
+
+    def _op_channel_set(self, client, req: m.ChannelSet) -> dict:
+        ch = self.channels.get(client, req.channel)
+        ch.set(torch.from_numpy(req.value.to_numpy().copy()))
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {"size": len(ch.cells)}
+
+    def _op_channel_take(self, client, req: m.ChannelTake) -> dict | None:
+        ch = self.channels.get(client, req.channel)
+        return self.channels.take(client, req.id, ch, req.max, True, self._has_writer)
+
+    def _op_channel_read(self, client, req: m.ChannelRead) -> dict | None:
+        ch = self.channels.get(client, req.channel)
+        return self.channels.take(client, req.id, ch, 1, False, self._has_writer)
+
+    def _op_channel_close(self, client, req: m.ChannelClose) -> dict:
+        ch = self.channels.get(client, req.channel)
+        if self._has_writer(ch) or self._has_reader(ch):
+            raise PieError(ErrorCode.BUSY, f"channel {ch.id} is bound to fires in flight")
+        self.channels.close(ch)
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {}
+
+    def _has_writer(self, ch: Channel) -> bool:
+        return any(c is ch for sm in self.models.values() for j in sm.queue for c in j.writes)
+
+    def _has_reader(self, ch: Channel) -> bool:
+        return any(ch is j.source or any(c is ch for c in j.bindings) for sm in self.models.values() for j in sm.queue)
 
     # ---- checks and page bookkeeping --------------------------------------------------------------
 
@@ -213,7 +342,7 @@ class EngineCore:
     def _planned_length(self, ws: WorkingSet) -> int:
         """Committed length once every queued fire of ``ws`` has folded (queued fires never defer)."""
         sm = self.models[ws.model]
-        return ws.committed + sum(j.fold for j in sm.queue if j.ws is ws)
+        return ws.committed + sum(j.fold or 0 for j in sm.queue if j.ws is ws)
 
     def _check_readout(self, r: m.Readout, w: int, sm: ServedModel) -> np.ndarray | None:
         if any(not 0 <= row < w for row in r.rows):
@@ -252,44 +381,114 @@ class EngineCore:
         sm.pool.release(ws.pages[keep:])
         del ws.pages[keep:]
 
-    def _release(self, ws: WorkingSet) -> None:
+    def _release(self, ws: WorkingSet, notify: bool = True) -> None:
         sm = self.models[ws.model]
         ws.released = True
         self.working_sets.pop(ws.id, None)
         if ws.in_flight:
-            # its queued fires are dropped; their pages go back with the rest
+            # its queued fires are dropped (a run-ahead stops); their pages go back with the rest
+            dropped = [j for j in sm.queue if j.ws is ws]
             sm.queue = deque(j for j in sm.queue if j.ws is not ws)
             ws.in_flight = 0
+            if notify:
+                err = PieError(ErrorCode.UNKNOWN_WORKING_SET, f"working set {ws.id} was released in flight")
+                self.outbox.extend((j.client, {"id": j.req_id, "ok": False, "error": err.to_wire()})
+                                   for j in dropped)
         sm.pool.release(ws.pages)
         ws.pages = []
 
     def drop_client(self, client: bytes) -> int:
-        """Releases everything a departed client held. Returns how many working sets it had."""
+        """Releases everything a departed client held (its run-aheads stop with their working sets).
+        Returns how many working sets it had."""
         mine = [ws for ws in self.working_sets.values() if ws.owner == client]
         for ws in mine:
-            self._release(ws)
+            self._release(ws, notify=False)
+        self.channels.drop_client(client)
+        self.programs.pop(client, None)
+        self.outbox = [r for r in self.outbox if r[0] != client]
         return len(mine)
+
+    def drain_outbox(self) -> list[Reply]:
+        out, self.outbox = self.outbox, []
+        return out
 
     # ---- the step ---------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return any(sm.queue for sm in self.models.values())
+        return any(self._runnable(sm) for sm in self.models.values())
 
     def step(self) -> list[Reply]:
-        """schedule → execute → commit, once per model with queued fires."""
+        """schedule → execute → commit, once per model with runnable fires."""
         t0 = time.perf_counter()
         replies: list[Reply] = []
         for sm in self.models.values():
-            if not sm.queue:
+            replies.extend(self._resolve(sm))
+            runnable = self._runnable(sm)
+            if not runnable:
                 continue
-            chunks = schedule(list(sm.queue), self.max_batch_tokens)
+            chunks = schedule(runnable, self.max_batch_tokens)
             finished = self._execute(sm, chunks)
             replies.extend(self._commit(sm, finished))
+        replies.extend(self.channels.serve(self._has_writer))
+        replies.extend(self.drain_outbox())
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - t0
         return replies
 
-    def _execute(self, sm: ServedModel, chunks: list[Chunk]) -> list[tuple[FireJob, list[dict]]]:
+    def _heads(self, sm: ServedModel) -> list[FireJob]:
+        seen, heads = set(), []
+        for j in sm.queue:
+            if id(j.ws) not in seen:
+                seen.add(id(j.ws))
+                heads.append(j)
+        return heads
+
+    def _runnable(self, sm: ServedModel) -> list[FireJob]:
+        """The queue less the working sets whose oldest fire waits on a channel (no input, no room)."""
+        blocked = {id(j.ws) for j in self._heads(sm) if not self._ready(j)}
+        return [j for j in sm.queue if id(j.ws) not in blocked]
+
+    def _ready(self, j: FireJob) -> bool:
+        if j.done:
+            return True
+        if j.source is not None and not j.tokens and not j.source.cells and j.source.poison is None:
+            return False
+        if j.program is not None:
+            for slot, n in j.program.puts.items():
+                ch = j.bindings[slot]
+                room = ch.free + (ch is j.source and not j.tokens)
+                if room < n <= ch.capacity and ch.poison is None:
+                    return False  # waits for the host to take; a put that can never fit fails instead
+        return True
+
+    def _resolve(self, sm: ServedModel) -> list[Reply]:
+        """Before a step: stops flagged run-aheads, and takes the input window of channel-fed fires."""
+        replies = []
+        for j in self._heads(sm):
+            if j.done or not self._ready(j):
+                continue
+            if j.run is not None and self._flagged(j):
+                j.run.reason = "stop_channel"
+                replies.append(self._finish(sm, j, self._run_reply(j)))
+            elif j.source is not None and not j.tokens:
+                try:
+                    j.source.check_live()
+                    tokens = j.source.cells.popleft().tolist()
+                    bad = next((t for t in tokens if not 0 <= t < sm.info.vocab_size), None)
+                    if bad is not None:
+                        raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"channel token {bad} outside the vocab")
+                    j.tokens = tokens
+                except PieError as e:
+                    replies.append(self._fail(sm, j, e))
+        return replies
+
+    def _flagged(self, j: FireJob) -> bool:
+        ch = self.channels.channels.get(j.run.spec.stop_channel) if j.run.spec.stop_channel is not None else None
+        return bool(ch is not None and ch.cells and ch.cells[0].any())
+
+    def _execute(self, sm: ServedModel, chunks: list[Chunk]) -> list[tuple[FireJob, list[dict], object]]:
+        """One forward over the chunks, then the readouts and epilogues of the fires it finished. Each
+        finished fire comes with its outcome: (device fold or None, Txn or None), or the PieError it raised."""
         segments, tokens, positions = [], [], []
         for c in chunks:
             j = c.job
@@ -302,7 +501,7 @@ class EngineCore:
         finished: list[FireJob] = []
         for c in chunks:
             j = c.job
-            wanted = {row for r in j.readouts for row in r.rows}
+            wanted = {row for r in j.readouts for row in r.rows} | (j.program.rows if j.program else set())
             for row in range(j.done, j.done + c.rows):
                 if row in wanted:
                     j.hidden[row] = hidden[offset + row - j.done]
@@ -317,25 +516,96 @@ class EngineCore:
             if r.rows
         ]
         results = sm.runner.readouts(requests) if requests else []
-        self.stats.forward_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.forward_s += t1 - t0
         self.stats.rows += len(tokens)
         it = iter(results)
-        return [(j, [next(it) if r.rows else {} for r in j.readouts]) for j in finished]
+        out = [(j, [next(it) if r.rows else {} for r in j.readouts], self._epilogue(sm, j)) for j in finished]
+        self.stats.epilogue_s += time.perf_counter() - t1
+        return out
 
-    def _commit(self, sm: ServedModel, finished: list[tuple[FireJob, list[dict]]]) -> list[Reply]:
+    def _epilogue(self, sm: ServedModel, j: FireJob) -> object:
+        if j.program is None:
+            return (None, None)
+        txn = Txn(j.bindings)
+        try:
+            fold = run_program(j.program, FireIntrinsics(sm.runner, j.hidden, j.tokens), txn, sm.runner.device)
+            if fold is not None and not 0 <= fold <= len(j.tokens):
+                raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}, outside [0, {len(j.tokens)}]")
+            txn.commit()
+        except PieError as e:
+            return e
+        return (fold, txn)
+
+    def _commit(self, sm: ServedModel, finished: list[tuple[FireJob, list[dict], object]]) -> list[Reply]:
         replies = []
-        for j, results in finished:
-            sm.queue.remove(j)
+        for j, results, outcome in finished:
+            if isinstance(outcome, PieError):
+                replies.append(self._fail(sm, j, outcome))
+                continue
+            device_fold, txn = outcome
             ws = j.ws
-            ws.in_flight -= 1
-            if j.fold is not None:
-                ws.committed = j.start + j.fold
-                if not ws.in_flight:  # later queued fires already hold the pages past committed
-                    self._trim(ws)
+            fold = j.fold if j.fold is not None else device_fold
+            if fold is not None:
+                ws.committed = j.start + fold
+                if j.fold is None:
+                    ws.pending_fold = None  # settled on the device, as ws_fold would
             self.stats.fires += 1
+            if j.run is not None:
+                out_slot = next(s for s, ch in enumerate(j.bindings) if ch.id == j.run.spec.output)
+                j.run.reason = j.run.after_round(txn.puts.get(out_slot, []))
+                self._unqueue(sm, j)
+                if j.run.reason is None:
+                    j.run.reason = self._next_round(sm, j)
+                if j.run.reason is not None:
+                    replies.append((j.client, self._run_reply(j)))
+                continue
+            self._unqueue(sm, j)
             wire = [{k: encode_array(v) for k, v in res.items()} for res in results]
-            replies.append(
-                (j.client, {"id": j.req_id, "ok": True, "results": wire, "committed": ws.committed,
-                            "pending_fold": ws.pending_fold})
-            )
+            reply = {"id": j.req_id, "ok": True, "results": wire, "committed": ws.committed,
+                     "pending_fold": ws.pending_fold}
+            if device_fold is not None:
+                reply["fold"] = device_fold
+            replies.append((j.client, reply))
         return replies
+
+    def _unqueue(self, sm: ServedModel, j: FireJob) -> None:
+        sm.queue.remove(j)
+        j.ws.in_flight -= 1
+        if not j.ws.in_flight and j.ws.pending_fold is None:  # else rows past committed may still fold
+            self._trim(j.ws)
+
+    def _next_round(self, sm: ServedModel, j: FireJob) -> str | None:
+        """Queues the next round of a run-ahead; returns why it cannot, if it cannot."""
+        ws, w = j.ws, len(j.positions)
+        start = ws.committed
+        if start + w > sm.info.max_positions:
+            return "capacity"
+        try:
+            self._reserve_pages(ws, sm, start, w)
+        except PieError as e:
+            return e.code.value
+        nxt = FireJob(j.client, j.req_id, ws, [], list(range(start, start + w)), [], [], None, start,
+                      program=j.program, bindings=j.bindings, source=j.source, run=j.run)
+        self._enqueue(sm, nxt)
+        return None
+
+    def _run_reply(self, j: FireJob) -> dict:
+        return {"id": j.req_id, "ok": True, "results": [], "committed": j.ws.committed, "pending_fold": None,
+                "run": j.run.summary()}
+
+    def _finish(self, sm: ServedModel, j: FireJob, reply: dict) -> Reply:
+        """Ends a fire that will not run (a stopped run-ahead round): its rows were never written."""
+        if j.fold is None:
+            j.ws.pending_fold = None
+        self._unqueue(sm, j)
+        return (j.client, reply)
+
+    def _fail(self, sm: ServedModel, j: FireJob, err: PieError) -> Reply:
+        """A failed fire: its channel writes are dropped and those channels poisoned. A deferred (device)
+        fold folds nothing; a fold the host fixed still applies, since later queued fires count on it."""
+        poison(j.writes, err)
+        if j.fold is not None and j.done:
+            j.ws.committed = j.start + j.fold
+        reply = {"id": j.req_id, "ok": False, "error": err.to_wire()}
+        return self._finish(sm, j, reply)

@@ -98,6 +98,8 @@ class EngineServer:
             reply = self.core.handle(client, req)
             if reply is not None:
                 self._send(client, {"id": req.id, "ok": True, **reply})
+            for other, owed in self.core.drain_outbox():  # e.g. takes a host put has fulfilled
+                self._send(other, owed)
         except PieError as e:
             self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": e.to_wire()})
         except Exception as e:  # a bug must cost one request, never the engine

@@ -22,6 +22,13 @@ class ErrorCode(str, Enum):
     CAPACITY = "capacity"  # past the model's maximum positions
     UNAUTHORIZED = "unauthorized"  # tcp:// engines want their token in hello
     UNSUPPORTED = "unsupported"  # e.g. MTP readout on a model without an MTP drafter
+    INVALID_PROGRAM = "invalid_program"  # a program the validator refuses (unknown op, arity, dtype, shape, size)
+    UNKNOWN_PROGRAM = "unknown_program"  # a fire names a program hash this client never registered
+    UNKNOWN_CHANNEL = "unknown_channel"  # never opened, closed, or another client's
+    CHANNEL_EMPTY = "channel_empty"  # a take or read with no cell and no in-flight fire that writes one
+    CHANNEL_FULL = "channel_full"  # a put past the channel's capacity
+    CHANNEL_POISONED = "channel_poisoned"  # a fire that writes the channel failed; the message says why
+    PROGRAM_FAILED = "program_failed"  # an epilogue failed at run time (e.g. a gather index out of range)
     INTERNAL = "internal"
 
 

@@ -6,10 +6,10 @@ Only relative row indexes and working-set handles cross the wire, never physical
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .arrays import decode_array
 
@@ -91,16 +91,105 @@ class WsTruncate(_Req):
     n: int = Field(ge=0)
 
 
+class RunAhead(_Msg):
+    """Leaves a channel-fed pass with the engine: it re-fires it after every step until a budget or a stop.
+    ``output`` is the bound channel whose cells are the committed tokens (entries < 0 are padding); they
+    count toward ``budget_tokens`` and are checked for ``stop_tokens``. A nonzero front cell of
+    ``stop_channel`` (set by the host or by the epilogue) stops it too."""
+
+    output: int
+    budget_tokens: int | None = Field(default=None, ge=1)
+    budget_rounds: int | None = Field(default=None, ge=1)
+    stop_tokens: list[int] = []
+    stop_channel: int | None = None
+
+
 class Fire(_Req):
-    """One ForwardPass: embed ``tokens`` at rows ``committed ..`` of working set ``ws``, read out, fold.
-    ``fold``: None folds every row, an int folds that many, ``"deferred"`` leaves it for ``ws_fold``."""
+    """One ForwardPass: embed ``tokens`` (or the front cell of channel ``tokens_from``) at rows
+    ``committed ..`` of working set ``ws``, read out, run the epilogue ``program``, fold.
+    ``fold``: None folds every row, an int folds that many, ``"deferred"`` leaves it for ``ws_fold`` or,
+    when the program folds, for the epilogue. ``bindings`` are the channel handles of the program's slots."""
 
     op: Literal["fire"]
     ws: int
-    tokens: list[int] = Field(min_length=1)
+    tokens: list[int] | None = Field(default=None, min_length=1)
+    tokens_from: int | None = None
     positions: list[int] | None = None
     readouts: list[Readout] = []
     fold: int | Literal["deferred"] | None = None
+    program: str | None = None
+    bindings: list[int] = []
+    run_ahead: RunAhead | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Fire":
+        if (self.tokens is None) == (self.tokens_from is None):
+            raise ValueError("give exactly one of tokens and tokens_from")
+        return self
+
+
+class ProgramNode(_Msg):
+    """One node of an epilogue program (see ``protocol.programs`` for the op set and its rules)."""
+
+    op: str
+    inputs: list[int] = []
+    attrs: dict[str, Any] = {}
+
+
+class ProgramRegister(_Req):
+    """Registers an epilogue program for ``model``; the reply names it by hash."""
+
+    op: Literal["program_register"]
+    model: str | None = None
+    nodes: list[ProgramNode] = Field(min_length=1)
+
+
+ChannelDtype = Literal["float32", "float16", "int32", "int64", "bool"]
+
+
+class ChannelOpen(_Req):
+    """A bounded queue of cells of one ``shape`` and ``dtype``, held on ``model``'s device."""
+
+    op: Literal["channel_open"]
+    model: str | None = None
+    shape: list[int] = Field(max_length=4)
+    dtype: ChannelDtype
+    capacity: int = Field(ge=1, le=4096)
+
+
+class ChannelPut(_Req):
+    op: Literal["channel_put"]
+    channel: int
+    value: WireArray
+
+
+class ChannelSet(_Req):
+    """Replaces the front cell (or puts one into an empty channel)."""
+
+    op: Literal["channel_set"]
+    channel: int
+    value: WireArray
+
+
+class ChannelTake(_Req):
+    """Consumes up to ``max`` cells (at least one); waits while the channel is empty and a fire in flight
+    writes it."""
+
+    op: Literal["channel_take"]
+    channel: int
+    max: int = Field(default=1, ge=1, le=4096)
+
+
+class ChannelRead(_Req):
+    """A copy of the front cell; waits like ``channel_take``."""
+
+    op: Literal["channel_read"]
+    channel: int
+
+
+class ChannelClose(_Req):
+    op: Literal["channel_close"]
+    channel: int
 
 
 class Stats(_Req):
@@ -112,10 +201,13 @@ class Ping(_Req):
 
 
 Request = Annotated[
-    Union[Hello, GetTokenizer, WsOpen, WsFork, WsRelease, WsFold, WsTruncate, Fire, Stats, Ping],
+    Union[Hello, GetTokenizer, WsOpen, WsFork, WsRelease, WsFold, WsTruncate, Fire, Stats, Ping, ProgramRegister,
+          ChannelOpen, ChannelPut, ChannelSet, ChannelTake, ChannelRead, ChannelClose],
     Field(discriminator="op"),
 ]
-OPS = ("hello", "tokenizer", "ws_open", "ws_fork", "ws_release", "ws_fold", "ws_truncate", "fire", "stats", "ping")
+OPS = ("hello", "tokenizer", "ws_open", "ws_fork", "ws_release", "ws_fold", "ws_truncate", "fire", "stats", "ping",
+       "program_register", "channel_open", "channel_put", "channel_set", "channel_take", "channel_read",
+       "channel_close")
 
 
 class ModelInfo(BaseModel):
@@ -130,3 +222,4 @@ class ModelInfo(BaseModel):
     chat_template: str | None
     drafters: list[dict] = []
     mtp_depth: int = 0  # > 0 when the model serves MTP(k) readouts
+    hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic

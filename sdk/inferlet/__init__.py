@@ -16,15 +16,17 @@ The SDK reaches the engine only through the wire protocol; it never imports engi
 
 from pie_runtime.protocol import ErrorCode, PieError
 
+from .channels import Channel
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
+from .programs import Program, trace
 from .readouts import MTP, Argmax, Distribution, Hidden, Logits, Sample
 from .runtime import connect, emit, main, model
 from .tokenizer import StreamDecoder, Tokenizer
 from .working_set import WorkingSet
 
 __all__ = [
-    "DEFERRED", "MTP", "Argmax", "Distribution", "ErrorCode", "ForwardPass", "Hidden", "Logits", "Model",
-    "PassResult", "PieError", "ReadoutResult", "Sample", "StreamDecoder", "Tokenizer", "WorkingSet",
-    "connect", "emit", "main", "model",
+    "DEFERRED", "MTP", "Argmax", "Channel", "Distribution", "ErrorCode", "ForwardPass", "Hidden", "Logits",
+    "Model", "PassResult", "PieError", "Program", "ReadoutResult", "Sample", "StreamDecoder", "Tokenizer",
+    "WorkingSet", "connect", "emit", "main", "model", "trace",
 ]

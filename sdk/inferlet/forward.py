@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pie_runtime.protocol.arrays import decode_array, encode_array
 
+from .channels import Channel
+from .programs import Program
 from .readouts import ReadoutKind, to_wire
 from .working_set import WorkingSet
 
@@ -29,6 +32,8 @@ class ReadoutResult:
 class PassResult:
     readouts: list[ReadoutResult] = field(default_factory=list)
     committed: int = 0
+    fold: int | None = None  # the fold count the epilogue chose, when it folds
+    run: dict | None = None  # a run-ahead's {rounds, tokens, reason}
 
     def _cat(self, name: str) -> np.ndarray | None:
         parts = [getattr(r, name) for r in self.readouts if getattr(r, name) is not None]
@@ -58,6 +63,10 @@ class ForwardPass:
         self._positions: list[int] | None = None
         self._readouts: list[dict] = []
         self._fold: int | str | None = None
+        self._source: Channel | None = None
+        self._program: Program | None = None
+        self._bindings: list[Channel] = []
+        self._run_ahead: dict | None = None
 
     def embed(self, token_ids, positions=None) -> "ForwardPass":
         """Appends rows to the window (written after the working set's committed rows)."""
@@ -91,11 +100,56 @@ class ForwardPass:
         self._fold = n
         return self
 
+    def embed_from(self, channel: Channel) -> "ForwardPass":
+        """Takes the window's tokens from the front cell of ``channel`` (a 1-d int channel) when the fire runs."""
+        if self._tokens:
+            raise ValueError("a window comes from tokens or from a channel, not both")
+        self._source = channel
+        return self
+
+    def epilogue(self, program: Program, bindings: list[Channel] | None = None) -> "ForwardPass":
+        """Runs ``program`` on the device right after the forward. A program that folds decides the fold."""
+        self._program = program
+        self._bindings = list(program.channels if bindings is None else bindings)
+        if program.folds:
+            self._fold = DEFERRED
+        return self
+
+    def run_ahead(self, output: Channel, budget_tokens: int | None = None, budget_rounds: int | None = None,
+                  stop_tokens=(), stop_channel: Channel | None = None) -> "ForwardPass":
+        """Leaves this pass with the engine: it re-fires it step after step until a budget, a stop token
+        in ``output`` or a nonzero ``stop_channel``. ``submit()`` returns when it has stopped; meanwhile take
+        the committed tokens from ``output``."""
+        self._run_ahead = {"output": output.handle, "budget_tokens": budget_tokens, "budget_rounds": budget_rounds,
+                           "stop_tokens": [int(t) for t in stop_tokens],
+                           "stop_channel": None if stop_channel is None else stop_channel.handle}
+        return self
+
     async def submit(self) -> PassResult:
+        return await (await self.launch())
+
+    async def launch(self) -> "asyncio.Task[PassResult]":
+        """Sends the fire and returns at once with a task for its result: a run-ahead answers only when it
+        stops, and takes from its channels sent after ``launch`` returns wait for it rather than find them
+        empty."""
         handle = await self.ws.handle()
-        fields: dict = {"ws": handle, "tokens": self._tokens, "readouts": self._readouts, "fold": self._fold}
+        fields: dict = {"ws": handle, "readouts": self._readouts, "fold": self._fold}
+        if self._source is not None:
+            fields["tokens_from"] = self._source.handle
+        else:
+            fields["tokens"] = self._tokens
         if self._positions is not None:
             fields["positions"] = self._positions
+        if self._program is not None:
+            fields["program"] = await self._program.register()
+            fields["bindings"] = [ch.handle for ch in self._bindings]
+        if self._run_ahead is not None:
+            fields["run_ahead"] = self._run_ahead
+        task = asyncio.get_running_loop().create_task(self._result(fields))
+        await asyncio.sleep(0)  # lets the task send the request (a zmq send completes at once)
+        return task
+
+    async def _result(self, fields: dict) -> PassResult:
         reply = await self.ws.model.client.request("fire", **fields)
         self.ws.committed = reply["committed"]
         self.ws.pending_fold = reply.get("pending_fold") is not None
@@ -103,4 +157,4 @@ class ForwardPass:
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})
             for spec, res in zip(self._readouts, reply["results"])
         ]
-        return PassResult(results, reply["committed"])
+        return PassResult(results, reply["committed"], reply.get("fold"), reply.get("run"))

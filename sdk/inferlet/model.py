@@ -20,6 +20,7 @@ class Model:
     page_size: int
     drafters: list[dict]
     mtp_depth: int
+    hidden_size: int = 0
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -1,0 +1,127 @@
+"""The epilogue interpreter: each op of the closed set mapped to a torch function, run on the engine's device.
+
+Programs run once per fire (a per-fire loop; fires of one step are not yet batched by program). Values are
+float32, int64 or bool tensors; channel cells are cast to and from their channel's dtype at the boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from ...protocol import ErrorCode, PieError
+from .. import sampling
+from ..channels import Txn
+from .validate import Program
+
+DTYPE = {"float": torch.float32, "int": torch.int64, "bool": torch.bool}
+
+
+class Intrinsics(Protocol):
+    """What a fire offers its epilogue: readouts of its window rows, and the window's tokens."""
+
+    def logits(self, rows: list[int]) -> torch.Tensor: ...  # (R, V) float32
+    def hidden(self, rows: list[int]) -> torch.Tensor: ...  # (R, H) float32
+    def mtp_logits(self, rows: list[int], k: int) -> torch.Tensor: ...  # (R, k, V) float32
+    def tokens(self) -> torch.Tensor: ...  # (W,) int64
+
+
+def _generator(rng: torch.Tensor, salt: int) -> torch.Generator:
+    seed, counter = (int(v) for v in rng.tolist())  # one small sync: the state picks the noise
+    mixed = (seed * 0x9E3779B1 + counter * 0x85EBCA77 + salt) % (1 << 63)
+    return torch.Generator(device=rng.device).manual_seed(mixed)
+
+
+def _sample(logits: torch.Tensor, rng: torch.Tensor, a: dict) -> torch.Tensor:
+    """Gumbel-max over the filtered distribution (temperature → top-k → top-p, the readouts' order)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    probs = sampling.filtered_probs(flat, float(a.get("temperature", 1.0)), int(a.get("top_k", 0)),
+                                    float(a.get("top_p", 1.0)))
+    noise = torch.rand(probs.shape, generator=_generator(rng, 1), device=probs.device).clamp_min(1e-20)
+    gumbel = -torch.log(-torch.log(noise))
+    return (torch.log(probs) + gumbel).argmax(dim=-1).reshape(logits.shape[:-1])
+
+
+def _float2(fn: Callable) -> Callable:
+    return lambda x, y, a: fn(x.float() if y.is_floating_point() else x, y.float() if x.is_floating_point() else y)
+
+
+def _dim(a: dict) -> int:
+    return a.get("dim", -1)
+
+
+OPS: dict[str, Callable] = {
+    "add": _float2(torch.add), "sub": _float2(torch.sub), "mul": _float2(torch.mul),
+    "div": lambda x, y, a: torch.true_divide(x.float(), y.float()),
+    "floordiv": _float2(lambda x, y: torch.div(x, y, rounding_mode="floor")),
+    "mod": _float2(torch.remainder), "maximum": _float2(torch.maximum), "minimum": _float2(torch.minimum),
+    "eq": lambda x, y, a: x == y, "ne": lambda x, y, a: x != y, "lt": lambda x, y, a: x < y,
+    "le": lambda x, y, a: x <= y, "gt": lambda x, y, a: x > y, "ge": lambda x, y, a: x >= y,
+    "and": lambda x, y, a: x & y, "or": lambda x, y, a: x | y, "xor": lambda x, y, a: x ^ y,
+    "neg": lambda x, a: -x, "abs": lambda x, a: x.abs(), "exp": lambda x, a: x.float().exp(),
+    "log": lambda x, a: x.float().log(), "not": lambda x, a: ~x,
+    "sum": lambda x, a: x.sum(_dim(a), keepdim=a.get("keepdim", False), dtype=None if x.is_floating_point() else torch.int64),
+    "max": lambda x, a: x.amax(_dim(a), keepdim=a.get("keepdim", False)),
+    "min": lambda x, a: x.amin(_dim(a), keepdim=a.get("keepdim", False)),
+    "argmax": lambda x, a: x.argmax(_dim(a), keepdim=a.get("keepdim", False)),
+    "any": lambda x, a: x.any(_dim(a), keepdim=a.get("keepdim", False)),
+    "all": lambda x, a: x.all(_dim(a), keepdim=a.get("keepdim", False)),
+    "cumsum": lambda x, a: x.cumsum(_dim(a), dtype=None if x.is_floating_point() else torch.int64),
+    "cumprod": lambda x, a: x.cumprod(_dim(a), dtype=None if x.is_floating_point() else torch.int64),
+    "softmax": lambda x, a: torch.softmax(x.float(), _dim(a)),
+    "log_softmax": lambda x, a: torch.log_softmax(x.float(), _dim(a)),
+    "where": lambda c, x, y, a: torch.where(c, *((x.float(), y.float()) if x.is_floating_point() or y.is_floating_point() else (x, y))),
+    "cast": lambda x, a: x.to(DTYPE[a["dtype"]]),
+    "masked_argmax": lambda x, m, a: x.float().masked_fill(~m, float("-inf")).argmax(_dim(a)),
+    "sample": lambda x, rng, a: _sample(x, rng, a),
+    "uniform": lambda rng, a: torch.rand(tuple(a["shape"]), generator=_generator(rng, 2), device=rng.device),
+    "gather": lambda x, i, a: torch.gather(x, _dim(a), i),
+    "scatter": lambda x, i, v, a: x.scatter(_dim(a), i, v),
+    "slice": lambda x, a: x.narrow(_dim(a), a["start"], a["stop"] - a["start"]),
+    "index": lambda x, a: x.select(_dim(a), a["index"]),
+    "concat": lambda *xs: torch.cat(xs[:-1], dim=_dim(xs[-1])),
+    "reshape": lambda x, a: x.reshape(tuple(a["shape"])),
+}
+
+
+@torch.inference_mode()
+def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device) -> int | None:
+    """Runs ``prog`` for one fire; channel effects go to ``txn``. Returns the fold count it set, if any."""
+    values: list[torch.Tensor | None] = []
+    fold = None
+    for i, node in enumerate(prog.nodes):
+        op, a = node["op"], node.get("attrs", {})
+        ins = [values[j] for j in node.get("inputs", [])]
+        spec = prog.specs[i]
+        try:
+            if op == "logits":
+                out = fire.logits(a["rows"])
+            elif op == "hidden":
+                out = fire.hidden(a["rows"])
+            elif op == "mtp_logits":
+                out = fire.mtp_logits(a["rows"], a["k"])
+            elif op == "tokens":
+                out = fire.tokens()
+            elif op == "const":
+                out = torch.tensor(a["value"], dtype=DTYPE[a["dtype"]], device=device)
+            elif op == "iota":
+                out = torch.arange(a["n"], device=device)
+            elif op in ("take", "read"):
+                out = (txn.take if op == "take" else txn.read)(a["slot"])
+            elif op in ("put", "set"):
+                (txn.put if op == "put" else txn.set)(a["slot"], ins[0])
+                out = None
+            elif op == "fold":
+                fold = int(ins[0])
+                out = None
+            else:
+                out = OPS[op](*ins, a)
+        except PieError:
+            raise
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} ({op}): {str(e).splitlines()[0]}") from None
+        if out is not None:
+            out = out.to(DTYPE[spec.kind])
+        values.append(out)
+    return fold

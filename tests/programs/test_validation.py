@@ -1,0 +1,236 @@
+"""Program validation without an engine: each kind of bad program is refused with INVALID_PROGRAM, fuzzed
+programs are either refused with a typed error or run in the interpreter with the shapes the validator
+inferred, and the SDK's tracer builds what the engine accepts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inferlet.programs import Builder, Program, concat, sample, where
+from pie_runtime.engine.channels import Channel, Txn
+from pie_runtime.engine.programs import run_program, validate
+from pie_runtime.protocol import ErrorCode, PieError
+from pie_runtime.protocol.programs import MAX_NODES, OPS, ModelDims
+
+DIMS = ModelDims(vocab=50, hidden=8, mtp_depth=2)
+CPU = torch.device("cpu")
+
+
+def node(op, inputs=(), **attrs):
+    return {"op": op, "inputs": list(inputs), "attrs": attrs}
+
+
+LOGITS = node("logits", rows=[0, 1, 2])
+GOOD = [LOGITS, node("argmax", [0]), node("tokens", n=3), node("eq", [1, 2]), node("cumprod", [3]),
+        node("sum", [4]), node("fold", [5])]
+
+BAD = {
+    "unknown op": [node("launch_missiles")],
+    "arity": [LOGITS, node("add", [0])],
+    "forward reference": [node("argmax", [1]), LOGITS],
+    "self reference (a cycle)": [node("neg", [0])],
+    "input is an effect": [LOGITS, node("argmax", [0]), node("fold", [1]), node("neg", [2])],
+    "dtype: arithmetic on bool": [LOGITS, node("gt", [0, 0]), node("add", [1, 1])],
+    "dtype: where on a float condition": [LOGITS, node("where", [0, 0, 0])],
+    "dtype: fold of a float": [LOGITS, node("sum", [0], dim=0), node("sum", [1]), node("fold", [2])],
+    "shape: no broadcast": [LOGITS, node("iota", n=7), node("add", [0, 1])],
+    "shape: fold of a vector": [node("iota", n=3), node("fold", [0])],
+    "shape: put of the wrong cell": [node("iota", n=3), node("put", [0], slot=0, shape=[4], dtype="int32")],
+    "shape: slice out of range": [node("iota", n=3), node("slice", [0], dim=0, start=2, stop=9)],
+    "shape: reshape numel": [node("iota", n=6), node("reshape", [0], shape=[4])],
+    "shape: gather rank": [LOGITS, node("iota", n=3), node("gather", [0, 1], dim=1)],
+    "dim out of range": [LOGITS, node("argmax", [0], dim=5)],
+    "size: too many elements": [node("iota", n=1 << 20), node("iota", n=64), node("reshape", [1], shape=[64, 1]),
+                                node("mul", [0, 2])],
+    "size: too many rows": [node("logits", rows=list(range(65)))],
+    "size: too many nodes": [node("iota", n=1)] * (MAX_NODES + 1),
+    "size: huge constant": [node("const", value=[0] * 5000, dtype="int")],
+    "attr: missing": [node("iota")],
+    "attr: wrong type": [node("iota", n="3")],
+    "attr: bad channel dtype": [node("take", slot=0, shape=[1], dtype="complex64")],
+    "attr: ragged constant": [node("const", value=[[1, 2], [3]], dtype="int")],
+    "two folds": GOOD + [node("fold", [5])],
+    "one slot, two shapes": [node("take", slot=0, shape=[1], dtype="int32"),
+                             node("take", slot=0, shape=[2], dtype="int32")],
+    "slots with a gap": [node("take", slot=1, shape=[1], dtype="int32")],
+    "mtp past its depth": [node("mtp_logits", rows=[0], k=3)],
+}
+
+
+def test_a_good_program_validates():
+    prog = validate("m", GOOD, DIMS)
+    assert prog.folds and prog.window == 3 and prog.rows == {0, 1, 2}
+    assert validate("m", GOOD, DIMS).hash == prog.hash != validate("other", GOOD, DIMS).hash
+
+
+@pytest.mark.parametrize("why", sorted(BAD))
+def test_each_kind_of_bad_program_is_refused(why):
+    with pytest.raises(PieError) as e:
+        validate("m", BAD[why], DIMS)
+    assert e.value.code == ErrorCode.INVALID_PROGRAM, why
+
+
+class FakeFire:
+    """Intrinsics with random values of the right shapes."""
+
+    def __init__(self, window: int):
+        self.g = torch.Generator().manual_seed(0)
+        self.window = window
+
+    def logits(self, rows):
+        return torch.randn(len(rows), DIMS.vocab, generator=self.g)
+
+    def hidden(self, rows):
+        return torch.randn(len(rows), DIMS.hidden, generator=self.g)
+
+    def mtp_logits(self, rows, k):
+        return torch.randn(len(rows), k, DIMS.vocab, generator=self.g)
+
+    def tokens(self):
+        return torch.randint(0, DIMS.vocab, (self.window,), generator=self.g)
+
+
+def run(prog, window=3, cells=2):
+    chans = [Channel(i, b"c", "m", shape, dtype, 8, CPU) for i, (shape, dtype) in sorted(prog.slots.items())]
+    for ch in chans:
+        for _ in range(cells):
+            ch.cells.append(torch.zeros(ch.shape, dtype=torch.int64).to(
+                {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32,
+                 "int64": torch.int64, "bool": torch.bool}[ch.dtype]))
+    txn = Txn(chans)
+    fold = run_program(prog, FakeFire(window), txn, CPU)
+    return fold, txn
+
+
+def test_the_good_program_runs():
+    fold, _ = run(validate("m", GOOD, DIMS))
+    assert 0 <= fold <= 3
+
+
+# ---- fuzzing: the validator never crashes, and what it accepts runs with the shapes it inferred ------------
+
+_attr_values = st.one_of(st.integers(-3, 70), st.floats(-2, 2, allow_nan=False), st.booleans(),
+                         st.sampled_from(["int", "float", "bool", "int32", "float32", "x"]),
+                         st.lists(st.integers(-1, 5), max_size=4))
+_attr_names = st.sampled_from(["dim", "n", "rows", "k", "value", "dtype", "slot", "shape", "start", "stop",
+                               "index", "keepdim", "temperature", "top_k", "top_p"])
+
+
+_SOURCES = [
+    lambda d: node("logits", rows=d(st.lists(st.integers(0, 3), min_size=1, max_size=3))),
+    lambda d: node("hidden", rows=[0]),
+    lambda d: node("mtp_logits", rows=[0, 1], k=d(st.integers(1, 3))),
+    lambda d: node("tokens", n=3),
+    lambda d: node("iota", n=d(st.integers(1, 4))),
+    lambda d: node("const", value=d(st.sampled_from([1, 2.5, True, [1, 2, 3], [[0.5], [1.5]]])),
+                   dtype=d(st.sampled_from(["int", "float", "bool"]))),
+    lambda d: node(d(st.sampled_from(["take", "read"])), slot=0, shape=[3], dtype="int32"),
+]
+_ATTRS = {"dim": st.integers(-2, 1), "keepdim": st.booleans(), "start": st.integers(0, 3), "stop": st.integers(1, 4),
+          "index": st.integers(0, 3), "shape": st.sampled_from([[3], [1, 3], [3, 1], [], [50], [2, 2]]),
+          "dtype": st.sampled_from(["int", "float", "bool", "int32"]), "temperature": st.sampled_from([0.0, 0.8]),
+          "top_k": st.integers(0, 5), "top_p": st.sampled_from([0.5, 1.0]), "slot": st.just(0)}
+
+
+@st.composite
+def programs(draw):
+    """Mostly plausible programs (ops fed by earlier values, attributes of the right names and types),
+    so that the fuzz reaches the interpreter as well as the validator's refusals."""
+    nodes = [draw(st.sampled_from(_SOURCES))(draw)]
+    for i in range(1, draw(st.integers(1, 12))):
+        op = draw(st.sampled_from(sorted(OPS) + ["bogus"]))
+        if op in ("logits", "hidden", "mtp_logits", "tokens", "iota", "const", "take", "read"):
+            nodes.append(draw(st.sampled_from(_SOURCES))(draw))
+            continue
+        arity = {"where": 3, "scatter": 3, "concat": draw(st.integers(1, 3))}.get(op)
+        if arity is None:
+            arity = 2 if op in ("add", "sub", "mul", "div", "floordiv", "mod", "maximum", "minimum", "eq", "ne",
+                                "lt", "le", "gt", "ge", "and", "or", "xor", "masked_argmax", "sample",
+                                "gather") else 1
+        arity = draw(st.sampled_from([arity, arity, arity, arity - 1, arity + 1]))
+        inputs = [draw(st.integers(-1, i)) for _ in range(max(arity, 0))]
+        attrs = {k: draw(v) for k, v in _ATTRS.items() if draw(st.booleans())}
+        if op in ("put", "set"):
+            attrs.update(slot=0, shape=[3], dtype="int32")
+        nodes.append(node(op, inputs, **attrs))
+    return nodes
+
+
+def _check_runs(prog):
+    try:
+        values_ok = run(prog)
+    except PieError as e:  # data-dependent failures are typed too
+        assert e.code in (ErrorCode.PROGRAM_FAILED, ErrorCode.CHANNEL_EMPTY, ErrorCode.INVALID_ARGUMENT), e
+        return
+    assert values_ok is not None
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_fuzzed_programs_are_refused_with_a_typed_error_or_run(nodes):
+    try:
+        prog = validate("m", nodes, DIMS)
+    except PieError as e:
+        assert e.code in (ErrorCode.INVALID_PROGRAM, ErrorCode.UNSUPPORTED)
+        return
+    _check_runs(prog)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(GOOD) - 1), _attr_names, _attr_values, st.lists(st.integers(-1, 8), max_size=3))
+def test_mutations_of_a_good_program_are_refused_or_run(i, name, value, inputs):
+    nodes = [dict(n, attrs=dict(n["attrs"])) for n in GOOD]
+    nodes[i]["attrs"][name] = value
+    if inputs:
+        nodes[i]["inputs"] = inputs
+    try:
+        prog = validate("m", nodes, DIMS)
+    except PieError as e:
+        assert e.code == ErrorCode.INVALID_PROGRAM
+        return
+    _check_runs(prog)
+
+
+# ---- the SDK's tracer ----------------------------------------------------------------------------------
+
+
+class FakeChannel:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+class FakeModel:
+    name, vocab_size, hidden_size, mtp_depth = "m", DIMS.vocab, DIMS.hidden, DIMS.mtp_depth
+
+
+def test_traced_verify_program_validates_and_accepts_the_agreeing_prefix():
+    window, out = FakeChannel((4,), "int32"), FakeChannel((4,), "int32")
+    b = Builder(DIMS)
+    target = b.logits(range(4)).argmax()
+    drafts = b.tokens(4)[1:]
+    n = (drafts == target[:3]).int().cumprod().sum()
+    b.fold(n + 1)
+    b.put(out, where(b.iota(4) <= n, target, -1).cast("int"))
+    b.put(window, concat([target[:1], drafts]))
+    rng = b.const([7, 0])
+    sample(b.logits([0]), rng, temperature=0.7, top_k=5)
+    prog = validate("m", b.nodes, DIMS)
+    assert prog.hash == Program(FakeModel(), b.nodes, b.channels).hash
+    assert [c for c in b.channels] == [out, window]
+    fold, txn = run(prog, window=4)
+    assert 1 <= fold <= 4 and len(txn.puts[0]) == 1
+
+
+def test_tracer_refuses_at_the_offending_line():
+    b = Builder(DIMS)
+    x = b.logits([0, 1])
+    with pytest.raises(PieError) as e:
+        x + b.iota(3)
+    assert e.value.code == ErrorCode.INVALID_PROGRAM
+    with pytest.raises(TypeError):
+        bool(x.argmax() == 3)
+    assert np.array_equal(run(validate("m", b.nodes, DIMS))[0] is None, True)
