@@ -52,9 +52,10 @@ class Channel:
 
     def put(self, value: torch.Tensor) -> None:
         self.check_live()
+        cell = self.cell(value)
         if not self.free:
             raise PieError(ErrorCode.CHANNEL_FULL, f"channel {self.id} holds its capacity of {self.capacity} cells")
-        self.cells.append(self.cell(value))
+        self.cells.append(cell)
 
     def set(self, value: torch.Tensor) -> None:
         self.check_live()

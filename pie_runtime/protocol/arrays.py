@@ -10,7 +10,7 @@ ALLOWED_DTYPES = frozenset({"float32", "float16", "int32", "int64", "uint32", "u
 
 
 def encode_array(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(np.shape(a))  # ascontiguousarray turns a 0-d array into 1-d
     if a.dtype.name not in ALLOWED_DTYPES:
         raise PieError(ErrorCode.INVALID_ARGUMENT, f"dtype {a.dtype.name} cannot travel on the wire")
     return {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.astype(a.dtype.newbyteorder("<")).tobytes()}
