@@ -1,0 +1,115 @@
+"""The requests of epilogue programs and device channels, mixed into EngineCore: ``program_register``,
+``channel_open/put/set/take/read/close``, and the checks a fire with a program, a channel-fed window or a
+run-ahead passes before it is queued. Channels and programs belong to the client that made them."""
+
+from __future__ import annotations
+
+import torch
+
+from ...protocol import ErrorCode, PieError
+from ...protocol import messages as m
+from ...protocol.programs import ModelDims
+from ..channels import Channel
+from ..working_set import WorkingSet
+from .fire import RunState
+from .validate import Program, validate
+
+MAX_PROGRAMS = 256  # per client
+MAX_CHANNELS = 256  # per client
+
+
+class ProgramRequests:
+    """Needs from its host: ``channels`` (a ChannelTable), ``programs``, ``outbox``, ``models``, ``_model``."""
+
+    def _source(self, client: bytes, req: m.Fire, ws: WorkingSet) -> Channel | None:
+        if req.tokens_from is None:
+            return None
+        ch = self.channels.get(client, req.tokens_from)
+        if len(ch.shape) != 1 or ch.dtype not in ("int32", "int64") or ch.model != ws.model:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"tokens come from a 1-d int channel on {ws.model}")
+        if req.positions is not None:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a channel-fed fire takes the default positions")
+        ch.check_live()
+        if not ch.cells and not self._has_writer(ch):
+            raise PieError(ErrorCode.CHANNEL_EMPTY, f"channel {ch.id} is empty and no fire in flight writes it")
+        return ch
+
+    def _bind(self, client: bytes, req: m.Fire, ws: WorkingSet, w: int) -> tuple[Program | None, list[Channel]]:
+        bindings = [self.channels.get(client, h) for h in req.bindings]
+        if req.program is None:
+            if bindings:
+                raise PieError(ErrorCode.INVALID_ARGUMENT, "channel bindings need a program")
+            return None, []
+        program = self.programs.get(client, {}).get(req.program)
+        if program is None:
+            raise PieError(ErrorCode.UNKNOWN_PROGRAM, f"no program {req.program} (register it first)")
+        if program.model != ws.model or any(ch.model != ws.model for ch in bindings):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"program and channels must be on the fire's model {ws.model}")
+        program.check_fire(w, bindings)
+        return program, bindings
+
+    def _check_run_ahead(self, client, req: m.Fire, program, bindings, source) -> RunState | None:
+        ra = req.run_ahead
+        if ra is None:
+            return None
+        if source is None or program is None or not program.folds:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "run-ahead needs tokens_from and a program that folds")
+        written = {bindings[s].id for s in program.writes}
+        if source.id not in written or ra.output not in written:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a run-ahead's program writes its input and output channels")
+        if ra.stop_channel is not None:
+            self.channels.get(client, ra.stop_channel)
+        if req.readouts:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a run-ahead reads out through its program's channels")
+        return RunState(ra)
+
+    def _op_program_register(self, client, req: m.ProgramRegister) -> dict:
+        sm = self._model(req.model)
+        dims = ModelDims(sm.info.vocab_size, sm.info.hidden_size, sm.info.mtp_depth)
+        program = validate(sm.name, [n.model_dump() for n in req.nodes], dims)
+        mine = self.programs.setdefault(client, {})
+        if program.hash not in mine and len(mine) >= MAX_PROGRAMS:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_PROGRAMS} programs")
+        mine.setdefault(program.hash, program)
+        return {"program": program.hash, "slots": len(program.slots)}
+
+    def _op_channel_open(self, client, req: m.ChannelOpen) -> dict:
+        sm = self._model(req.model)
+        if sum(c.owner == client for c in self.channels.channels.values()) >= MAX_CHANNELS:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_CHANNELS} channels")
+        ch = self.channels.open(client, sm.name, req.shape, req.dtype, req.capacity, sm.runner.device)
+        return {"channel": ch.id}
+
+    def _op_channel_put(self, client, req: m.ChannelPut) -> dict:
+        ch = self.channels.get(client, req.channel)
+        ch.put(torch.from_numpy(req.value.to_numpy().copy()))
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {"size": len(ch.cells)}
+
+    def _op_channel_set(self, client, req: m.ChannelSet) -> dict:
+        ch = self.channels.get(client, req.channel)
+        ch.set(torch.from_numpy(req.value.to_numpy().copy()))
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {"size": len(ch.cells)}
+
+    def _op_channel_take(self, client, req: m.ChannelTake) -> dict | None:
+        ch = self.channels.get(client, req.channel)
+        return self.channels.take(client, req.id, ch, req.max, True, self._has_writer)
+
+    def _op_channel_read(self, client, req: m.ChannelRead) -> dict | None:
+        ch = self.channels.get(client, req.channel)
+        return self.channels.take(client, req.id, ch, 1, False, self._has_writer)
+
+    def _op_channel_close(self, client, req: m.ChannelClose) -> dict:
+        ch = self.channels.get(client, req.channel)
+        if self._has_writer(ch) or self._has_reader(ch):
+            raise PieError(ErrorCode.BUSY, f"channel {ch.id} is bound to fires in flight")
+        self.channels.close(ch)
+        self.outbox.extend(self.channels.serve(self._has_writer))
+        return {}
+
+    def _has_writer(self, ch: Channel) -> bool:
+        return any(c is ch for sm in self.models.values() for j in sm.queue for c in j.writes)
+
+    def _has_reader(self, ch: Channel) -> bool:
+        return any(ch is j.source or any(c is ch for c in j.bindings) for sm in self.models.values() for j in sm.queue)
