@@ -132,6 +132,14 @@ class ModelStore:
             first = str(e).splitlines()[0]
             raise StoreIntegrityError(f"manifest of model {name!r} is unreadable: {first}") from e
 
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Replace a stored model's manifest atomically (temp file, then rename), e.g. to attach drafters."""
+        self.get(manifest.name)
+        path = self.path(manifest.name) / MANIFEST_FILE
+        tmp = path.with_name(f".{MANIFEST_FILE}.{secrets.token_hex(4)}")
+        tmp.write_text(manifest.model_dump_json(indent=2))
+        os.replace(tmp, path)
+
     def remove(self, name: str) -> None:
         self.get(name)
         shutil.rmtree(self.path(name))

@@ -33,7 +33,8 @@ def run_engine(args) -> int:
     from ..engine.build import build_served_model
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
-    from ..store import DEFAULT_MODEL, StoreError, ensure_default_model
+    from ..drafters import draft_models
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
@@ -42,6 +43,7 @@ def run_engine(args) -> int:
     try:
         if DEFAULT_MODEL in names:
             ensure_default_model()
+        names += [d for n in list(names) for d in draft_models(ModelStore().get(n)) if d not in names]
         served = [
             build_served_model(
                 n, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_pages=args.kv_pages,

@@ -1,4 +1,4 @@
-"""`pie model import|list|info|remove|verify`: the model store from the command line. A refusal prints one
+"""`pie model import|list|info|remove|verify|drafter`: the model store from the command line. A refusal prints one
 `error: ...` line to stderr and exits 1."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("source", help=f"path to a .gguf file or checkpoint folder, or a packaged alias ({DEFAULT_MODEL})")
     p.add_argument("--name", help="name in the store (default: the alias, file stem or folder name)")
     p.add_argument("--force", action="store_true", help="replace a model already imported under this name")
+    p.add_argument("--drafter", action="append", default=[], metavar="SPEC",
+                   help="attach a drafter: mtp:FILE or draft:MODEL_NAME (repeatable)")
     p.set_defaults(func=_guarded(_import))
 
     p = sub.add_parser("list", help="list imported models")
@@ -38,6 +40,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name")
     p.set_defaults(func=_guarded(_verify))
 
+    p = sub.add_parser("drafter", help="attach or detach a model's drafters")
+    dsub = p.add_subparsers(dest="drafter_command", required=True)
+    d = dsub.add_parser("attach", help="attach mtp:FILE or draft:MODEL_NAME")
+    d.add_argument("name", help="the target model")
+    d.add_argument("spec", help="mtp:FILE or draft:MODEL_NAME")
+    d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
+    d.set_defaults(func=_guarded(_attach))
+    d = dsub.add_parser("detach", help="detach a drafter by name")
+    d.add_argument("name", help="the target model")
+    d.add_argument("drafter", help="the drafter's name (see `pie model info`)")
+    d.set_defaults(func=_guarded(_detach))
+
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
@@ -51,12 +65,53 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 
 def _import(args: argparse.Namespace) -> int:
+    from ..drafters import parse_spec
+
+    for spec in args.drafter:
+        parse_spec(spec)  # a malformed spec is refused before anything is converted
     result = import_model(args.source, name=args.name, force=args.force)
     m = result.manifest
+    if args.drafter:
+        _attach_at_import(m.name, args.drafter, fresh=result.imported and not args.force)
     if result.imported:
         print(f"imported {m.name}: {m.family}, {m.parameters / 1e6:.1f}M parameters, from {m.source}")
     else:
         print(f"{m.name} is already imported (from {m.source}); use --force to replace it")
+    return 0
+
+
+def _attach_at_import(name: str, specs: list[str], fresh: bool) -> None:
+    """Check every spec against the imported model, then attach them all. A refusal attaches nothing and
+    removes a model this command imported, so the store is as it was before the command."""
+    from ..drafters import attach, check_spec
+
+    store = ModelStore()
+    try:
+        target = store.get(name)
+        for spec in specs:
+            check_spec(store, target, spec)
+    except BaseException:
+        if fresh:
+            store.remove(name)
+        raise
+    for spec in specs:
+        entry = attach(store, name, spec)
+        print(f"attached {entry.kind} drafter {entry.name} to {name}")
+
+
+def _attach(args: argparse.Namespace) -> int:
+    from ..drafters import attach
+
+    entry = attach(ModelStore(), args.name, args.spec, args.drafter_name)
+    print(f"attached {entry.kind} drafter {entry.name} to {args.name}")
+    return 0
+
+
+def _detach(args: argparse.Namespace) -> int:
+    from ..drafters import detach
+
+    entry = detach(ModelStore(), args.name, args.drafter)
+    print(f"detached {entry.kind} drafter {entry.name} from {args.name}")
     return 0
 
 
@@ -110,7 +165,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"    {fname}  sha256:{digest}")
     print("  drafters" + ("" if m.drafters else "    none"))
     for d in m.drafters:
-        print(f"    {d.name}  {d.kind}  {d.path}")
+        extra = "  " + ", ".join(f"{k} {v}" for k, v in d.config.items()) if d.config else ""
+        print(f"    {d.name}  {d.kind}  {d.path}{extra}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..drafters import check_attached, load_mtp_head
 from ..models.kv_cache import KVCache
 from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
@@ -31,6 +32,9 @@ def build_served_model(
         kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype))
     kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
     manifest = loaded.manifest
+    store = store or ModelStore()
+    check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
+    mtp = load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
     info = ModelInfo(
         name=manifest.name,
         vocab_size=cfg.vocab_size,
@@ -40,8 +44,10 @@ def build_served_model(
         eos_token_ids=list(manifest.tokenizer.eos_token_ids),
         chat_template=manifest.tokenizer.chat_template,
         drafters=[d.model_dump() for d in manifest.drafters],
+        mtp_depth=mtp.depth if mtp is not None else 0,
     )
     runner = ModelRunner(loaded.model, kv, torch.device(device))
+    runner.mtp = mtp
     return ServedModel(
         name=manifest.name,
         info=info,

@@ -79,4 +79,16 @@ class ModelRunner:
         return {"tokens": sampling.sample(probs, spec.seed).to(torch.int32).cpu().numpy()}
 
     def _mtp(self, r: ReadoutRequest) -> dict[str, np.ndarray]:
-        raise NotImplementedError  # replaced when the model has an MTP drafter (see core's check)
+        """tokens (R, 1+k): the target's greedy next token (under the row's mask), then k chained MTP
+        drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution."""
+        spec = r.spec
+        mask = None
+        if r.mask is not None:
+            mask = sampling.unpack_mask(torch.from_numpy(r.mask.astype(np.int32)).to(self.device), self.vocab)
+        first = sampling.argmax(self.model.logits(r.hidden), mask)
+        drafts, logits = self.mtp.draft(r.hidden, first, spec.k)
+        out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
+        if spec.with_probs:
+            probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in logits]
+            out["probs"] = torch.stack(probs, dim=1).cpu().numpy()
+        return out

@@ -1,0 +1,69 @@
+"""Measures drafters against their target on held-out text (the last 5% of each corpus file, which
+`pie drafter train` never trains on): per draft position j = 1..K, how often draft j equals the target's
+greedy choice, given that drafts 1..j-1 did (the acceptance rate of a speculative round), and for MTP also
+unconditionally.
+
+Two kinds of held-out rows per corpus:
+- text: the corpus's own held-out tokens, teacher-forced (the target's greedy token after each position);
+- greedy: the target's own greedy continuations of held-out prompts, i.e. exactly what a speculative
+  decoder drafts against.
+
+    python examples/drafters/eval_drafters.py --mtp examples/drafters/smollm2-mtp.safetensors \
+        --draft smollm2-draft --corpus austen.txt --corpus kjv.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from pie_runtime import distill
+from pie_runtime.models.mtp import MTPHead, load_mtp
+from pie_runtime.store import DEFAULT_MODEL, load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--mtp", default=None)
+    p.add_argument("--draft", default=None, help="a draft model in the store")
+    p.add_argument("--corpus", action="append", required=True)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--text-tokens", type=int, default=2048, help="held-out text tokens per corpus")
+    p.add_argument("--prompts", type=int, default=16, help="greedy continuations per corpus")
+    p.add_argument("--new", type=int, default=48, help="tokens per greedy continuation")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the table here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = load_model(args.model)
+    head = MTPHead(load_mtp(Path(args.mtp)), target.model) if args.mtp else None
+    draft = load_model(args.draft).model if args.draft else None
+    k = args.depth
+    table = {}
+    for corpus in args.corpus:
+        _, held = distill.corpus_tokens(target.tokenizer_path, Path(corpus))
+        text = distill.teacher_windows(target.model, distill.spaced_windows(held, args.text_tokens // 256, 256))
+        prompts = [w[:32] for w in distill.spaced_windows(held, args.prompts, 64)]
+        greedy = distill.teacher_generations(target.model, prompts, args.new)
+        for kind, data, start in (("text", text, 0), ("greedy", greedy, 31)):  # greedy: from the last prompt token
+            row = {"rows": int(data.tokens[:, start:].numel())}
+            if head is not None:
+                d = min(k, head.depth)
+                row["mtp"] = distill.mtp_agreement(head, data, d, conditional=True, start=start)
+                row["mtp_unconditional"] = distill.mtp_agreement(head, data, d, start=start)
+            if draft is not None:
+                row["draft"] = distill.draft_agreement(draft, data, k, start=start)
+            table[f"{Path(corpus).stem}/{kind}"] = row
+            print(Path(corpus).stem, kind, json.dumps({n: [round(x, 3) for x in v] if isinstance(v, list) else v
+                                                       for n, v in row.items()}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""`pie drafter train`: distil an MTP head or a draft model from a stored target on its own predictions.
+
+    pie drafter train --model smollm2-135m --kind mtp --corpus austen.txt --depth 3 --out head.safetensors
+    pie drafter train --model smollm2-135m --kind draft --corpus austen.txt --out smollm2-draft
+
+``mtp`` writes ``FILE`` (safetensors) and ``FILE`` with a ``.json`` suffix (its config, naming the target by
+the sha256 of its weights file); attach it with ``pie model drafter attach MODEL mtp:FILE``. ``draft``
+imports a small model with the target's tokenizer into the store under ``--out``; attach it with
+``pie model drafter attach MODEL draft:NAME``. ``--attach`` does either right after training.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("drafter", help="train drafters by self-distillation")
+    dsub = parser.add_subparsers(dest="drafter_command", required=True)
+    p = dsub.add_parser("train", help="train an MTP head or a draft model on the target's own predictions")
+    p.add_argument("--model", default=None, help="the target model in the store (default: the default model)")
+    p.add_argument("--kind", required=True, choices=["mtp", "draft"])
+    p.add_argument("--corpus", action="append", required=True, help="a UTF-8 text file (repeatable)")
+    p.add_argument("--depth", type=int, default=3, help="mtp: draft steps (one module reused K times)")
+    p.add_argument("--tokens", type=int, default=49152, help="corpus tokens to train on, split across corpora")
+    p.add_argument("--gen-tokens", type=int, default=0, help="also train on this many tokens of the target's own greedy continuations")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 draft)")
+    p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--out", default=None, help="mtp: output file (default MODEL-mtp.safetensors); draft: store name")
+    p.add_argument("--layers", default="0,1,2,-1", help="draft: target layers the draft starts from")
+    p.add_argument("--blocks", type=int, default=2, help="mtp: residual MLP blocks")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (draft) per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
+    p.add_argument("--train-threads", type=int, default=1,
+                   help="torch CPU threads while training (small ops: one thread is fastest on a busy machine)")
+    p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
+    p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
+    p.add_argument("--force", action="store_true", help="draft: replace a store model of the same name")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    import torch
+
+    from ..drafters import attach, target_digest
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model, load_model, pie_home
+
+    torch.set_num_threads(args.threads)
+    name = args.model or DEFAULT_MODEL
+    command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
+    try:
+        if name == DEFAULT_MODEL:
+            ensure_default_model()
+        store = ModelStore()
+        loaded = load_model(name, store=store)
+        if args.kind == "draft":
+            out = args.out or f"{name}-draft"
+            if store.exists(out) and not args.force:
+                raise StoreError(f"model {out!r} is already in the store; use --force or another --out")
+        corpora = [Path(c).expanduser() for c in args.corpus]
+        for c in corpora:
+            if not c.is_file():
+                raise StoreError(f"no such corpus file: {c}")
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    from .. import distill
+
+    digest = target_digest(loaded.manifest)
+    cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
+    plan = distill.DataPlan(corpora=corpora, tokens=args.tokens, gen_tokens=args.gen_tokens, seq_len=args.seq_len,
+                              heldout_tokens=args.heldout_tokens)
+    t0 = time.monotonic()
+    train, heldout = distill.build_teacher_data(loaded.model, loaded.tokenizer_path, plan, cache, digest,
+                                                progress=not args.quiet)
+    t_data = time.monotonic() - t0
+    torch.set_num_threads(args.train_threads)
+    limit = args.minutes * 60 if args.minutes else None
+    t1 = time.monotonic()
+    info = {"command": command, "corpus": [str(c) for c in corpora], "tokens": train.num_tokens,
+            "teacher_s": round(t_data, 1)}
+    if args.kind == "mtp":
+        module = distill.train_mtp(
+            loaded.model, train, heldout, depth=args.depth, epochs=args.epochs or 40, target_name=name,
+            target_digest=digest, blocks=args.blocks, batch=args.batch or 256, lr=args.lr or 1e-3, seed=args.seed,
+            progress=not args.quiet, max_seconds=limit,
+        )  # fmt: skip
+        from ..models.mtp import MTPHead, config_path, save_mtp
+
+        agree = distill.mtp_agreement(MTPHead(module, loaded.model), heldout, args.depth, conditional=True)
+        info |= {"train_s": round(time.monotonic() - t1, 1), "heldout_acceptance": [round(a, 4) for a in agree]}
+        module.config = module.config.model_copy(update={"training": info})
+        out = Path(args.out or f"{name}-mtp.safetensors")
+        save_mtp(module, out)
+        print(f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
+              f"{', '.join(f'{a:.3f}' for a in agree)}; train {info['train_s']:.0f} s)")  # fmt: skip
+        spec = f"mtp:{out}"
+    else:
+        layers = [int(x) for x in args.layers.split(",")]
+        draft = distill.train_draft(
+            loaded.model, train, heldout, layers=layers, epochs=args.epochs or 4, batch=args.batch or 4,
+            lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=limit,
+        )  # fmt: skip
+        agree = distill.draft_agreement(draft, heldout, 3)
+        info |= {"train_s": round(time.monotonic() - t1, 1), "heldout_acceptance": [round(a, 4) for a in agree]}
+        result = save_draft(store, draft, loaded, out, info, force=args.force)
+        print(f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
+              f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; train {info['train_s']:.0f} s)")  # fmt: skip
+        spec = f"draft:{out}"
+    if args.attach:
+        try:
+            entry = attach(store, name, spec)
+        except StoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"attached {entry.kind} drafter {entry.name} to {name}")
+    return 0
+
+
+def save_draft(store, draft, loaded, name: str, info: dict, force: bool = False):
+    """Imports a trained draft model into the store under ``name`` with the target's tokenizer."""
+    from ..models.checkpoint import Converted
+
+    state = {k: v.detach().float().contiguous() for k, v in draft.state_dict().items()}
+    if draft.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    converted = Converted(
+        family=loaded.manifest.family, config=draft.config, tensors=state,
+        tokenizer_json=loaded.tokenizer_path.read_text(), tokenizer=loaded.manifest.tokenizer,
+        source=f"pie drafter train --kind draft from {loaded.manifest.name} "
+               f"(sha256 {loaded.manifest.files['model.safetensors'][:12]}...); {info}",
+    )  # fmt: skip
+    return store.add(converted, name, force=force)

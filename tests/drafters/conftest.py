@@ -1,0 +1,119 @@
+"""Fixtures for the drafter tests: a store of its own (the default model's files linked, its manifest
+copied, so attaching never touches the real store), drafters trained once per session on a slice of the
+corpus, and crafted models that every check must refuse."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
+from tests.conftest import TINY
+
+CORPUS = Path("/work/shared/corpus/austen.txt")
+if not CORPUS.is_file():
+    CORPUS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
+DRAFT = "smol-draft"  # the draft model trained by the session fixture
+
+
+def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs the real `pie` command line with PIE_HOME=home."""
+    env = {**os.environ, "PIE_HOME": str(home)}
+    proc = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", *words], env=env, capture_output=True,
+                          text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pie {' '.join(words)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def link_model(src: Path, dst: Path) -> None:
+    """A model folder whose data files link to ``src``'s and whose manifest is a private copy."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == MANIFEST_FILE:
+            shutil.copyfile(f, dst / f.name)
+        elif f.is_file() and not f.name.startswith("."):
+            (dst / f.name).symlink_to(f.resolve())
+
+
+def snapshot(home: Path) -> dict[str, str]:
+    """Every file under the store (links by target), with a digest of the small ones: 'unchanged' means equal."""
+    out = {}
+    for p in sorted((home / "models").rglob("*")):
+        rel = str(p.relative_to(home))
+        if p.name == ".verified.json":
+            continue
+        if p.is_symlink():
+            out[rel] = "->" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.stat().st_size < 1 << 20 else str(p.stat().st_size)
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def craft(home: Path, base: str, name: str, config: dict | None = None, top: dict | None = None,
+          tokenizer=None) -> None:
+    """A store model copied from ``base`` with its manifest's config (and top level) edited: only the checks
+    read it, never a forward."""
+    src = home / "models" / base
+    link_model(src, home / "models" / name)
+    manifest = json.loads((src / MANIFEST_FILE).read_text())
+    manifest["name"] = name
+    manifest["config"].update(config or {})
+    manifest.update(top or {})
+    if tokenizer is not None:
+        path = home / "models" / name / "tokenizer.json"
+        path.unlink()
+        path.write_text(tokenizer)
+        manifest["files"]["tokenizer.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (home / "models" / name / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def swapped_tokenizer(tokenizer_json: Path) -> str:
+    """The same tokenizer with two tokens' ids exchanged."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = "the", "and"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return json.dumps(data)
+
+
+@pytest.fixture(scope="session")
+def drafter_home(pie_home, tmp_path_factory) -> Path:
+    """A store with the default model, tiny-smol, and crafted refusable models; drafters trained once."""
+    home = tmp_path_factory.mktemp("drafter-home")
+    models = home / "models"
+    link_model((pie_home / "models" / DEFAULT_MODEL).resolve(), models / DEFAULT_MODEL)
+    link_model(pie_home / "models" / TINY, models / TINY)
+    target_positions = ModelStore(models).get(DEFAULT_MODEL).config.max_position_embeddings
+    craft(home, TINY, "big-vocab", {"vocab_size": 50000, "max_position_embeddings": target_positions})
+    craft(home, TINY, "short-context")  # 2048 positions, the target has 8192
+    craft(home, TINY, "swapped-ids", {"max_position_embeddings": target_positions},
+          tokenizer=swapped_tokenizer(models / TINY / "tokenizer.json"))
+    craft(home, TINY, "recurrent", {"max_position_embeddings": target_positions, "recurrent": True})
+
+    # a slice of the corpus: 2k tokens to train on and a held-out tail (the target's forward over them is
+    # most of this fixture's time: about 30 s on two idle cores)
+    text = CORPUS.read_text(encoding="utf-8", errors="replace")
+    corpus = home / "corpus.txt"
+    corpus.write_text(text[:40000])
+    common = ["--corpus", str(corpus), "--tokens", "2048", "--seq-len", "128", "--heldout-tokens", "256",
+              "--cache-dir", str(home / "cache"), "--quiet", "--threads", "2"]
+    pie(home, "drafter", "train", "--kind", "mtp", "--depth", "2", "--epochs", "20", "--out",
+        str(home / "head.safetensors"), *common)
+    pie(home, "drafter", "train", "--kind", "draft", "--layers", "0,-1", "--epochs", "10", "--batch", "2", "--lr", "1e-3",
+        "--out", DRAFT, *common)
+    return home
+
+
+@pytest.fixture(scope="session")
+def head(drafter_home) -> Path:
+    return drafter_home / "head.safetensors"
