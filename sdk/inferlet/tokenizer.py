@@ -11,10 +11,15 @@ from tokenizers import Tokenizer as _HFTokenizer
 class Tokenizer:
     def __init__(self, tokenizer_json: str, eos_token_ids: list[int], bos_token_id: int | None,
                  chat_template: str | None):
+        self._json = tokenizer_json
         self._tok = _HFTokenizer.from_str(tokenizer_json)
         self.eos_token_ids = list(eos_token_ids)
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+
+    def to_json(self) -> str:
+        """The tokenizer.json text the engine sent (for tools that build their own tokenizer, e.g. llguidance)."""
+        return self._json
 
     @property
     def vocab_size(self) -> int:

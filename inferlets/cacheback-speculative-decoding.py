@@ -1,0 +1,40 @@
+"""cacheback-speculative-decoding: prompt-lookup drafts verified by the target in one fire a round.
+
+Saxena 2023, "Prompt Lookup Decoding" (drafting); Leviathan et al. 2023 / Chen et al. 2023 (verification).
+
+    for n in max_ngram down to min_ngram:                       # draft
+        if the last n tokens of (prompt + output) occurred earlier: drafts = the K tokens after it; break
+    res = fire([last] + drafts, readout every row, fold=DEFERRED)   # verify
+    keep the longest agreeing prefix + the target's own next token; ws.fold(1 + accepted)
+"""
+
+from __future__ import annotations
+
+import inferlet
+from inferlet.decode import DecodeArgs, Drafter, Proposal, speculate
+from inferlet.lookup import NgramIndex
+
+
+class Args(DecodeArgs):
+    draft_length: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+
+class LookupDrafter(Drafter):
+    def __init__(self, args: Args):
+        self.index = NgramIndex(args.max_ngram, args.min_ngram)
+
+    async def prefill(self, prompt: list[int]) -> None:
+        self.index.extend(prompt)
+
+    async def commit(self, new_tokens: list[int], seq: list[int], committed: int) -> None:
+        self.index.extend(new_tokens)
+
+    async def propose(self, seq: list[int], k: int) -> Proposal:
+        return Proposal(self.index.draft(k))
+
+
+@inferlet.main
+async def main(args: Args) -> dict:
+    return await speculate(inferlet.model(), args, LookupDrafter(args), args.draft_length)

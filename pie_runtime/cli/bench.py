@@ -1,0 +1,159 @@
+"""`pie bench speculation`: one speculative inferlet against text-completion on one prompt and one engine.
+
+    pie bench speculation --inferlet cacheback-speculative-decoding --prompt repetitive [--timing] -- --draft-length 4
+
+Prints the decode rate of both, their ratio, acceptance overall and per draft position, the share of rounds
+that rejected a draft, skipped rows, and a digest (sha256 of the token ids) of each output, so a greedy run
+shows at a glance whether it returned text-completion's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
+from ..store import DEFAULT_MODEL
+
+PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("speculation", help="a speculative inferlet against text-completion (args after --)")
+    p.add_argument("--inferlet", required=True, help="a shipped inferlet name or a .py file")
+    p.add_argument("--prompt", default="repetitive", help="mixed, repetitive (examples/speculation_prompts) or a file")
+    p.add_argument("--max-tokens", type=int, default=128, help="unless given after --")
+    p.add_argument("--model", action="append", default=None,
+                   help=f"models the engine serves (default {DEFAULT_MODEL}; a --draft after -- is added)")
+    p.add_argument("--timing", action="store_true", help="time each verify round")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
+    p.set_defaults(func=_speculation)
+
+
+def prompt_text(choice: str) -> str:
+    path = PROMPTS / f"{choice}.txt" if choice in ("mixed", "repetitive") else Path(choice)
+    if not path.is_file():
+        raise LaunchError(f"no prompt file {path}")
+    return path.read_text()
+
+
+def digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
+
+
+def _flag(words: list[str], name: str) -> str | None:
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(name + "="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128, timing: bool = False,
+            models: list[str] | None = None, engine_args: list[str] | None = None) -> dict:
+    """Runs a warm-up, the inferlet, then text-completion on one embedded engine; returns both results."""
+    words = list(words)
+    if _flag(words, "--max-tokens") is None:
+        words += ["--max-tokens", str(max_tokens)]
+    models = list(models or [DEFAULT_MODEL])
+    draft = _flag(words, "--draft")
+    if draft and draft not in models:
+        models.append(draft)
+    common = ["--prompt", prompt, "--stream", "false"]
+    tc_words = _text_completion_words(words)
+    path = resolve_inferlet(inferlet)
+
+    def go(p: Path, ws: list[str]) -> dict:
+        out = run_inferlet(p, eng.address, common + ws, stdout=subprocess.DEVNULL)
+        if not out["ok"]:
+            raise LaunchError(f"{p.stem}: {out.get('error')}")
+        return out["result"]
+
+    with EmbeddedEngine(models, engine_args or []) as eng:
+        go(resolve_inferlet("text-completion"), ["--max-tokens", "4"])  # warm-up: first-call costs
+        spec = go(path, words + (["--timing"] if timing else []))
+        base = go(resolve_inferlet("text-completion"), tc_words)
+    return {"inferlet": path.stem, "models": models, "spec": spec, "base": base,
+            "greedy": float(_flag(words, "--temperature") or 0) == 0}
+
+
+def _text_completion_words(words: list[str]) -> list[str]:
+    """The inferlet's words that text-completion takes (sampler and limits), dropping policy flags."""
+    keep = {"--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--stop"}
+    out, i = [], 0
+    while i < len(words):
+        w = words[i]
+        name = w.split("=", 1)[0]
+        takes_value = "=" not in w and i + 1 < len(words) and not words[i + 1].startswith("--")
+        if name in keep or name == "--chat":  # a bare --chat takes no value
+            out += words[i : i + (2 if takes_value else 1)]
+        i += 2 if takes_value else 1
+    return out
+
+
+def summary(m: dict) -> dict:
+    spec, base = m["spec"], m["base"]
+    s = spec["stats"]
+    rate, base_rate = s.get("decode_tokens_per_s", 0.0), base["stats"].get("decode_tokens_per_s", 0.0)
+    out = {
+        "inferlet": m["inferlet"],
+        "decode_tokens_per_s": rate,
+        "text_completion_tokens_per_s": base_rate,
+        "speed_ratio": round(rate / base_rate, 3) if base_rate else None,
+        "generated_tokens": len(spec["token_ids"]),
+        "rounds": s.get("rounds"),
+        "acceptance": round(s.get("acceptance", 0.0), 3),
+        "acceptance_per_position": [round(a, 3) for a in s.get("acceptance_per_position", [])],
+        "rejecting_round_share": round(s.get("rejecting_round_share", 0.0), 3),
+        "skipped": s.get("skipped", {}),
+        "prefill_ms": s.get("prefill_ms"),
+        "digest": digest(spec["token_ids"]),
+        "text_completion_digest": digest(base["token_ids"]),
+        "greedy_match": spec["token_ids"] == base["token_ids"] if m["greedy"] else None,
+    }
+    if "round_ms" in s and s["round_ms"]:
+        out["round_ms_mean"] = round(statistics.fmean(s["round_ms"]), 2)
+        out["round_ms_median"] = round(statistics.median(s["round_ms"]), 2)
+        out["draft_ms_mean"] = round(statistics.fmean(s["draft_ms"]), 2) if s.get("draft_ms") else 0.0
+        out["text_completion_ms_per_token"] = round(1e3 / base_rate, 2) if base_rate else None
+    return out
+
+
+def print_table(row: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"speculation: {row['inferlet']}", show_header=True)
+    table.add_column("measure")
+    table.add_column("value", overflow="fold")
+    for key, value in row.items():
+        if key == "inferlet":
+            continue
+        if key == "greedy_match" and value is None:
+            value = "n/a (sampled)"
+        table.add_row(key.replace("_", " "), json.dumps(value) if isinstance(value, (list, dict)) else str(value))
+    Console().print(table)
+
+
+def _speculation(args: argparse.Namespace) -> int:
+    try:
+        m = measure(args.inferlet, prompt_text(args.prompt), args.inferlet_args, args.max_tokens, args.timing,
+                    args.model, args.engine_arg)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    row = {"prompt": args.prompt, **summary(m)}
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print_table(row)
+    return 0

@@ -1,0 +1,88 @@
+"""Fixtures of the speculative inferlets' tests: one engine serving the default model and a draft model cut
+from it (layers 0..1 + final norm, sharing its embedding), and a way to call an inferlet in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pie_runtime.store import DEFAULT_MODEL, ModelStore
+
+from tests.conftest import REPO, start_engine
+
+SLICE = "smol-slice"
+INFERLETS = REPO / "inferlets"
+
+
+def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
+    """A Hugging Face folder holding the first ``layers`` layers of the model in ``source`` (a store folder)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.loads((source / "manifest.json").read_text())["config"]
+    folder.mkdir(parents=True)
+    keep = ("model.embed_tokens.", "model.norm.") + tuple(f"model.layers.{i}." for i in range(layers))
+    with safe_open(source / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k.startswith(keep)}
+    save_file(tensors, folder / "model.safetensors")
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": layers, "num_attention_heads": cfg["num_attention_heads"],
+        "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+        "max_position_embeddings": cfg["max_position_embeddings"], "rms_norm_eps": cfg["rms_norm_eps"],
+        "rope_theta": cfg["rope_theta"], "tie_word_embeddings": True, "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_ids"][0], "torch_dtype": "float32",
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(hf))
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def spec_engine(pie_home):
+    """The default model (the target, served first) and the slice draft model, with room for many rows."""
+    if not (pie_home / "models" / SLICE).exists():
+        ckpt = pie_home / "slice-ckpt"
+        write_slice(ckpt, ModelStore().path(DEFAULT_MODEL))
+        pie = REPO / ".venv/bin/pie"
+        subprocess.run([str(pie) if pie.exists() else "pie", "model", "import", str(ckpt), "--name", SLICE],
+                       check=True, env={**os.environ, "PIE_HOME": str(pie_home)}, capture_output=True)
+    eng = start_engine(pie_home, [DEFAULT_MODEL, SLICE], "--kv-pages", "2048")
+    yield eng
+    eng.stop()
+
+
+def load(name: str):
+    """(main, Args) of a shipped inferlet, loaded in this process."""
+    path = INFERLETS / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"inferlet_{name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main, module.Args
+
+
+def call_many(address: str, name: str, arg_sets: list[dict]) -> list[dict]:
+    """Runs an inferlet once per argument set, all at once on one connection (the engine batches them)."""
+    import inferlet
+
+    main, Args = load(name)
+
+    async def go():
+        session = await inferlet.connect(address)
+        try:
+            return await asyncio.gather(*(main(Args(stream=False, **a)) for a in arg_sets))
+        finally:
+            session.client.close()
+
+    return asyncio.run(go())
+
+
+def call(address: str, name: str, **args) -> dict:
+    return call_many(address, name, [args])[0]
