@@ -109,6 +109,9 @@ async def main(args: Args) -> dict:
     }
 
 
+TAKE_AT_LEAST = 8  # run-ahead tokens arrive in batches: fewer replies, so less host work per token
+
+
 class RunAhead:
     """The channels and the in-flight run of --run-ahead; ``stop`` ends it early and waits for its answer."""
 
@@ -166,7 +169,7 @@ async def launch_run_ahead(model, ws, prompt_ids: list[int], args: Args):
     async def tokens():
         while True:
             try:
-                cells = await out.take(max=256)
+                cells = await out.take(max=256, min=TAKE_AT_LEAST)
             except inferlet.PieError as e:
                 if e.code != inferlet.ErrorCode.CHANNEL_EMPTY:
                     raise

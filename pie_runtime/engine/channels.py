@@ -131,6 +131,7 @@ class Waiter:
     channel: int
     max: int
     consume: bool
+    min: int = 1
 
 
 class ChannelTable:
@@ -164,9 +165,9 @@ class ChannelTable:
         self.waiters = [w for w in self.waiters if w.client != owner]
 
     def take(self, client: bytes, req_id: int, ch: Channel, n: int, consume: bool,
-             has_writer: Callable[[Channel], bool]) -> dict | None:
+             has_writer: Callable[[Channel], bool], at_least: int = 1) -> dict | None:
         """The reply to a host take or read, or None when it waits for a fire in flight."""
-        w = Waiter(client, req_id, ch.id, n, consume)
+        w = Waiter(client, req_id, ch.id, n, consume, min(at_least, n))
         reply = self._try(w, has_writer)
         if reply is None:
             self.waiters.append(w)
@@ -193,9 +194,9 @@ class ChannelTable:
             if ch is None:
                 raise PieError(ErrorCode.UNKNOWN_CHANNEL, f"channel {w.channel} was closed")
             ch.check_live()
+            if len(ch.cells) < w.min and has_writer(ch):
+                return None
             if not ch.cells:
-                if has_writer(ch):
-                    return None
                 raise PieError(ErrorCode.CHANNEL_EMPTY, f"channel {ch.id} is empty and no fire in flight writes it")
         except PieError as e:
             return {"id": w.req_id, "ok": False, "error": e.to_wire()}

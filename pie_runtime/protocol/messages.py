@@ -172,12 +172,13 @@ class ChannelSet(_Req):
 
 
 class ChannelTake(_Req):
-    """Consumes up to ``max`` cells (at least one); waits while the channel is empty and a fire in flight
-    writes it."""
+    """Consumes up to ``max`` cells; waits while fewer than ``min`` are there and a fire in flight writes the
+    channel (a larger ``min`` batches a run-ahead's output into fewer replies)."""
 
     op: Literal["channel_take"]
     channel: int
     max: int = Field(default=1, ge=1, le=4096)
+    min: int = Field(default=1, ge=1, le=4096)
 
 
 class ChannelRead(_Req):

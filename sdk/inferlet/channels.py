@@ -35,10 +35,11 @@ class Channel:
         """Replaces the front cell (puts one into an empty channel)."""
         return (await self.model.client.request("channel_set", channel=self.handle, value=self._wire(value)))["size"]
 
-    async def take(self, max: int = 1) -> np.ndarray:
-        """Consumes 1..max cells, (n, *shape); waits while the channel is empty and a fire in flight writes it.
-        An empty channel nobody writes raises CHANNEL_EMPTY; one a failed fire wrote, CHANNEL_POISONED."""
-        reply = await self.model.client.request("channel_take", channel=self.handle, max=int(max))
+    async def take(self, max: int = 1, min: int = 1) -> np.ndarray:
+        """Consumes 1..max cells, (n, *shape); waits while fewer than ``min`` are there and a fire in flight
+        writes the channel. An empty channel nobody writes raises CHANNEL_EMPTY; one a failed fire wrote,
+        CHANNEL_POISONED."""
+        reply = await self.model.client.request("channel_take", channel=self.handle, max=int(max), min=int(min))
         return decode_array(reply["value"])
 
     async def read(self) -> np.ndarray:

@@ -174,3 +174,14 @@ async def test_a_client_dying_mid_run_stops_its_fires_and_returns_its_pages(tiny
     steps = after["steps"]
     await asyncio.sleep(0.3)
     assert (await stats(tiny))["steps"] - steps <= 2  # the engine went idle
+
+
+async def test_a_take_with_min_waits_for_a_batch(tiny):
+    ids = tiny.tokenizer.encode(PROMPT)
+    ref = await host_greedy(tiny, ids, 12)
+    ws, out, _, task = await start_run(tiny, ids, budget_tokens=11)
+    first = (await out.take(max=64, min=6)).reshape(-1).tolist()
+    assert len(first) >= 6
+    rest = await drain(out, task)
+    await task
+    assert first + rest == ref

@@ -94,7 +94,7 @@ class ProgramRequests:
 
     def _op_channel_take(self, client, req: m.ChannelTake) -> dict | None:
         ch = self.channels.get(client, req.channel)
-        return self.channels.take(client, req.id, ch, req.max, True, self._has_writer)
+        return self.channels.take(client, req.id, ch, req.max, True, self._has_writer, req.min)
 
     def _op_channel_read(self, client, req: m.ChannelRead) -> dict | None:
         ch = self.channels.get(client, req.channel)
