@@ -101,6 +101,8 @@ class EngineServer:
             for other, owed in self.core.drain_outbox():  # e.g. takes a host put has fulfilled
                 self._send(other, owed)
         except PieError as e:
+            if req_id is None:
+                req_id = e.request_id
             self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": e.to_wire()})
         except Exception as e:  # a bug must cost one request, never the engine
             log.exception("internal error")

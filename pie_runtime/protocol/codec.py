@@ -24,7 +24,7 @@ def unpack(data: bytes) -> Any:
 
 
 def parse_request(data: bytes) -> tuple[int | None, Any]:
-    """Returns (id, request). Raises PieError carrying whatever id could be read, for the error reply."""
+    """Returns (id, request). A refusal raises PieError whose ``request_id`` is whatever id could be read."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise PieError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
@@ -33,14 +33,19 @@ def parse_request(data: bytes) -> tuple[int | None, Any]:
         raise PieError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(e).__name__}") from None
     if not isinstance(obj, dict):
         raise PieError(ErrorCode.BAD_MESSAGE, "a message must be a map")
-    if obj.get("op") not in OPS:
-        raise PieError(ErrorCode.UNKNOWN_OP, f"unknown op {obj.get('op')!r}")
+    req_id = obj.get("id")
     try:
-        return obj.get("id"), _request_adapter.validate_python(obj)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
-        raise PieError(ErrorCode.BAD_MESSAGE, f"{where}: {first['msg']}") from None
+        if obj.get("op") not in OPS:
+            raise PieError(ErrorCode.UNKNOWN_OP, f"unknown op {obj.get('op')!r}")
+        try:
+            return req_id, _request_adapter.validate_python(obj)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"][1:]) or "message"
+            raise PieError(ErrorCode.BAD_MESSAGE, f"{where}: {first['msg']}") from None
+    except PieError as e:
+        e.request_id = req_id if isinstance(req_id, int) else None  # so the refusal reaches the waiting caller
+        raise
 
 
 def parse_reply(data: bytes) -> dict:

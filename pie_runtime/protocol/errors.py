@@ -38,6 +38,7 @@ class PieError(Exception):
     def __init__(self, code: ErrorCode | str, message: str):
         self.code = ErrorCode(code)
         self.message = message
+        self.request_id: int | None = None  # set when the refused request's id could be read
         super().__init__(f"{self.code.value}: {message}")
 
     def to_wire(self) -> dict:

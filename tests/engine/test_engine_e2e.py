@@ -287,3 +287,13 @@ async def test_killed_client_pages_return(tiny):
     while await pages_free(tiny) != free0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert await pages_free(tiny) == free0
+
+
+async def test_refused_request_with_readable_id_reaches_its_caller(tiny):
+    # a wrong field type is refused before validation finishes; the reply must still carry the request's id
+    with pytest.raises(PieError) as e:
+        await asyncio.wait_for(tiny.client.request("fire", ws="not-an-int", tokens=[1]), timeout=10)
+    assert e.value.code == ErrorCode.BAD_MESSAGE
+    with pytest.raises(PieError) as e:
+        await asyncio.wait_for(tiny.client.request("no_such_op"), timeout=10)
+    assert e.value.code == ErrorCode.UNKNOWN_OP
