@@ -32,8 +32,9 @@ class AttentionGroup:
 
     query_rows: torch.Tensor  # (B, Q) int64 row index in the batch (padding repeats a valid row)
     query_valid: torch.Tensor  # (B, Q) bool
-    key_slots: torch.Tensor  # (B, K) int64 cache slots in sequence order (padding points at slot 0)
+    key_pages: torch.Tensor  # (B, P) int64 pages in sequence order (padding repeats page 0); K = P * page_size
     mask: torch.Tensor  # (B, 1, Q, K) bool, True where the query may attend the key
+    valid_rows: torch.Tensor  # (n,) int64 batch rows of the valid queries, in query_valid order
 
 
 @dataclass(frozen=True)
@@ -90,19 +91,20 @@ class ForwardContext:
 def _group(segments: list[Segment], row_start: list[int], page_size: int, device) -> AttentionGroup:
     b = len(segments)
     q = max(s.n_rows for s in segments)
-    k = max(s.start + s.n_rows for s in segments)
+    p = max((s.start + s.n_rows + page_size - 1) // page_size for s in segments)
+    k = p * page_size
     query_rows = torch.zeros(b, q, dtype=torch.int64)
     query_valid = torch.zeros(b, q, dtype=torch.bool)
-    key_slots = torch.zeros(b, k, dtype=torch.int64)
+    key_pages = torch.zeros(b, p, dtype=torch.int64)
     mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
     for i, (seg, r0) in enumerate(zip(segments, row_start)):
         query_rows[i, : seg.n_rows] = torch.arange(r0, r0 + seg.n_rows)
         query_rows[i, seg.n_rows :] = r0
         query_valid[i, : seg.n_rows] = True
         kl = seg.start + seg.n_rows
+        used = (kl + page_size - 1) // page_size
+        key_pages[i, :used] = torch.tensor(seg.page_table[:used], dtype=torch.int64)
         idx = torch.arange(kl)
-        pages = torch.tensor(seg.page_table, dtype=torch.int64)[idx // page_size]
-        key_slots[i, :kl] = pages * page_size + idx % page_size
         # query row r sits at sequence index start + r and sees keys 0..start + r
         qi = torch.arange(seg.start, kl).unsqueeze(1)
         mask[i, 0, : seg.n_rows, :kl] = idx.unsqueeze(0) <= qi
@@ -110,6 +112,7 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
     return AttentionGroup(
         query_rows=query_rows.to(device),
         query_valid=query_valid.to(device),
-        key_slots=key_slots.to(device),
+        key_pages=key_pages.to(device),
         mask=mask.to(device),
+        valid_rows=query_rows[query_valid].to(device),
     )

@@ -55,15 +55,22 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (slots, kvh, D)
         k_cache.index_copy_(0, ctx.write_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.write_slots, v.to(v_cache.dtype))
+        ps = kv.page_size
+        k_pages = k_cache.view(-1, ps, self.kv_heads, self.head_dim)  # (pages, ps, kvh, D)
+        v_pages = v_cache.view(-1, ps, self.kv_heads, self.head_dim)
 
         out = torch.empty(n, self.heads, self.head_dim, dtype=q.dtype, device=q.device)
         for g in ctx.groups:
+            b, p = g.key_pages.shape
+            # whole pages are gathered (contiguous blocks), far cheaper than gathering slot by slot
+            kg = k_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, self.kv_heads, self.head_dim)
+            vg = v_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, self.kv_heads, self.head_dim)
             qg = q[g.query_rows].transpose(1, 2)  # (B, h, Q, D)
-            kg = k_cache[g.key_slots].transpose(1, 2).to(q.dtype)  # (B, kvh, K, D)
-            vg = v_cache[g.key_slots].transpose(1, 2).to(q.dtype)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
-            og = og.transpose(1, 2)  # (B, Q, h, D)
-            out[g.query_rows[g.query_valid]] = og[g.query_valid]
+            og = F.scaled_dot_product_attention(
+                qg, kg.transpose(1, 2).to(q.dtype), vg.transpose(1, 2).to(q.dtype),
+                attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+            )
+            out[g.valid_rows] = og.transpose(1, 2)[g.query_valid]  # (B, Q, h, D) → valid rows
         return self.o_proj(out.reshape(n, -1))
 
 
