@@ -159,14 +159,17 @@ class EngineCore(ProgramRequests):
         self._release(ws)
         return {}
 
-    def _op_ws_fold(self, client, req: m.WsFold) -> dict:
-        ws = self._ws(client, req.ws)
+    def _check_settle(self, ws: WorkingSet, n: int) -> None:
         if ws.in_flight:
             raise PieError(ErrorCode.BUSY, "fold after the deferred fire has been answered")
         if ws.pending_fold is None:
             raise PieError(ErrorCode.NO_PENDING_FOLD, f"working set {ws.id} has no deferred fold to settle")
-        if req.n > ws.pending_fold:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {req.n} exceeds the fire's {ws.pending_fold} rows")
+        if n > ws.pending_fold:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {n} exceeds the fire's {ws.pending_fold} rows")
+
+    def _op_ws_fold(self, client, req: m.WsFold) -> dict:
+        ws = self._ws(client, req.ws)
+        self._check_settle(ws, req.n)
         ws.committed += req.n
         ws.pending_fold = None
         self._trim(ws)
@@ -182,13 +185,15 @@ class EngineCore(ProgramRequests):
 
     def _op_fire(self, client, req: m.Fire) -> None:
         ws = self._ws(client, req.ws)
-        if ws.pending_fold is not None:
+        if req.settle is not None:
+            self._check_settle(ws, req.settle)
+        elif ws.pending_fold is not None:
             raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
         sm = self.models[ws.model]
         info = sm.info
         source = self._source(client, req, ws)
         w = len(req.tokens) if source is None else source.shape[0]
-        start = self._planned_length(ws)
+        start = ws.committed + req.settle if req.settle is not None else self._planned_length(ws)
         bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {bad} outside vocab [0, {info.vocab_size})")
@@ -210,7 +215,15 @@ class EngineCore(ProgramRequests):
             if not 0 <= fold <= w:
                 raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
         run = self._check_run_ahead(client, req, program, bindings, source)
-        self._reserve_pages(ws, sm, start, w)
+        pending = ws.pending_fold
+        if req.settle is not None:
+            ws.committed, ws.pending_fold = start, None
+        try:
+            self._reserve_pages(ws, sm, start, w)
+        except PieError:
+            if req.settle is not None:  # a refused fire leaves no trace, its settle included
+                ws.committed, ws.pending_fold = start - req.settle, pending
+            raise
         job = FireJob(client, req.id, ws, list(req.tokens or []), positions, list(req.readouts), masks, fold, start,
                       program=program, bindings=bindings, source=source, run=run)
         self._enqueue(sm, job)

@@ -108,7 +108,9 @@ class Fire(_Req):
     """One ForwardPass: embed ``tokens`` (or the front cell of channel ``tokens_from``) at rows
     ``committed ..`` of working set ``ws``, read out, run the epilogue ``program``, fold.
     ``fold``: None folds every row, an int folds that many, ``"deferred"`` leaves it for ``ws_fold`` or,
-    when the program folds, for the epilogue. ``bindings`` are the channel handles of the program's slots."""
+    when the program folds, for the epilogue. ``settle`` settles the working set's pending deferred fold with
+    that count first, saving the ``ws_fold`` round trip. ``bindings`` are the channel handles of the
+    program's slots."""
 
     op: Literal["fire"]
     ws: int
@@ -117,6 +119,7 @@ class Fire(_Req):
     positions: list[int] | None = None
     readouts: list[Readout] = []
     fold: int | Literal["deferred"] | None = None
+    settle: int | None = Field(default=None, ge=0)
     program: str | None = None
     bindings: list[int] = []
     run_ahead: RunAhead | None = None

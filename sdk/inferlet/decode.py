@@ -5,7 +5,8 @@ One round (DESIGN §5):
     drafts = drafter.propose(seq, k)                     # may be [] → a plain step, window [last]
     res = fire([last] + drafts, readout on every row, fold=DEFERRED)
     v = verify(drafts, res)                              # accepted drafts + one target token
-    ws.fold(1 + v.accepted)                              # commit `last` and the accepted drafts only
+    ws.settle(1 + v.accepted)                            # commit `last` and the accepted drafts only,
+                                                         # carried by the next fire (no extra message)
     output.push(v.tokens)                                # cut at EOS / stop string / token limit
 
 Terms:
@@ -287,7 +288,7 @@ async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
         drafter.observe(res, v)
         if drafts:
             stats.record(v)
-            await ws.fold(len(window) - len(drafts) + v.accepted)
+            ws.settle(len(window) - len(drafts) + v.accepted)
         return v.tokens
 
     try:

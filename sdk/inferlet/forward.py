@@ -134,6 +134,9 @@ class ForwardPass:
         empty."""
         handle = await self.ws.handle()
         fields: dict = {"ws": handle, "readouts": self._readouts, "fold": self._fold}
+        settle = self.ws.take_settle()
+        if settle is not None:
+            fields["settle"] = settle
         if self._source is not None:
             fields["tokens_from"] = self._source.handle
         else:

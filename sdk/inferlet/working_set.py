@@ -20,6 +20,7 @@ class WorkingSet:
         self.committed = committed
         self.pending_fold = False
         self.released = False
+        self._settle: int | None = None  # a fold to settle with the next fire
 
     async def handle(self) -> int:
         if self._handle is None:
@@ -29,8 +30,28 @@ class WorkingSet:
 
     async def fork(self) -> "WorkingSet":
         """A new working set sharing this one's committed rows copy-on-write."""
+        await self._flush_settle()
         reply = await self.model.client.request("ws_fork", ws=await self.handle())
         return WorkingSet(self.model, reply["ws"], reply["committed"])
+
+    def settle(self, n: int) -> None:
+        """Settles a deferred fold with the next fire instead of a message of its own: commits the first
+        ``n`` rows of the last fire (``await fold(n)`` does it at once)."""
+        if not self.pending_fold or self._settle is not None:
+            raise RuntimeError("no deferred fold to settle")
+        self._settle, self.committed, self.pending_fold = n, self.committed + n, False
+
+    def take_settle(self) -> int | None:
+        """The fold the next fire must carry (and forget)."""
+        n, self._settle = self._settle, None
+        return n
+
+    async def _flush_settle(self) -> None:
+        n = self.take_settle()
+        if n is not None:
+            self.committed -= n
+            self.pending_fold = True
+            await self.fold(n)
 
     async def fold(self, n: int) -> int:
         """Settles a deferred fold: commits the first ``n`` rows of the last fire."""
@@ -40,6 +61,7 @@ class WorkingSet:
 
     async def truncate(self, n: int) -> int:
         """Drops the committed suffix past ``n`` rows."""
+        await self._flush_settle()
         reply = await self.model.client.request("ws_truncate", ws=await self.handle(), n=n)
         self.committed = reply["committed"]
         return self.committed

@@ -297,3 +297,37 @@ async def test_refused_request_with_readable_id_reaches_its_caller(tiny):
     with pytest.raises(PieError) as e:
         await asyncio.wait_for(tiny.client.request("no_such_op"), timeout=10)
     assert e.value.code == ErrorCode.UNKNOWN_OP
+
+
+async def test_settle_with_the_next_fire_equals_a_separate_fold(tiny):
+    ids = tiny.tokenizer.encode(PROMPT)
+    results = []
+    for separate in (True, False):
+        ws = tiny.working_set()
+        await logits_of(tiny, ws, ids)
+        fp = inferlet.ForwardPass(ws)
+        fp.embed([11, 22, 33]).fold(inferlet.DEFERRED)
+        await fp.submit()
+        if separate:
+            await ws.fold(2)
+        else:
+            ws.settle(2)
+        results.append(await logits_of(tiny, ws, [7, 8]))
+        assert ws.committed == len(ids) + 4
+        await ws.release()
+    np.testing.assert_allclose(results[0], results[1], atol=1e-6)
+
+
+async def test_refused_fire_does_not_apply_its_settle(tiny):
+    ws = tiny.working_set()
+    await logits_of(tiny, ws, [1, 2, 3])
+    fp = inferlet.ForwardPass(ws)
+    fp.embed([4, 5]).fold(inferlet.DEFERRED)
+    await fp.submit()
+    with pytest.raises(PieError) as e:  # settle past the deferred window
+        await tiny.client.request("fire", ws=await ws.handle(), tokens=[6], settle=3)
+    assert e.value.code == ErrorCode.INVALID_ARGUMENT
+    with pytest.raises(PieError) as e:  # a bad token refuses the fire, and its settle with it
+        await tiny.client.request("fire", ws=await ws.handle(), tokens=[tiny.vocab_size], settle=1)
+    assert e.value.code == ErrorCode.TOKEN_OUT_OF_RANGE
+    assert (await tiny.client.request("ws_fold", ws=await ws.handle(), n=2))["committed"] == 5
