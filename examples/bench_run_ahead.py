@@ -1,49 +1,95 @@
-"""Run-ahead benchmark: per-token decode time of the host-driven loop (one fire and one reply per token)
-against run-ahead (the engine re-fires the pass itself; the inferlet only takes tokens), at batch 1, for
-text-completion and, where the model has an MTP drafter and the inferlet has a run-ahead mode, MTP.
+"""Run-ahead benchmark: per-token decode time at batch 1 of the host-driven loop (one fire and one reply per
+step or round) against the same loop on the device, for
+
+    text-completion                  host loop  vs  --run-ahead (the engine re-fires the pass itself)
+    mtp-speculative-decoding         host loop  vs  --run-ahead (draft, verify, fold, next window: all in
+                                                    the engine's epilogue; the inferlet only takes tokens)
+    cacheback-speculative-decoding   host loop  vs  --device-verify (lookup drafts from the host, verify and
+                                                    fold in the fire's epilogue: one message a round)
 
     PIE_HOME=... .venv/bin/python examples/bench_run_ahead.py [--models smollm2-135m tiny-smol] [--tokens 64]
+        [--mtp-head MODEL=FILE ...] [--train-mtp MODEL ...] [--threads 1]
 
-On a small or random model the forward is cheap, so the round trip per token is a large share of the
-time and run-ahead's gain shows; on a large model both converge to the forward's cost.
+MTP rows need a model with an MTP head: the benchmark serves a private store (model files linked, manifests
+copied) with ``--mtp-head`` heads attached (by default examples/drafters/smollm2-mtp.safetensors on the
+default model, when present) and heads trained for a few seconds for ``--train-mtp`` models (tiny-smol:
+agreement is not the point there, the per-round cost is). Greedy runs: "same" checks that both paths return
+the same tokens and the same speculative stats (rounds, proposed, accepted).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from pie_runtime.drafters import attach
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
-from pie_runtime.store import DEFAULT_MODEL, ModelStore
+from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "Describe the weather, the sea and the keeper's thoughts.")
+HERE = Path(__file__).resolve().parent
+DEFAULT_HEAD = HERE / "drafters" / "smollm2-mtp.safetensors"
+CORPUS = Path("/work/shared/corpus/austen.txt")
+if not CORPUS.is_file():
+    CORPUS = HERE / "speculation_prompts" / "mixed.txt"
 
 
-def decode_ms_per_token(address: str, inferlet: str, tokens: int, extra: list[str]) -> tuple[float, list[int]]:
+def decode(address: str, inferlet: str, tokens: int, extra: list[str]) -> tuple[float, dict]:
+    """(ms per decoded token, result) of one run."""
     words = ["--prompt", PROMPT, "--max-tokens", str(tokens), "--stream", "false", *extra]
     out = run_inferlet(resolve_inferlet(inferlet), address, words, stdout=subprocess.DEVNULL)
     if not out["ok"]:
         raise RuntimeError(out["error"])
-    res = out["result"]
-    rate = res["stats"].get("decode_tokens_per_s") or 0.0
-    return (1e3 / rate if rate else float("nan")), res["token_ids"]
+    rate = out["result"]["stats"].get("decode_tokens_per_s") or 0.0
+    return (1e3 / rate if rate else float("nan")), out["result"]
 
 
-def variants(model: str) -> list[tuple[str, str, list[str]]]:
-    out = [("text-completion", "text-completion", [])]
-    manifest = ModelStore().get(model)
-    if any(d.kind == "mtp" for d in manifest.drafters):
-        try:
-            resolve_inferlet("mtp-speculative-decoding")
-            out.append(("mtp", "mtp-speculative-decoding", []))
-        except Exception:  # noqa: BLE001 - the MTP inferlet may not be installed
-            pass
+def private_store(models: list[str], heads: dict[str, Path], train: list[str], threads: int) -> Path:
+    """A PIE_HOME whose models link to the real store's files, with MTP heads attached to the copies."""
+    home = Path(tempfile.mkdtemp(prefix="pie-bench-"))
+    real = ModelStore()
+    for model in models:
+        dst = home / "models" / model
+        dst.mkdir(parents=True)
+        for f in real.path(model).iterdir():
+            if f.name == MANIFEST_FILE:
+                shutil.copyfile(f, dst / f.name)
+            elif f.is_file() and not f.name.startswith("."):
+                (dst / f.name).symlink_to(f.resolve())
+    store = ModelStore(home / "models")
+    for model in train:  # seconds of training: a head that runs, not one that agrees
+        out = home / f"{model}-mtp.safetensors"
+        subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "drafter", "train", "--model", model,
+                        "--kind", "mtp", "--depth", "3", "--corpus", str(CORPUS), "--tokens", "1024",
+                        "--seq-len", "128", "--heldout-tokens", "128", "--epochs", "2", "--out", str(out),
+                        "--threads", str(threads or 1), "--train-threads", "1", "--cache-dir", "none", "--quiet"],
+                       check=True, env={**os.environ, "PIE_HOME": str(home)}, capture_output=True)
+        heads[model] = out
+    for model, head in heads.items():
+        attach(store, model, f"mtp:{head}", "bench")
+    return home
+
+
+def variants(model: str, home: Path) -> list[tuple[str, str, list[str], str]]:
+    """(label, inferlet, its words, the on-device flag)."""
+    out = [("text-completion", "text-completion", [], "--run-ahead")]
+    if any(d.kind == "mtp" for d in ModelStore(home / "models").get(model).drafters):
+        out.append(("mtp k=3", "mtp-speculative-decoding", ["--draft-length", "3"], "--run-ahead"))
+    out.append(("cacheback k=4", "cacheback-speculative-decoding", [], "--device-verify"))
     return out
+
+
+SAME_STATS = ("rounds", "proposed", "accepted")
 
 
 def main() -> None:
@@ -52,28 +98,42 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="engine torch threads (0: its default)")
+    ap.add_argument("--mtp-head", action="append", default=[], metavar="MODEL=FILE")
+    ap.add_argument("--train-mtp", action="append", default=[], metavar="MODEL")
     args = ap.parse_args()
 
+    heads = dict(h.split("=", 1) for h in args.mtp_head)
+    if not heads and DEFAULT_MODEL in args.models and DEFAULT_HEAD.is_file():
+        heads[DEFAULT_MODEL] = str(DEFAULT_HEAD)
+    home = private_store(args.models, {m: Path(f) for m, f in heads.items()}, args.train_mtp, args.threads)
+
     table = Table(title=f"batch-1 decode, {args.tokens} tokens, median of {args.repeats}")
-    for col in ("model", "inferlet", "host loop ms/token", "run-ahead ms/token", "speedup", "same tokens"):
+    for col in ("model", "inferlet", "host loop ms/token", "on device ms/token", "speedup", "accepted/proposed",
+                "same tokens+stats"):
         table.add_column(col)
-    for model in args.models:
-        extra = ["--threads", str(args.threads)] if args.threads else []
-        engine = EmbeddedEngine([model], extra)
-        try:
-            for label, name, words in variants(model):
-                decode_ms_per_token(engine.address, name, 8, words)  # warm-up
-                host, ahead, same = [], [], True
-                for _ in range(args.repeats):
-                    h, h_ids = decode_ms_per_token(engine.address, name, args.tokens, words)
-                    a, a_ids = decode_ms_per_token(engine.address, name, args.tokens, [*words, "--run-ahead"])
-                    host.append(h)
-                    ahead.append(a)
-                    same &= h_ids == a_ids
-                h, a = statistics.median(host), statistics.median(ahead)
-                table.add_row(model, label, f"{h:.2f}", f"{a:.2f}", f"{h / a:.2f}x", str(same))
-        finally:
-            engine.stop()
+    try:
+        for model in args.models:
+            extra = ["--threads", str(args.threads)] if args.threads else []
+            engine = EmbeddedEngine([model], extra, env={"PIE_HOME": str(home)})
+            try:
+                for label, name, words, flag in variants(model, home):
+                    decode(engine.address, name, 8, words)  # warm-up
+                    host, dev, same = [], [], True
+                    for _ in range(args.repeats):
+                        h, h_res = decode(engine.address, name, args.tokens, words)
+                        d, d_res = decode(engine.address, name, args.tokens, [*words, flag])
+                        host.append(h)
+                        dev.append(d)
+                        same &= h_res["token_ids"] == d_res["token_ids"] and all(
+                            h_res["stats"].get(k) == d_res["stats"].get(k) for k in SAME_STATS)
+                    h, d = statistics.median(host), statistics.median(dev)
+                    s = d_res["stats"]
+                    acc = f"{s['accepted']}/{s['proposed']}" if "proposed" in s else "-"
+                    table.add_row(model, f"{label} ({flag})", f"{h:.2f}", f"{d:.2f}", f"{h / d:.2f}x", acc, str(same))
+            finally:
+                engine.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     Console().print(table)
 
 

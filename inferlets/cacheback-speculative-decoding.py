@@ -6,12 +6,17 @@ Saxena 2023, "Prompt Lookup Decoding" (drafting); Leviathan et al. 2023 / Chen e
         if the last n tokens of (prompt + output) occurred earlier: drafts = the K tokens after it; break
     res = fire([last] + drafts, readout every row, fold=DEFERRED)   # verify
     keep the longest agreeing prefix + the target's own next token; ws.fold(1 + accepted)
+
+With --device-verify (greedy) a round is one fire: its epilogue verifies and folds 1 + accepted on the
+device, and an Argmax readout on every row tells this inferlet what was kept (sdk/inferlet/device_rounds.py).
+Sampled runs use the host loop.
 """
 
 from __future__ import annotations
 
 import inferlet
 from inferlet.decode import DecodeArgs, Drafter, Proposal, speculate
+from inferlet.device_rounds import verify_rounds
 from inferlet.lookup import NgramIndex
 
 
@@ -19,6 +24,7 @@ class Args(DecodeArgs):
     draft_length: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    device_verify: bool = False  # greedy: verify and fold in the fire's epilogue
 
 
 class LookupDrafter(Drafter):
@@ -37,4 +43,7 @@ class LookupDrafter(Drafter):
 
 @inferlet.main
 async def main(args: Args) -> dict:
-    return await speculate(inferlet.model(), args, LookupDrafter(args), args.draft_length)
+    model = inferlet.model()
+    if args.device_verify:
+        return await verify_rounds(model, args, LookupDrafter(args), args.draft_length)
+    return await speculate(model, args, LookupDrafter(args), args.draft_length)

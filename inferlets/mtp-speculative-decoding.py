@@ -7,16 +7,23 @@ DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (MTP modules used for speculati
     # MTP tokens (k+1, 1+k): column 0 is the target's argmax at the row, columns 1..k chained drafts
     v = verify(drafts, column 0)   (sampled: a Distribution readout too, point-mass q)
     ws.fold(1 + v.accepted);  next drafts = MTP tokens[v.accepted, 1..k] when the emitted token is column 0
+
+With --run-ahead (greedy) the loop stays in the engine: the window comes from a channel, the epilogue
+verifies (n = cumprod(drafts == target[:k]).sum()), folds n + 1, writes target[0..n] to an output channel
+and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/device_rounds.py); this
+inferlet only takes the output and replays the host loop's stats from it. Sampled runs use the host loop.
 """
 
 from __future__ import annotations
 
 import inferlet
 from inferlet.decode import DecodeArgs, Drafter, Proposal, Verifier, speculate
+from inferlet.device_rounds import mtp_run_ahead
 
 
 class Args(DecodeArgs):
     draft_length: int  # required: at most the model's MTP depth
+    run_ahead: bool = False  # greedy: the whole loop in the engine
 
 
 class MTPDrafter(Drafter):
@@ -46,4 +53,6 @@ async def main(args: Args) -> dict:
     model = inferlet.model()
     if args.draft_length > model.mtp_depth:
         raise ValueError(f"--draft-length {args.draft_length} past the model's MTP depth {model.mtp_depth}")
+    if args.run_ahead:
+        return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
     return await speculate(model, args, MTPDrafter(args.draft_length), args.draft_length)

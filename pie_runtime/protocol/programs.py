@@ -36,7 +36,7 @@ SCAN = ("cumsum", "cumprod", "softmax", "log_softmax")
 SOURCES = ("logits", "hidden", "mtp_logits", "tokens", "const", "iota", "take", "read")
 EFFECTS = ("put", "set", "fold")
 OTHER = ("where", "cast", "masked_argmax", "sample", "uniform", "gather", "scatter", "slice", "index", "concat",
-         "reshape")
+         "reshape", "mtp_logits_at")
 OPS = frozenset(SOURCES + EFFECTS + BINARY_ARITH + BINARY_CMP + BINARY_BOOL + UNARY + REDUCE + SCAN + OTHER)
 
 
@@ -156,7 +156,8 @@ def _numeric(i: int, *specs: Spec) -> str:
 
 ARITY = {**{op: 2 for op in BINARY_ARITH + BINARY_CMP + BINARY_BOOL}, **{op: 1 for op in UNARY + REDUCE + SCAN},
          **{op: 0 for op in SOURCES}, "put": 1, "set": 1, "fold": 1, "where": 3, "cast": 1, "masked_argmax": 2,
-         "sample": 2, "uniform": 1, "gather": 2, "scatter": 3, "slice": 1, "index": 1, "reshape": 1}
+         "sample": 2, "uniform": 1, "gather": 2, "scatter": 3, "slice": 1, "index": 1, "reshape": 1,
+         "mtp_logits_at": 1}
 
 
 def infer(i: int, op: str, ins: list[Spec], attrs: dict, dims: ModelDims) -> Spec | None:
@@ -187,6 +188,13 @@ def _infer(i: int, op: str, ins: list[Spec], a: dict, dims: ModelDims) -> Spec |
         if dims.mtp_depth == 0:
             raise PieError(ErrorCode.UNSUPPORTED, f"node {i}: the model has no MTP drafter")
         return Spec((len(rows), _int(i, a, "k", 1, dims.mtp_depth), dims.vocab), "float")
+    if op == "mtp_logits_at":  # the MTP chain from one of ``rows``, picked on the device: (k, V)
+        _ints(i, a, "rows", 0, MAX_DIM, MAX_ROWS)
+        if ins[0] != Spec((), "int"):
+            raise bad(i, "mtp_logits_at takes a scalar int index into its rows")
+        if dims.mtp_depth == 0:
+            raise PieError(ErrorCode.UNSUPPORTED, f"node {i}: the model has no MTP drafter")
+        return Spec((_int(i, a, "k", 1, dims.mtp_depth), dims.vocab), "float")
     if op == "tokens":
         return Spec((_int(i, a, "n", 1, MAX_DIM),), "int")
     if op == "const":

@@ -194,6 +194,11 @@ class Builder:
         """(R, k, V): the model's MTP chain from each row, seeded with the target's greedy next token."""
         return self.op("mtp_logits", rows=[int(r) for r in rows], k=int(k))
 
+    def mtp_logits_at(self, rows, k: int, index: Sym) -> Sym:
+        """(k, V): the MTP chain from row ``rows[index]`` only, ``index`` a scalar int decided on the device
+        (e.g. the last accepted row): k MTP steps for one row instead of for every row."""
+        return self.op("mtp_logits_at", index, rows=[int(r) for r in rows], k=int(k))
+
     def tokens(self, n: int) -> Sym:
         """(n,) the fire's window tokens (the fire must embed exactly n)."""
         return self.op("tokens", n=int(n))

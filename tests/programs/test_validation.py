@@ -58,7 +58,23 @@ BAD = {
                              node("take", slot=0, shape=[2], dtype="int32")],
     "slots with a gap": [node("take", slot=1, shape=[1], dtype="int32")],
     "mtp past its depth": [node("mtp_logits", rows=[0], k=3)],
+    "mtp at a vector index": [node("iota", n=2), node("mtp_logits_at", [0], rows=[0, 1], k=1)],
+    "mtp at a float index": [node("const", value=1.0, dtype="float"), node("mtp_logits_at", [0], rows=[0], k=1)],
 }
+
+
+def test_mtp_logits_at_reads_one_row_picked_on_the_device():
+    nodes = [node("const", value=1, dtype="int"), node("mtp_logits_at", [0], rows=[0, 1, 2], k=2),
+             node("argmax", [1])]
+    prog = validate("m", nodes, DIMS)
+    assert prog.specs[1].shape == (2, DIMS.vocab) and prog.rows == {0, 1, 2}
+    with pytest.raises(PieError) as e:
+        validate("m", nodes, ModelDims(DIMS.vocab, DIMS.hidden, 0))
+    assert e.value.code == ErrorCode.UNSUPPORTED
+    bad = [node("const", value=3, dtype="int"), *nodes[1:]]
+    with pytest.raises(PieError) as e:
+        run(validate("m", bad, DIMS))
+    assert e.value.code == ErrorCode.PROGRAM_FAILED
 
 
 def test_a_good_program_validates():
@@ -89,6 +105,9 @@ class FakeFire:
 
     def mtp_logits(self, rows, k):
         return torch.randn(len(rows), k, DIMS.vocab, generator=self.g)
+
+    def mtp_logits_at(self, rows, k, index):
+        return torch.randn(k, DIMS.vocab, generator=self.g)
 
     def tokens(self):
         return torch.randint(0, DIMS.vocab, (self.window,), generator=self.g)

@@ -36,6 +36,14 @@ class FireIntrinsics:
         _, steps = self.runner.mtp.draft(h, first, k)
         return torch.stack([s.float() for s in steps], dim=1)
 
+    def mtp_logits_at(self, rows: list[int], k: int, index: torch.Tensor) -> torch.Tensor:
+        """(k, V): the MTP chain from row ``rows[index]`` alone (the index stays on the device)."""
+        at = index.reshape(1)
+        h = torch.stack([self._hidden[r] for r in rows]).index_select(0, at)
+        first = self.logits(rows).index_select(0, at).argmax(dim=-1)
+        _, steps = self.runner.mtp.draft(h, first, k)
+        return torch.cat([s.float() for s in steps])
+
     def tokens(self) -> torch.Tensor:
         return torch.tensor(self._tokens, dtype=torch.int64, device=self.runner.device)
 

@@ -24,6 +24,7 @@ class Intrinsics(Protocol):
     def logits(self, rows: list[int]) -> torch.Tensor: ...  # (R, V) float32
     def hidden(self, rows: list[int]) -> torch.Tensor: ...  # (R, H) float32
     def mtp_logits(self, rows: list[int], k: int) -> torch.Tensor: ...  # (R, k, V) float32
+    def mtp_logits_at(self, rows: list[int], k: int, index: torch.Tensor) -> torch.Tensor: ...  # (k, V) float32
     def tokens(self) -> torch.Tensor: ...  # (W,) int64
 
 
@@ -101,6 +102,11 @@ def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device)
                 out = fire.hidden(a["rows"])
             elif op == "mtp_logits":
                 out = fire.mtp_logits(a["rows"], a["k"])
+            elif op == "mtp_logits_at":
+                if not 0 <= int(ins[0]) < len(a["rows"]):
+                    raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} (mtp_logits_at): index {int(ins[0])} "
+                                                             f"outside its {len(a['rows'])} rows")
+                out = fire.mtp_logits_at(a["rows"], a["k"], ins[0])
             elif op == "tokens":
                 out = fire.tokens()
             elif op == "const":

@@ -54,7 +54,7 @@ def validate(model: str, nodes: list[dict], dims: ModelDims) -> Program:
                 puts[a["slot"]] = puts.get(a["slot"], 0) + 1
             if op == "take":
                 takes[a["slot"]] = takes.get(a["slot"], 0) + 1
-        elif op in ("logits", "hidden", "mtp_logits"):
+        elif op in ("logits", "hidden", "mtp_logits", "mtp_logits_at"):
             rows.update(a["rows"])
         elif op == "tokens":
             if window is not None and window != a["n"]:

@@ -1,0 +1,221 @@
+"""Speculative rounds verified on the device (DESIGN §5, greedy): the accept rule is an epilogue program, so a
+round's fold is decided where its logits are, with no message to settle it.
+
+    target = argmax(logits of every window row)        # (k+1,) the target's greedy token after each row
+    n = cumprod(drafts == target[:k]).sum()            # accepted drafts: the longest agreeing prefix
+    fold(n + 1)                                        # commit `last` and the accepted drafts only
+
+Two loops use it:
+    verify_rounds   drafts come from the host (prompt lookup); each round is one fire whose epilogue verifies
+                    and folds and whose Argmax readout tells the host the target tokens (n = the fold - 1).
+    mtp_run_ahead   the whole loop stays in the engine: the window [last, d1..dk] comes from a channel; the
+                    epilogue verifies, folds, writes the round's target tokens to an output cell (entries
+                    past n are -1) and the next window [target[n], MTP drafts at row n] to the input channel;
+                    only row n's MTP chain is computed (the host loop reads one from every row).
+                    The host replays the output cells: the tokens, and the exact stats of the host loop.
+
+Both run greedy only; a sampled run, or one whose sampler needs every step's logits, uses ``speculate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pie_runtime.protocol import ErrorCode, PieError
+
+from .channels import Channel
+from .decode import DecodeArgs, Drafter, Output, Run, prompt_ids, speculate
+from .forward import ForwardPass
+from .model import Model
+from .programs import Builder, Program, Sym, concat, trace, where
+from .readouts import Argmax
+from .speculative import VerifyResult, verify_greedy
+
+TAKE_AT_LEAST = 4  # output cells a take waits for: fewer replies while the run is ahead
+
+
+def accept(p: Builder, k: int) -> tuple[Sym, Sym]:
+    """Traces the greedy accept rule over a window of ``k`` drafts; folds n + 1. Returns (target (k+1,), n)."""
+    target = p.logits(range(k + 1)).argmax()
+    drafts = p.tokens(k + 1)[1:]
+    n = (drafts == target[:k]).cumprod().sum()
+    p.fold(n + 1)
+    return target, n
+
+
+def on_device(args: DecodeArgs) -> str | None:
+    """Why a run may not verify on the device; None when it may."""
+    if args.temperature != 0:
+        return "sampled"
+    reasons = args.fallback_reasons()
+    return reasons[0] if reasons else None
+
+
+async def host_loop(model: Model, args: DecodeArgs, drafter: Drafter, k: int, why: str) -> dict:
+    """The host-driven loop, noting in the stats why the device path was not taken."""
+    res = await speculate(model, args, drafter, k)
+    res["stats"]["device"] = f"host loop: {why} runs are verified on the host"
+    return res
+
+
+# ---- host drafts, device verifies: one fire a round --------------------------------------------------------
+
+
+async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int) -> dict:
+    """``speculate``'s round loop (greedy) with the verify and the fold in one fire's epilogue."""
+    if (why := on_device(args)) is not None:
+        return await host_loop(model, args, drafter, k, why)
+    prompt = prompt_ids(model.tokenizer, args)
+    run = Run(model, args, prompt, Output(model.tokenizer, args, len(prompt), model.max_positions))
+    out, stats = run.out, run.stats
+    ws = model.working_set()
+    programs: dict[int, Program] = {}  # drafts → the accept rule over that window
+
+    async def step(window: list[int], drafts: list[int]) -> list[int]:
+        fp = ForwardPass(ws).embed(window)
+        if not drafts:  # the prefill or a plain step: read the last row, fold all
+            res = await fp.readout([len(window) - 1], Argmax()).fold(len(window)).submit()
+            return [int(res.tokens[0])]
+        m = len(drafts)
+        if m not in programs:
+            programs[m] = trace(model, lambda p: accept(p, m))
+        fp.readout(range(m + 1), Argmax()).epilogue(programs[m])
+        t0 = time.perf_counter()
+        res = await fp.submit()
+        run.round_ms.append((time.perf_counter() - t0) * 1e3)
+        v = verify_greedy(drafts, res.tokens)
+        assert res.fold == v.accepted + 1, "the epilogue and the host disagree on the accepted drafts"
+        stats.record(v)
+        return v.tokens
+
+    seq = list(prompt)
+    try:
+        t0 = time.perf_counter()
+        first, _ = await asyncio.gather(step(prompt, []), drafter.prefill(prompt))
+        run.prefill_ms = (time.perf_counter() - t0) * 1e3
+        t_decode = time.perf_counter()
+        new = first
+        while True:
+            taken = new[: out.push(new)]
+            seq += taken
+            await drafter.commit(taken, seq, ws.committed)
+            if out.done:
+                break
+            drafts: list[int] = []
+            if out.room <= 1:
+                stats.skip("last_token")
+            elif ws.committed + 1 + k > model.max_positions:
+                stats.skip("near_capacity")
+            else:
+                t = time.perf_counter()
+                drafts = (await drafter.propose(seq, min(k, out.room - 1))).tokens
+                run.draft_ms.append((time.perf_counter() - t) * 1e3)
+                if not drafts:
+                    stats.skip("no_draft")
+            if not drafts:
+                t = time.perf_counter()
+                new = await step([seq[-1]], [])
+                run.round_ms.append((time.perf_counter() - t) * 1e3)
+            else:
+                new = await step([seq[-1]] + drafts, drafts)
+        run.decode_s = time.perf_counter() - t_decode
+    finally:
+        await drafter.close()
+        await ws.release()
+    result = run.result()
+    result["stats"]["device"] = "verify"
+    return result
+
+
+# ---- MTP run-ahead: the whole loop in the engine --------------------------------------------------------------
+
+
+def mtp_first(p: Builder, last: int, k: int, inp: Channel, out: Channel) -> None:
+    """The prefill's epilogue: the first token, and the first window [t0, MTP drafts from the last row]."""
+    t0 = p.logits([last]).argmax()  # (1,)
+    drafts = p.mtp_logits([last], k).argmax().reshape(k)
+    p.put(inp, concat([t0, drafts], dim=0))
+    p.put(out, concat([t0, p.const([-1] * k)], dim=0))
+
+
+def mtp_round(p: Builder, k: int, inp: Channel, out: Channel) -> None:
+    """One round: verify and fold, emit target[0..n] (then -1s), feed [target[n], MTP drafts at row n]."""
+    target, n = accept(p, k)
+    p.put(out, where(p.iota(k + 1) <= n, target, -1))
+    drafts = p.mtp_logits_at(range(k + 1), k, n).argmax()  # (k,) the chain from row n only
+    p.put(inp, concat([target.gather(0, n.reshape(1)), drafts], dim=0))
+
+
+def replay(run: Run, cell: list[int], k: int) -> list[int]:
+    """What the host loop does with one device round: its stats, and the tokens it emits. Near max_tokens
+    the host proposes min(k, room - 1) drafts (none at room 1) and keeps the agreeing prefix of those; the
+    device always verified k, so the host's round is the device's, shortened."""
+    targets = [t for t in cell if t >= 0]  # target[0..n]
+    n = len(targets) - 1
+    if run.out.room <= 1:
+        run.stats.skip("last_token")
+        return targets[:1]
+    proposed = min(k, run.out.room - 1)
+    accepted = min(n, proposed)
+    v = VerifyResult(targets[: accepted + 1], accepted, proposed)
+    run.stats.record(v)
+    return v.tokens
+
+
+async def mtp_run_ahead(model: Model, args: DecodeArgs, drafter: Drafter, k: int) -> dict:
+    """The MTP loop as a run-ahead; falls back to ``speculate`` for what it does not run (module docstring)."""
+    why = on_device(args) or ("no_draft" if k == 0 else None)
+    if why is not None:
+        return await host_loop(model, args, drafter, k, why)
+    tok = model.tokenizer
+    prompt = prompt_ids(tok, args)
+    run = Run(model, args, prompt, Output(tok, args, len(prompt), model.max_positions))
+    out = run.out
+    ws = model.working_set()
+    inp = await Channel.open(model, (k + 1,), "int32", 1)
+    cells = await Channel.open(model, (k + 1,), "int32", 256)
+    flag = await Channel.open(model, (), "int32", 1)
+    task = None
+    try:
+        t0 = time.perf_counter()
+        first = trace(model, lambda p: mtp_first(p, len(prompt) - 1, k, inp, cells))
+        await ForwardPass(ws).embed(prompt).epilogue(first).launch()
+        if args.max_tokens > 1:
+            fp = ForwardPass(ws).embed_from(inp).epilogue(trace(model, lambda p: mtp_round(p, k, inp, cells)))
+            fp.run_ahead(cells, budget_tokens=args.max_tokens - 1, stop_tokens=tok.eos_token_ids,
+                         stop_channel=flag)
+            task = await fp.launch()
+        got = (await cells.take(max=1)).tolist()
+        run.prefill_ms = (time.perf_counter() - t0) * 1e3
+        t_decode = time.perf_counter()
+        out.push(got[0][:1])
+        while not out.done and task is not None:
+            try:
+                batch = (await cells.take(max=256, min=TAKE_AT_LEAST)).tolist()
+            except PieError as e:
+                if e.code != ErrorCode.CHANNEL_EMPTY:
+                    raise
+                break  # the run ended (its budget, or capacity) and every cell is taken
+            for cell in batch:
+                out.push(replay(run, cell, k))
+                if out.done:
+                    break
+        if task is not None and not task.done():
+            await flag.set(1)
+        reason = (await task).run["reason"] if task is not None else None
+        while not out.done and reason == "capacity":  # a verify window no longer fits: plain steps
+            run.stats.skip("last_token" if out.room <= 1 else "near_capacity")
+            res = await ForwardPass(ws).embed([out.ids[-1]]).readout([0], Argmax()).fold(1).submit()
+            out.push([int(res.tokens[0])])
+        run.decode_s = time.perf_counter() - t_decode
+    finally:
+        if task is not None and not task.done():
+            await flag.set(1)
+            await asyncio.gather(task, return_exceptions=True)
+        for ch in (inp, cells, flag):
+            await ch.close()
+        await ws.release()
+    result = run.result()
+    result["stats"]["device"] = "run_ahead"
+    return result
