@@ -64,8 +64,8 @@ def private_store(models: list[str], heads: dict[str, Path], train: list[str], t
         for f in real.path(model).iterdir():
             if f.name == MANIFEST_FILE:
                 shutil.copyfile(f, dst / f.name)
-            elif f.is_file() and not f.name.startswith("."):
-                (dst / f.name).symlink_to(f.resolve())
+            elif not f.name.startswith("."):  # weights, tokenizer, attached drafters' folders
+                (dst / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
     store = ModelStore(home / "models")
     for model in train:  # seconds of training: a head that runs, not one that agrees
         out = home / f"{model}-mtp.safetensors"
