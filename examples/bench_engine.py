@@ -49,7 +49,7 @@ def transformers_decode_rate(model_name: str, tokens: int) -> float:
     import torch
     from tokenizers import Tokenizer
 
-    from tests.reference import transformers_llama
+    from pie_runtime.reference import transformers_llama
 
     store = ModelStore()
     manifest = store.get(model_name)

@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import tempfile
 import time
@@ -22,6 +20,7 @@ from tokenizers import Tokenizer
 
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
+from pie_runtime.reference import transformers_llama
 from pie_runtime.store import DEFAULT_MODEL, LoadedModel, ensure_default_model, load_model
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -47,19 +46,7 @@ def ours_decode(loaded: LoadedModel, prompt: list[int], batch: int, tokens: int)
 
 
 def hf_reference(loaded: LoadedModel, folder: Path):
-    import transformers
-
-    c = loaded.config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-    )  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    os.symlink(loaded.tokenizer_path.parent / "model.safetensors", folder / "model.safetensors")
-    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return transformers_llama(loaded.tokenizer_path.parent, loaded.config, folder)
 
 
 @torch.inference_mode()

@@ -8,8 +8,6 @@ checkpoint (the store's copy of the model) and prompt. Decode-only rates (the pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import tempfile
 import time
 import warnings
@@ -21,26 +19,15 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from pie_runtime.cli.bench import digest, measure, prompt_text
+from pie_runtime.reference import transformers_llama
 from pie_runtime.store import DEFAULT_MODEL, ensure_default_model, load_model
 
 
 def hf_model(name: str, folder: Path):
     """The store's converted weights in transformers' LlamaForCausalLM."""
-    import transformers
-
-    c = load_model(name).config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids),
-    )  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    store_dir = load_model(name).tokenizer_path.parent
-    os.symlink(store_dir / "model.safetensors", folder / "model.safetensors")
-    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), store_dir
+    loaded = load_model(name)
+    store_dir = loaded.tokenizer_path.parent
+    return transformers_llama(store_dir, loaded.config, folder), store_dir
 
 
 @torch.inference_mode()

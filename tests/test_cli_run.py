@@ -11,7 +11,7 @@ import pytest
 
 from pie_runtime.store import ModelStore
 from tests.conftest import REPO, run
-from tests.reference import greedy_continuation, transformers_llama
+from pie_runtime.reference import greedy_continuation, transformers_llama
 
 PROMPTS = [
     "The capital of France is",

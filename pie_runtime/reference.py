@@ -1,4 +1,7 @@
-"""Hugging Face transformers as the reference implementation (a test-only dependency)."""
+"""Hugging Face transformers as the reference implementation, for parity tests and benchmarks only.
+
+transformers is a test extra, never a runtime dependency: it is imported inside the functions.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from pie_runtime.models.config import ModelConfig
+from .models.config import ModelConfig
 
 
 def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
-    """transformers' LlamaForCausalLM over the very weights file a store entry holds."""
+    """transformers' LlamaForCausalLM over the very weights file a store entry holds (linked into
+    ``scratch`` beside a config.json written from ``c``)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -21,6 +25,7 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None,
     )  # fmt: skip
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "config.json").write_text(json.dumps(config.to_dict()))
@@ -30,6 +35,7 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
 
 
 def greedy_continuation(hf_model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` for exactly ``n`` tokens (no EOS stop)."""
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)
