@@ -18,6 +18,7 @@ from inferlet.client import Client
 from pie_runtime.protocol import ErrorCode, PieError, pack
 from pie_runtime.protocol.codec import MAX_MESSAGE_BYTES
 from tests.conftest import TINY
+from tests.procs import expect_line
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 
@@ -278,7 +279,7 @@ async def test_killed_client_pages_return(tiny):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, tiny.client.address, TINY],
                             stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "holding"
+        expect_line(proc, "holding")
         assert await pages_free(tiny) < free0
         os.kill(proc.pid, signal.SIGKILL)
     finally:

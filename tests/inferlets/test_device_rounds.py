@@ -20,6 +20,7 @@ from pie_runtime.store import DEFAULT_MODEL
 
 from tests.inferlets.conftest import call, call_many
 from tests.inferlets.test_speculative_inferlets import MAX, PROMPTS, REPETITIVE
+from tests.procs import expect_line
 
 STATS = ("rounds", "proposed", "accepted", "acceptance_per_position", "rejecting_round_share", "skipped")
 DEVICE = [("mtp-speculative-decoding", {"draft_length": 2}, {"run_ahead": True}),
@@ -105,7 +106,7 @@ def test_a_client_dying_mid_mtp_run_ahead_returns_its_pages(spec_engine):
     proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, spec_engine.address], stdout=subprocess.PIPE,
                             text=True, cwd=os.getcwd())
     try:
-        assert proc.stdout.readline().strip() == "running"
+        expect_line(proc, "running")
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()

@@ -16,6 +16,7 @@ import pytest
 
 import inferlet
 from tests.conftest import TINY
+from tests.procs import expect_line
 
 PROMPT = "Numbers: 3 1 4 1 5 9 2 6 5 3 5 8 9 7 9 3 2 3 8 4 6 2 6 4"
 
@@ -159,7 +160,7 @@ async def test_a_client_dying_mid_run_stops_its_fires_and_returns_its_pages(tiny
     proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, tiny.client.address, TINY],
                             stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
-        assert proc.stdout.readline().strip() == "running"
+        expect_line(proc, "running")
         assert (await stats(tiny))["run_ahead"] == 1
         os.kill(proc.pid, signal.SIGKILL)
     finally:
