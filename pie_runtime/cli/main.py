@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-
-# OpenMP threads that spin while waiting collapse when another process shares the cores (an inferlet, a
-# second engine): a decode step measured 640 ms spinning against 137 ms passive on a loaded 2-core
-# machine. Must be set before torch loads its OpenMP runtime; an explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Each module defines register(subparsers) and sets a `func(args) -> int` default on its parsers.
 SUBCOMMANDS = ("model", "engine", "run", "serve", "drafter", "bench")
