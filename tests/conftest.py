@@ -14,6 +14,8 @@ import pytest
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
 
+pytest_plugins = ["tests.drafter_fixtures"]  # distill_slice, mtp_head: shared by tests/drafters and tests/inferlets
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = "tiny-smol"  # random weights, SmolLM2's tokenizer and vocab: cheap, so engine overhead shows
 

@@ -32,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="mtp: output file (default MODEL-mtp.safetensors); draft: store name")
     p.add_argument("--layers", default="0,1,2,-1", help="draft: target layers the draft starts from")
     p.add_argument("--blocks", type=int, default=2, help="mtp: residual MLP blocks")
+    p.add_argument("--init", default=None, help="mtp: continue training this head (FILE.safetensors)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
     p.add_argument("--lr", type=float, default=None)
@@ -40,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
     p.add_argument("--train-threads", type=int, default=1,
                    help="torch CPU threads while training (small ops: one thread is fastest on a busy machine)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="teacher pass and training forward: bf16 (float32 weights kept for training; the "
+                        "teacher's top-k re-ranked in float32) or fp32; auto: bf16 where the CPU has bf16 units")
     p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
     p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
     p.add_argument("--force", action="store_true", help="draft: replace a store model of the same name")
@@ -77,27 +81,36 @@ def run_train(args) -> int:
 
     digest = target_digest(loaded.manifest)
     cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and distill.bf16_is_fast())
     plan = distill.DataPlan(corpora=corpora, tokens=args.tokens, gen_tokens=args.gen_tokens, seq_len=args.seq_len,
-                              heldout_tokens=args.heldout_tokens)
+                            heldout_tokens=args.heldout_tokens, teacher_dtype="bfloat16" if bf16 else "float32")
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(loaded.model, loaded.tokenizer_path, plan, cache, digest,
                                                 progress=not args.quiet)
     t_data = time.monotonic() - t0
     torch.set_num_threads(args.train_threads)
     limit = args.minutes * 60 if args.minutes else None
-    t1 = time.monotonic()
+    t1, c1 = time.monotonic(), time.process_time()
     info = {"command": command, "corpus": [str(c) for c in corpora], "tokens": train.num_tokens,
-            "teacher_s": round(t_data, 1)}
+            "teacher_s": round(t_data, 1), "precision": "bf16" if bf16 else "fp32"}
     if args.kind == "mtp":
+        init = None
+        if args.init:
+            from ..models.mtp import load_mtp, read_config
+
+            init = load_mtp(Path(args.init))
+            info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+            args.depth = init.config.depth
         module = distill.train_mtp(
             loaded.model, train, heldout, depth=args.depth, epochs=args.epochs or 40, target_name=name,
             target_digest=digest, blocks=args.blocks, batch=args.batch or 256, lr=args.lr or 1e-3, seed=args.seed,
-            progress=not args.quiet, max_seconds=limit,
+            progress=not args.quiet, max_seconds=limit, bf16=bf16, init=init,
         )  # fmt: skip
         from ..models.mtp import MTPHead, config_path, save_mtp
 
         agree = distill.mtp_agreement(MTPHead(module, loaded.model), heldout, args.depth, conditional=True)
-        info |= {"train_s": round(time.monotonic() - t1, 1), "heldout_acceptance": [round(a, 4) for a in agree]}
+        info |= {"train_s": round(time.monotonic() - t1, 1), "train_cpu_s": round(time.process_time() - c1, 1),
+                 "heldout_acceptance": [round(a, 4) for a in agree]}
         module.config = module.config.model_copy(update={"training": info})
         out = Path(args.out or f"{name}-mtp.safetensors")
         save_mtp(module, out)
@@ -108,10 +121,11 @@ def run_train(args) -> int:
         layers = [int(x) for x in args.layers.split(",")]
         draft = distill.train_draft(
             loaded.model, train, heldout, layers=layers, epochs=args.epochs or 4, batch=args.batch or 4,
-            lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=limit,
+            lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=limit, bf16=bf16,
         )  # fmt: skip
         agree = distill.draft_agreement(draft, heldout, 3)
-        info |= {"train_s": round(time.monotonic() - t1, 1), "heldout_acceptance": [round(a, 4) for a in agree]}
+        info |= {"train_s": round(time.monotonic() - t1, 1), "train_cpu_s": round(time.process_time() - c1, 1),
+                 "heldout_acceptance": [round(a, 4) for a in agree]}
         result = save_draft(store, draft, loaded, out, info, force=args.force)
         print(f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
               f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; train {info['train_s']:.0f} s)")  # fmt: skip

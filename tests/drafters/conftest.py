@@ -8,39 +8,15 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
 from tests.conftest import TINY
+from tests.drafter_fixtures import link_model, pie  # noqa: F401  (re-exported for the tests)
 
-CORPUS = Path("/work/shared/corpus/austen.txt")
-if not CORPUS.is_file():
-    CORPUS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
 DRAFT = "smol-draft"  # the draft model trained by the session fixture
-
-
-def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Runs the real `pie` command line with PIE_HOME=home."""
-    env = {**os.environ, "PIE_HOME": str(home)}
-    proc = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", *words], env=env, capture_output=True,
-                          text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"pie {' '.join(words)} exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc
-
-
-def link_model(src: Path, dst: Path) -> None:
-    """A model folder whose data files link to ``src``'s and whose manifest is a private copy."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name == MANIFEST_FILE:
-            shutil.copyfile(f, dst / f.name)
-        elif f.is_file() and not f.name.startswith("."):
-            (dst / f.name).symlink_to(f.resolve())
 
 
 def snapshot(home: Path) -> dict[str, str]:
@@ -87,7 +63,7 @@ def swapped_tokenizer(tokenizer_json: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def drafter_home(pie_home, tmp_path_factory) -> Path:
+def drafter_home(pie_home, distill_slice, tmp_path_factory) -> Path:
     """A store with the default model, tiny-smol, and crafted refusable models; drafters trained once."""
     home = tmp_path_factory.mktemp("drafter-home")
     models = home / "models"
@@ -100,20 +76,14 @@ def drafter_home(pie_home, tmp_path_factory) -> Path:
           tokenizer=swapped_tokenizer(models / TINY / "tokenizer.json"))
     craft(home, TINY, "recurrent", {"max_position_embeddings": target_positions, "recurrent": True})
 
-    # a slice of the corpus: 2k tokens to train on and a held-out tail (the target's forward over them is
-    # most of this fixture's time: about 30 s on two idle cores)
-    text = CORPUS.read_text(encoding="utf-8", errors="replace")
-    corpus = home / "corpus.txt"
-    corpus.write_text(text[:40000])
-    common = ["--corpus", str(corpus), "--tokens", "2048", "--seq-len", "128", "--heldout-tokens", "256",
-              "--cache-dir", str(home / "cache"), "--quiet", "--threads", "2"]
-    pie(home, "drafter", "train", "--kind", "mtp", "--depth", "2", "--epochs", "20", "--out",
-        str(home / "head.safetensors"), *common)
+    # the draft model shares the MTP head's corpus slice and teacher cache (tests/drafter_fixtures.py)
+    folder, common = distill_slice
+    shutil.copyfile(folder / "corpus.txt", home / "corpus.txt")
     pie(home, "drafter", "train", "--kind", "draft", "--layers", "0,-1", "--epochs", "10", "--batch", "2", "--lr", "1e-3",
         "--out", DRAFT, *common)
     return home
 
 
 @pytest.fixture(scope="session")
-def head(drafter_home) -> Path:
-    return drafter_home / "head.safetensors"
+def head(mtp_head) -> Path:
+    return mtp_head

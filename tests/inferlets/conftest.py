@@ -1,5 +1,6 @@
-"""Fixtures of the speculative inferlets' tests: one engine serving the default model and a draft model cut
-from it (layers 0..1 + final norm, sharing its embedding), and a way to call an inferlet in-process."""
+"""Fixtures of the speculative inferlets' tests: one engine serving the default model (with a briefly trained
+MTP head attached, in a private store) and a draft model cut from it (layers 0..1 + final norm, sharing its
+embedding), and a way to call an inferlet in-process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 
+from pie_runtime.drafters import attach
 from tests.conftest import REPO, start_engine
+from tests.drafter_fixtures import link_model
 
 SLICE = "smol-slice"
 INFERLETS = REPO / "inferlets"
@@ -46,15 +49,27 @@ def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
 
 
 @pytest.fixture(scope="session")
-def spec_engine(pie_home):
-    """The default model (the target, served first) and the slice draft model, with room for many rows."""
+def spec_home(pie_home, mtp_head, tmp_path_factory) -> Path:
+    """A store of its own: the default model (files linked, manifest copied) with the session's MTP head
+    attached, and the slice draft model. The real store's default model stays without drafters."""
     if not (pie_home / "models" / SLICE).exists():
         ckpt = pie_home / "slice-ckpt"
         write_slice(ckpt, ModelStore().path(DEFAULT_MODEL))
         pie = REPO / ".venv/bin/pie"
         subprocess.run([str(pie) if pie.exists() else "pie", "model", "import", str(ckpt), "--name", SLICE],
                        check=True, env={**os.environ, "PIE_HOME": str(pie_home)}, capture_output=True)
-    eng = start_engine(pie_home, [DEFAULT_MODEL, SLICE], "--kv-pages", "2048")
+    home = tmp_path_factory.mktemp("spec-home")
+    link_model((pie_home / "models" / DEFAULT_MODEL).resolve(), home / "models" / DEFAULT_MODEL)
+    link_model(pie_home / "models" / SLICE, home / "models" / SLICE)
+    attach(ModelStore(home / "models"), DEFAULT_MODEL, f"mtp:{mtp_head}", "head")
+    return home
+
+
+@pytest.fixture(scope="session")
+def spec_engine(spec_home):
+    """The default model (the target, served first, with an MTP head) and the slice draft model, with room
+    for many rows."""
+    eng = start_engine(spec_home, [DEFAULT_MODEL, SLICE], "--kv-pages", "2048")
     yield eng
     eng.stop()
 

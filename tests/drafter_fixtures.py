@@ -1,0 +1,66 @@
+"""Drafter fixtures shared by tests/drafters and tests/inferlets (loaded as a pytest plugin from
+tests/conftest.py): a slice of the corpus with its own teacher cache, an MTP head trained once per session on
+it, and helpers that build private stores (model folders whose big files link to the real store's and whose
+manifests are copies, so attaching a drafter never touches the real store)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pie_runtime.store import MANIFEST_FILE
+
+CORPUS = Path("/work/shared/corpus/austen.txt")
+if not CORPUS.is_file():
+    CORPUS = Path(__file__).resolve().parents[1] / "examples" / "speculation_prompts"
+MTP_DEPTH = 2  # the session head's depth
+
+
+def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs the real `pie` command line with PIE_HOME=home."""
+    env = {**os.environ, "PIE_HOME": str(home)}
+    proc = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", *words], env=env, capture_output=True,
+                          text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pie {' '.join(words)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def link_model(src: Path, dst: Path) -> None:
+    """A model folder whose data files link to ``src``'s and whose manifest is a private copy."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == MANIFEST_FILE:
+            shutil.copyfile(f, dst / f.name)
+        elif f.is_file() and not f.name.startswith("."):
+            (dst / f.name).symlink_to(f.resolve())
+
+
+@pytest.fixture(scope="session")
+def distill_slice(tmp_path_factory) -> tuple[Path, list[str]]:
+    """(folder, common `pie drafter train` flags): a corpus slice (2k tokens to train on and a held-out tail)
+    and one teacher cache for every drafter trained on it. The target's forward over the slice is most of
+    a trained drafter's time: about 30 s on two idle cores, paid once per session."""
+    folder = tmp_path_factory.mktemp("distill")
+    text = CORPUS.read_text(encoding="utf-8", errors="replace")
+    corpus = folder / "corpus.txt"
+    corpus.write_text(text[:40000])
+    common = ["--corpus", str(corpus), "--tokens", "2048", "--seq-len", "128", "--heldout-tokens", "256",
+              "--cache-dir", str(folder / "cache"), "--quiet", "--threads", "2"]
+    return folder, common
+
+
+@pytest.fixture(scope="session")
+def mtp_head(pie_home, distill_slice) -> Path:
+    """An MTP head (depth 2) for the default model, trained briefly on the slice: good enough to be
+    accepted now and then, which is all the serving tests need."""
+    folder, common = distill_slice
+    out = folder / "head.safetensors"
+    pie(pie_home, "drafter", "train", "--kind", "mtp", "--depth", str(MTP_DEPTH), "--epochs", "20", "--out",
+        str(out), *common)
+    return out
