@@ -64,6 +64,21 @@ def engine(pie_home):
     eng.stop()
 
 
+@pytest.fixture
+async def tiny(tiny_engine):
+    """An SDK session on the tiny engine, yielding the tiny model's handle."""
+    import inferlet
+
+    session = await inferlet.connect(tiny_engine.address)
+    yield inferlet.model(TINY)
+    session.client.close()
+
+
+async def pages_free(model) -> int:
+    """Free KV pages of ``model``'s pool, from the engine's stats."""
+    return (await model.client.request("stats"))["models"][model.name]["pages_free"]
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(pie_home):
     eng = start_engine(pie_home, [TINY])

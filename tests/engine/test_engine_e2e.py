@@ -17,17 +17,10 @@ import inferlet
 from inferlet.client import Client
 from pie_runtime.protocol import ErrorCode, PieError, pack
 from pie_runtime.protocol.codec import MAX_MESSAGE_BYTES
-from tests.conftest import TINY
+from tests.conftest import TINY, pages_free
 from tests.procs import expect_line
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
-
-
-@pytest.fixture
-async def tiny(tiny_engine):
-    session = await inferlet.connect(tiny_engine.address)
-    yield inferlet.model(TINY)
-    session.client.close()
 
 
 @pytest.fixture
@@ -35,11 +28,6 @@ async def smol(engine):
     session = await inferlet.connect(engine.address)
     yield inferlet.model()
     session.client.close()
-
-
-async def pages_free(model) -> int:
-    stats = await model.client.request("stats")
-    return stats["models"][model.name]["pages_free"]
 
 
 async def logits_of(model, ws, tokens, rows=None) -> np.ndarray:

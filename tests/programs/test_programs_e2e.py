@@ -12,20 +12,9 @@ import inferlet
 from inferlet.programs import where
 from inferlet.client import Client
 from pie_runtime.protocol import ErrorCode, PieError, pack
-from tests.conftest import TINY
+from tests.conftest import pages_free
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
-
-
-@pytest.fixture
-async def tiny(tiny_engine):
-    session = await inferlet.connect(tiny_engine.address)
-    yield inferlet.model(TINY)
-    session.client.close()
-
-
-async def pages_free(model) -> int:
-    return (await model.client.request("stats"))["models"][model.name]["pages_free"]
 
 
 async def logits_of(ws, tokens) -> np.ndarray:

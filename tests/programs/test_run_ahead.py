@@ -21,13 +21,6 @@ from tests.procs import expect_line
 PROMPT = "Numbers: 3 1 4 1 5 9 2 6 5 3 5 8 9 7 9 3 2 3 8 4 6 2 6 4"
 
 
-@pytest.fixture
-async def tiny(tiny_engine):
-    session = await inferlet.connect(tiny_engine.address)
-    yield inferlet.model(TINY)
-    session.client.close()
-
-
 async def stats(model) -> dict:
     return await model.client.request("stats")
 
