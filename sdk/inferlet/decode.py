@@ -257,6 +257,49 @@ class Run:
         return res
 
 
+async def drive_rounds(model: Model, run: Run, ws, drafter: Drafter, k: int, step, fallback: list[str]) -> None:
+    """The round loop shared by every way of verifying: prefill, then per round choose the drafts (or say in
+    ``stats.skipped`` why there are none) and ``await step(window, drafts, q)`` for the emitted tokens, until the
+    output is done. ``fallback`` (reasons a run never speculates) makes every round a plain step.
+    Records prefill and decode times, and releases the working set and the drafter at the end."""
+    out, stats = run.out, run.stats
+    prompt = list(run.prompt)
+    seq = list(prompt)
+    try:
+        t0 = time.perf_counter()
+        prefill = [step(prompt, [], None)] + ([] if fallback else [drafter.prefill(prompt)])
+        first, *_ = await asyncio.gather(*prefill)
+        run.prefill_ms = (time.perf_counter() - t0) * 1e3
+        run.round_ms.clear()
+        t_decode = time.perf_counter()
+        new = first
+        while True:
+            taken = new[: out.push(new)]
+            seq += taken
+            await drafter.commit(taken, seq, ws.committed)
+            if out.done:
+                break
+            proposal = Proposal()
+            if fallback:
+                for reason in fallback:
+                    stats.skip(reason)
+            elif out.room <= 1:
+                stats.skip("last_token")  # only the bonus token is left to emit
+            elif ws.committed + 1 + k > model.max_positions:
+                stats.skip("near_capacity")  # a full verify window would not fit
+            else:
+                t = time.perf_counter()
+                proposal = await drafter.propose(seq, min(k, out.room - 1))
+                run.draft_ms.append((time.perf_counter() - t) * 1e3)
+                if not proposal.tokens:
+                    stats.skip("no_draft")
+            new = await step([seq[-1]] + proposal.tokens, proposal.tokens, proposal.q)
+        run.decode_s = time.perf_counter() - t_decode
+    finally:
+        await drafter.close()
+        await ws.release()
+
+
 async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
                     verifier: Verifier | None = None) -> dict:
     """Runs the round loop (module docstring) with up to ``k`` drafts a round; returns the inferlet result.
@@ -269,7 +312,6 @@ async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
     fallback = args.fallback_reasons()
     plain = PlainSampler(args, prompt, verifier.rng) if fallback else None
     ws = model.working_set()
-    seq = list(prompt)
 
     async def step(window: list[int], drafts: list[int], q) -> list[int]:
         """One fire over ``window`` (whose last len(drafts) rows are the drafts); returns the emitted tokens."""
@@ -291,39 +333,7 @@ async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
             ws.settle(len(window) - len(drafts) + v.accepted)
         return v.tokens
 
-    try:
-        t0 = time.perf_counter()
-        prefill = [step(prompt, [], None)] + ([drafter.prefill(prompt)] if plain is None else [])
-        first, *_ = await asyncio.gather(*prefill)
-        run.prefill_ms = (time.perf_counter() - t0) * 1e3
-        run.round_ms.clear()
-        t_decode = time.perf_counter()
-        new = first
-        while True:
-            taken = new[: out.push(new)]
-            seq += taken
-            await drafter.commit(taken, seq, ws.committed)
-            if out.done:
-                break
-            proposal = Proposal()
-            if plain is not None:
-                for reason in fallback:
-                    stats.skip(reason)
-            elif out.room <= 1:
-                stats.skip("last_token")  # only the bonus token is left to emit
-            elif ws.committed + 1 + k > model.max_positions:
-                stats.skip("near_capacity")  # a full verify window would not fit
-            else:
-                t = time.perf_counter()
-                proposal = await drafter.propose(seq, min(k, out.room - 1))
-                run.draft_ms.append((time.perf_counter() - t) * 1e3)
-                if not proposal.tokens:
-                    stats.skip("no_draft")
-            new = await step([seq[-1]] + proposal.tokens, proposal.tokens, proposal.q)
-        run.decode_s = time.perf_counter() - t_decode
-    finally:
-        await drafter.close()
-        await ws.release()
+    await drive_rounds(model, run, ws, drafter, k, step, fallback)
     if plain is not None and args.logprobs is not None:
         run.logprobs = plain.logprobs
     return run.result()

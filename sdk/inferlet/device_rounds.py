@@ -25,7 +25,7 @@ import time
 from pie_runtime.protocol import ErrorCode, PieError
 
 from .channels import Channel
-from .decode import DecodeArgs, Drafter, Output, Run, prompt_ids, speculate
+from .decode import DecodeArgs, Drafter, Output, Run, drive_rounds, prompt_ids, speculate
 from .forward import ForwardPass
 from .model import Model
 from .programs import Builder, Program, Sym, concat, trace, where
@@ -68,61 +68,30 @@ async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int
         return await host_loop(model, args, drafter, k, why)
     prompt = prompt_ids(model.tokenizer, args)
     run = Run(model, args, prompt, Output(model.tokenizer, args, len(prompt), model.max_positions))
-    out, stats = run.out, run.stats
+    stats = run.stats
     ws = model.working_set()
     programs: dict[int, Program] = {}  # drafts → the accept rule over that window
 
-    async def step(window: list[int], drafts: list[int]) -> list[int]:
+    async def step(window: list[int], drafts: list[int], q=None) -> list[int]:
         fp = ForwardPass(ws).embed(window)
-        if not drafts:  # the prefill or a plain step: read the last row, fold all
-            res = await fp.readout([len(window) - 1], Argmax()).fold(len(window)).submit()
-            return [int(res.tokens[0])]
         m = len(drafts)
-        if m not in programs:
-            programs[m] = trace(model, lambda p: accept(p, m))
-        fp.readout(range(m + 1), Argmax()).epilogue(programs[m])
+        if m == 0:  # the prefill or a plain step: read the last row, fold all
+            fp.readout([len(window) - 1], Argmax()).fold(len(window))
+        else:
+            if m not in programs:
+                programs[m] = trace(model, lambda p: accept(p, m))
+            fp.readout(range(m + 1), Argmax()).epilogue(programs[m])
         t0 = time.perf_counter()
         res = await fp.submit()
         run.round_ms.append((time.perf_counter() - t0) * 1e3)
+        if m == 0:
+            return [int(res.tokens[0])]
         v = verify_greedy(drafts, res.tokens)
         assert res.fold == v.accepted + 1, "the epilogue and the host disagree on the accepted drafts"
         stats.record(v)
         return v.tokens
 
-    seq = list(prompt)
-    try:
-        t0 = time.perf_counter()
-        first, _ = await asyncio.gather(step(prompt, []), drafter.prefill(prompt))
-        run.prefill_ms = (time.perf_counter() - t0) * 1e3
-        t_decode = time.perf_counter()
-        new = first
-        while True:
-            taken = new[: out.push(new)]
-            seq += taken
-            await drafter.commit(taken, seq, ws.committed)
-            if out.done:
-                break
-            drafts: list[int] = []
-            if out.room <= 1:
-                stats.skip("last_token")
-            elif ws.committed + 1 + k > model.max_positions:
-                stats.skip("near_capacity")
-            else:
-                t = time.perf_counter()
-                drafts = (await drafter.propose(seq, min(k, out.room - 1))).tokens
-                run.draft_ms.append((time.perf_counter() - t) * 1e3)
-                if not drafts:
-                    stats.skip("no_draft")
-            if not drafts:
-                t = time.perf_counter()
-                new = await step([seq[-1]], [])
-                run.round_ms.append((time.perf_counter() - t) * 1e3)
-            else:
-                new = await step([seq[-1]] + drafts, drafts)
-        run.decode_s = time.perf_counter() - t_decode
-    finally:
-        await drafter.close()
-        await ws.release()
+    await drive_rounds(model, run, ws, drafter, k, step, [])
     result = run.result()
     result["stats"]["device"] = "verify"
     return result
