@@ -21,7 +21,7 @@ from inferlet.lookup import NgramIndex
 
 
 class Args(DecodeArgs):
-    draft_length: int = 4
+    draft_length: int = 16  # the most a round drafts; the adaptive schedule picks fewer while lookups miss
     max_ngram: int = 3
     min_ngram: int = 1
     device_verify: bool = False  # greedy: verify and fold in the fire's epilogue

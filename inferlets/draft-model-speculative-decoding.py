@@ -28,6 +28,8 @@ class ModelDrafter(Drafter):
     def __init__(self, model: inferlet.Model, verifier: Verifier):
         self.ws = model.working_set()
         self.verifier = verifier
+        # a draft is one 1-row pass of the draft model plus its round trip (for the draft-length planner)
+        self.draft_cost_ms = model.pass_cost_ms[0] + 1.0 if model.pass_cost_ms else 0.0
 
     async def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:

@@ -12,6 +12,7 @@ With --run-ahead (greedy) the loop stays in the engine: the window comes from a 
 verifies (n = cumprod(drafts == target[:k]).sum()), folds n + 1, writes target[0..n] to an output channel
 and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/device_rounds.py); this
 inferlet only takes the output and replays the host loop's stats from it. Sampled runs use the host loop.
+Run-ahead drafts --draft-length every round: the adaptive schedule (inferlet.draft_length) is host-side.
 """
 
 from __future__ import annotations
@@ -27,24 +28,32 @@ class Args(DecodeArgs):
 
 
 class MTPDrafter(Drafter):
-    def __init__(self, k: int):
+    """Each fire's MTP readout drafts the next round. Its depth follows the draft count the planner asked
+    for last (a round late: this fire's drafts are next round's), since every level of depth costs an MTP
+    step and an lm head whether or not its draft is used."""
+
+    def __init__(self, k: int, step_ms: float = 0.0):
         self.k = k
+        self.depth = k
         self.next: list[int] = []
+        self.draft_cost_ms = step_ms
 
     def readouts(self, verifier: Verifier) -> list:
         if self.k == 0:
             return [verifier.kind()]
-        mtp = inferlet.MTP(self.k)
+        mtp = inferlet.MTP(self.depth)
         return [mtp] if verifier.greedy else [verifier.kind(), mtp]
 
     def observe(self, res: inferlet.PassResult, verified) -> None:
         if self.k == 0:
             return
-        tokens = res.readouts[-1].tokens[verified.accepted]  # (1+k,) at the last accepted row
+        tokens = res.readouts[-1].tokens[verified.accepted]  # (1+depth,) at the last accepted row
         # the chained drafts follow column 0; a sampled token that differs from it leaves none
         self.next = [int(t) for t in tokens[1:]] if int(tokens[0]) == verified.tokens[-1] else []
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
+        if self.k:
+            self.depth = min(max(k, 1), self.k)
         return Proposal(self.next[:k])
 
 
@@ -55,4 +64,4 @@ async def main(args: Args) -> dict:
         raise ValueError(f"--draft-length {args.draft_length} past the model's MTP depth {model.mtp_depth}")
     if args.run_ahead:
         return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
-    return await speculate(model, args, MTPDrafter(args.draft_length), args.draft_length)
+    return await speculate(model, args, MTPDrafter(args.draft_length, model.mtp_step_ms), args.draft_length)

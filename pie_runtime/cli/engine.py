@@ -16,6 +16,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--pass-cost-rows", type=int, default=32,
+                   help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)")
+    p.add_argument("--no-prepack", dest="prepack", action="store_false",
+                   help="no oneDNN-prepacked lm head copy (saves vocab x hidden x 4 bytes; slower verify windows)")
 
 
 def register(sub) -> None:
@@ -47,7 +51,7 @@ def run_engine(args) -> int:
         served = [
             build_served_model(
                 n, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_pages=args.kv_pages,
-                kv_bytes=args.kv_memory << 20,
+                kv_bytes=args.kv_memory << 20, prepack_lm_head=args.prepack, pass_cost_rows=args.pass_cost_rows,
             )
             for n in names
         ]
@@ -56,6 +60,11 @@ def run_engine(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pools = ", ".join(f"{s.name}: {s.pool.num_pages} pages x {s.info.page_size}" for s in served)
+    for s in served:
+        costs = s.info.pass_cost_ms
+        if costs:
+            shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
+            print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
     return 0

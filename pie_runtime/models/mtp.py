@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from .config import ModelConfig
+from .linear import Linear
 from .llama import MLP, LlamaForCausalLM, RMSNorm
 
 
@@ -70,7 +71,7 @@ class MTPModule(nn.Module):
         self.config = cfg
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.blocks = nn.ModuleList(_Block(mcfg) for _ in range(cfg.num_blocks))
 
     def forward(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:

@@ -227,3 +227,6 @@ class ModelInfo(BaseModel):
     drafters: list[dict] = []
     mtp_depth: int = 0  # > 0 when the model serves MTP(k) readouts
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic
+    pass_cost_ms: list[float] = []  # [w-1]: ms of one sequence's w-row pass + lm head, measured at start
+    mtp_step_ms: float = 0.0  # ms of one more MTP(k) draft on a row, measured at start
+    prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)

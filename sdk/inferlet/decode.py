@@ -22,10 +22,12 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, field_validator
 
+from .draft_length import DraftPlanner
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
 from .readouts import Argmax, Distribution, Logits, ReadoutKind
@@ -52,6 +54,9 @@ class DecodeArgs(BaseModel):
     logit_bias: dict[int, float] = {}  # token id → added to its logit; JSON text on the command line
     logprobs: int | None = None  # record each token's logprob and this many top alternatives (bare flag: 0)
     timing: bool = False  # per-round times in stats
+    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
+    # at most the inferlet's draft length; fixed: always the draft length
+    draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -202,6 +207,8 @@ class Proposal:
 class Drafter:
     """What a speculative inferlet plugs into `speculate`. The defaults draft nothing."""
 
+    draft_cost_ms: float = 0.0  # what proposing one more draft costs (a draft model's step); 0 for lookups
+
     async def prefill(self, prompt: list[int]) -> None:
         """Runs alongside the target's prefill (a draft model prefills its own working set here)."""
 
@@ -261,8 +268,11 @@ async def drive_rounds(model: Model, run: Run, ws, drafter: Drafter, k: int, ste
     """The round loop shared by every way of verifying: prefill, then per round choose the drafts (or say in
     ``stats.skipped`` why there are none) and ``await step(window, drafts, q)`` for the emitted tokens, until the
     output is done. ``fallback`` (reasons a run never speculates) makes every round a plain step.
+    Up to ``k`` drafts a round: with ``draft_schedule=adaptive`` the planner's count for this round.
     Records prefill and decode times, and releases the working set and the drafter at the end."""
     out, stats = run.out, run.stats
+    costs = model.pass_cost_ms if run.args.draft_schedule == "adaptive" else []
+    planner = DraftPlanner(k, costs, drafter.draft_cost_ms)
     prompt = list(run.prompt)
     seq = list(prompt)
     try:
@@ -289,11 +299,12 @@ async def drive_rounds(model: Model, run: Run, ws, drafter: Drafter, k: int, ste
                 stats.skip("near_capacity")  # a full verify window would not fit
             else:
                 t = time.perf_counter()
-                proposal = await drafter.propose(seq, min(k, out.room - 1))
+                proposal = await drafter.propose(seq, min(planner.next(), out.room - 1))
                 run.draft_ms.append((time.perf_counter() - t) * 1e3)
                 if not proposal.tokens:
                     stats.skip("no_draft")
             new = await step([seq[-1]] + proposal.tokens, proposal.tokens, proposal.q)
+            planner.observe(len(proposal.tokens), len(new) - 1)
         run.decode_s = time.perf_counter() - t_decode
     finally:
         await drafter.close()

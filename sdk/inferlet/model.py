@@ -3,7 +3,7 @@ working sets on it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .client import Client
 from .tokenizer import Tokenizer
@@ -21,6 +21,8 @@ class Model:
     drafters: list[dict]
     mtp_depth: int
     hidden_size: int = 0
+    pass_cost_ms: list[float] = field(default_factory=list)  # [w-1]: engine-measured ms of a w-row pass
+    mtp_step_ms: float = 0.0  # engine-measured ms of one more MTP(k) draft
 
     @property
     def eos_token_ids(self) -> list[int]:

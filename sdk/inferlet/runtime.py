@@ -50,7 +50,8 @@ async def connect(address: str, token: str | None = None) -> Session:
         tok = Tokenizer(tok_json, info["eos_token_ids"], info["bos_token_id"], info["chat_template"])
         models[info["name"]] = Model(info["name"], client, tok, info["vocab_size"], info["max_positions"],
                                      info["page_size"], info.get("drafters", []), info.get("mtp_depth", 0),
-                                     info.get("hidden_size", 0))
+                                     info.get("hidden_size", 0), info.get("pass_cost_ms", []),
+                                     info.get("mtp_step_ms", 0.0))
     _session = Session(client, models, hello["default_model"])
     return _session
 

@@ -30,6 +30,7 @@ REPETITIVE = PROMPTS[1]
 POLICIES = [
     ("cacheback-speculative-decoding", {}),
     ("cacheback-speculative-decoding", {"draft_length": 0}),
+    ("cacheback-speculative-decoding", {"draft_schedule": "fixed", "draft_length": 6}),  # planner off
     ("draft-model-speculative-decoding", {"draft": SLICE}),
     ("draft-model-speculative-decoding", {"draft": SLICE, "draft_length": 0}),
     ("mtp-speculative-decoding", {"draft_length": 0}),  # the control: plain steps though a head is attached

@@ -1,0 +1,88 @@
+"""The cost of one sequence's pass by its row count, measured at engine start and published in ``hello``.
+
+A speculative inferlet picks how many drafts to verify from what a wider window costs on *this* engine:
+on a CPU in float32 a 3-row window costs about one row and a 9-row one about 1.6x, in bfloat16 17 rows cost
+about 1.2x, on a GPU wider still is nearly free. Guessing that curve in the SDK would be wrong somewhere,
+so the engine times it: a pass of w rows after ``context`` cached tokens plus the lm head and argmax of
+every row (what a greedy verify fire runs), the median of a few repeats, for w = 1..6 and a few wider
+windows up to ``max_rows``, interpolated between them.
+
+It runs before the engine serves anyone, on the first pages of the KV pool, which hold nothing yet; the
+K/V it writes there is garbage that the next owner of those pages overwrites.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ..models.context import Segment
+from .runner import ModelRunner
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_widths(max_rows: int) -> list[int]:
+    """Every width up to 6, then doubling steps: the curve bends where the kernels change, mostly below 6."""
+    return sorted({w for w in [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, max_rows] if w <= max_rows})
+
+
+def measure_pass_costs(runner: ModelRunner, num_pages: int, max_rows: int, context: int = 128,
+                       repeats: int = 2) -> list[float]:
+    """[cost of a 1-row pass, ..., of a max_rows-row pass] in milliseconds; [] when the pool is too small.
+    ``context`` shrinks to what the pool holds."""
+    ps = runner.kv.page_size
+    context = min(context, num_pages * ps - max_rows)
+    if max_rows < 1 or context < 1:
+        return []
+    table = list(range((context + max_rows + ps - 1) // ps))
+    vocab = runner.vocab
+
+    def tokens(n: int) -> list[int]:
+        return [(i * 7919) % vocab for i in range(n)]
+
+    def one_pass(start: int, rows: int) -> None:
+        hidden = runner.forward([Segment(table, start, rows)], tokens(rows), list(range(start, start + rows)))
+        with torch.inference_mode():
+            runner.model.logits(hidden).argmax(-1)
+
+    one_pass(0, context)  # the cached context the windows attend to
+    widths = measured_widths(max_rows)
+    costs = []
+    for rows in widths:
+        one_pass(context, rows)  # warm-up: first calls at a new shape pick their kernels
+        times = []
+        for _ in range(repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            one_pass(context, rows)
+            _sync(runner.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        costs.append(statistics.median(times))
+    dense = np.interp(np.arange(1, max_rows + 1), widths, costs)
+    return [round(float(c), 3) for c in dense]
+
+
+def measure_mtp_step_ms(runner: ModelRunner, repeats: int = 5) -> float:
+    """ms of one more MTP draft on a row (one MTP module step and the lm head); 0.0 without an MTP head."""
+    if runner.mtp is None:
+        return 0.0
+    hidden = torch.zeros(1, runner.model.config.hidden_size, dtype=next(runner.model.parameters()).dtype,
+                         device=runner.device)
+    first = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    runner.mtp.draft(hidden, first, 1)  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.mtp.draft(hidden, first, 1)
+        _sync(runner.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
+

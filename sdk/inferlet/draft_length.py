@@ -1,0 +1,92 @@
+"""How many drafts to verify next round: the count with the most expected tokens per millisecond.
+
+Leviathan et al. 2023, §3.1: if each draft is accepted with probability α given that the ones before it
+were, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens on average. Drafters are not that uniform
+(an MTP head's second draft is kept far less often than its first; a lookup that matched once tends to
+keep matching), so the planner keeps a conditional acceptance α_i per draft position, shrunk toward the
+pooled α where a position has little evidence, and a round of k drafts emits 1 + Σ_{j<=k} Π_{i<=j} α_i. What the round costs is this
+engine's business, so the engine measures it at start (``Model.pass_cost_ms``, one sequence's pass of
+w rows); the planner adds the drafter's own cost per draft and a round's fixed overhead, then picks
+
+    k* = argmax over min_k <= k <= max_k of  E[tokens | k, α] / (pass_cost(1 + k) + k * draft_cost + overhead)
+
+The α's come from recent rounds with exponential forgetting (weight ``decay`` per round), so k drops
+after a miss and climbs during a run of copies. On a CPU in float32, where 3 rows cost about one and 9
+rows 1.6x, that means short probes while the drafter misses and long windows while it hits; where wide
+windows are nearly free (bf16 with AMX, GPUs) it keeps k at the maximum.
+
+``min_k`` stays at least 1 so a drafter that is missing keeps being tested: with k = 0 the planner would
+never see evidence that it started hitting again.
+"""
+
+from __future__ import annotations
+
+
+class DraftPlanner:
+    def __init__(self, max_k: int, pass_cost_ms: list[float], draft_cost_ms: float = 0.0, *,
+                 min_k: int = 1, decay: float = 0.5, prior_alpha: float = 0.5, overhead_ms: float = 1.0):
+        self.max_k = max(0, max_k)
+        self.min_k = min(max(1, min_k), self.max_k)
+        self.costs = list(pass_cost_ms)
+        self.draft_cost_ms = draft_cost_ms
+        self.overhead_ms = overhead_ms
+        self.decay = decay
+        self.hits = prior_alpha  # discounted accepted drafts
+        self.trials = 1.0  # discounted accepted drafts + rejections (geometric trials)
+        self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
+        self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
+
+    @property
+    def adaptive(self) -> bool:
+        """False without a cost curve (the engine did not measure one): then every round drafts ``max_k``."""
+        return bool(self.costs)
+
+    @property
+    def alpha(self) -> float:
+        """Pooled acceptance of a draft given the ones before it were kept."""
+        return self.hits / self.trials
+
+    def position_alpha(self, i: int) -> float:
+        """Acceptance of draft i+1 given drafts 1..i were kept; one round's worth of the pooled α as prior."""
+        return min((self.pos_hits[i] + self.alpha) / (self.pos_trials[i] + 1.0), 0.999)
+
+    def pass_cost(self, rows: int) -> float:
+        """Measured cost of a ``rows``-row pass; extended linearly past the measured widths."""
+        c = self.costs
+        if rows <= len(c):
+            return c[rows - 1]
+        slope = c[-1] - c[-2] if len(c) >= 2 else c[-1]
+        return c[-1] + slope * (rows - len(c))
+
+    def expected_tokens(self, k: int) -> float:
+        """1 (the target's own token) + the expected number of the k drafts kept."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.position_alpha(i)
+            total += survive
+        return total
+
+    def next(self) -> int:
+        """Drafts to ask for this round."""
+        if not self.adaptive:
+            return self.max_k
+        best_k, best = self.min_k, -1.0
+        for k in range(self.min_k, self.max_k + 1):
+            rate = self.expected_tokens(k) / (self.pass_cost(1 + k) + k * self.draft_cost_ms + self.overhead_ms)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A verified round: ``accepted`` of ``proposed`` drafts kept (a full acceptance is no rejection)."""
+        if proposed <= 0:
+            return
+        rejected = 1 if accepted < proposed else 0
+        self.hits = self.hits * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + rejected
+        for i in range(self.max_k):
+            self.pos_hits[i] *= self.decay
+            self.pos_trials[i] *= self.decay
+        for i in range(min(accepted + rejected, self.max_k)):  # drafts 1..accepted kept, the next one tried
+            self.pos_trials[i] += 1.0
+            self.pos_hits[i] += 1.0 if i < accepted else 0.0

@@ -1,0 +1,88 @@
+"""The draft-length planner: picks the count with the most expected tokens per ms for the cost curve it is
+given, follows acceptance up and down, and falls back to the fixed length without a curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferlet.draft_length import DraftPlanner
+
+FLAT = [40.0] * 32  # every window costs one pass (a GPU, or bf16 with AMX)
+# The shape measured on the 2-core CPU in float32: up to 3 rows cost about one, then a step, then a slope.
+CPU = [36.0, 36.5, 39.0, 49.0, 50.5, 52.5, 54.0, 56.0] + [56.0 + 1.6 * i for i in range(1, 25)]
+LINEAR = [40.0 * w for w in range(1, 33)]  # a window of w rows costs w passes: drafting never pays
+
+
+def feed(p: DraftPlanner, rounds: int, accepted_share: float) -> None:
+    for _ in range(rounds):
+        k = p.next()
+        p.observe(k, round(k * accepted_share))
+
+
+def test_without_costs_every_round_drafts_the_maximum():
+    p = DraftPlanner(8, [])
+    assert not p.adaptive
+    feed(p, 5, 0.0)
+    assert p.next() == 8
+
+
+def test_hits_grow_the_window_to_the_maximum_on_a_flat_curve():
+    p = DraftPlanner(16, FLAT)
+    feed(p, 6, 1.0)
+    assert p.next() == 16
+
+
+def test_misses_shrink_the_window_on_the_cpu_curve_and_hits_grow_it_back():
+    p = DraftPlanner(16, CPU)
+    feed(p, 6, 1.0)
+    assert p.next() == 16
+    feed(p, 4, 0.0)
+    low = p.next()
+    assert 1 <= low <= 2  # a probe the cheap rows pay for
+    feed(p, 6, 1.0)
+    assert p.next() == 16
+
+
+def test_never_below_one_draft_so_a_missing_drafter_keeps_being_tested():
+    p = DraftPlanner(8, LINEAR)
+    feed(p, 10, 0.0)
+    assert p.next() == 1
+    assert DraftPlanner(0, CPU).next() == 0  # unless the inferlet asked for none
+
+
+def test_draft_cost_makes_longer_drafts_pay_less():
+    free, costly = DraftPlanner(8, FLAT), DraftPlanner(8, FLAT, draft_cost_ms=30.0)
+    for p in (free, costly):
+        for _ in range(8):
+            p.observe(4, 2)  # accepts about two thirds of the drafts it is shown
+    assert costly.next() < free.next()
+
+
+def test_expected_tokens_is_the_geometric_sum_under_uniform_acceptance():
+    p = DraftPlanner(8, CPU, decay=1.0, prior_alpha=0.0)
+    p.pos_hits = [0.0] * 8
+    p.pos_trials = [0.0] * 8
+    p.hits, p.trials = 0.6, 1.0  # pooled α = 0.6, no per-position evidence
+    a = 0.6
+    for k in range(9):
+        assert p.expected_tokens(k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_per_position_acceptance_follows_the_drafter():
+    """An MTP-like drafter: first drafts kept often, second drafts almost never."""
+    p = DraftPlanner(3, FLAT)
+    for i in range(20):
+        p.observe(2, 1 if i % 4 else 0)
+    assert p.position_alpha(0) > 0.6 and p.position_alpha(1) < 0.2
+
+
+def test_no_draft_rounds_teach_nothing():
+    p = DraftPlanner(8, CPU)
+    before = (p.hits, p.trials, list(p.pos_trials))
+    p.observe(0, 0)
+    assert (p.hits, p.trials, list(p.pos_trials)) == before
+
+
+def test_costs_extend_past_the_measured_widths():
+    p = DraftPlanner(40, [10.0, 12.0, 14.0])
+    assert p.pass_cost(3) == 14.0 and p.pass_cost(5) == 18.0
