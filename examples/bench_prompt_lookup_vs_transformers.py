@@ -2,7 +2,10 @@
 cacheback-speculative-decoding inferlet, each against its own plain greedy decoding, on the same converted
 checkpoint (the store's copy of the model) and prompt. Decode-only rates (the prefill is timed apart), fp32, CPU.
 
-    .venv/bin/python examples/bench_prompt_lookup_vs_transformers.py --prompt repetitive --tokens 128 --lookup 4
+    .venv/bin/python examples/bench_prompt_lookup_vs_transformers.py --prompt repetitive --tokens 128 --lookup 8
+
+transformers drafts ``--lookup`` tokens every round; cacheback drafts up to ``--draft-length`` with its
+adaptive schedule (the inferlet's defaults), or exactly that many with ``--fixed``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", default="repetitive", help="mixed, repetitive or a file")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--lookup", type=int, default=4, help="draft tokens per round (both sides)")
+    p.add_argument("--lookup", type=int, default=8, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--draft-length", type=int, default=16, help="ours: the most drafts a round")
+    p.add_argument("--fixed", action="store_true", help="ours: always --draft-length drafts (no adaptive schedule)")
     p.add_argument("--max-ngram", type=int, default=3, help="ours; transformers' default is 2")
     args = p.parse_args()
 
@@ -67,11 +72,13 @@ def main() -> None:
         hf_lookup, lookup_ids = hf_generate(model, ids, args.tokens, args.lookup)
         del model
     m = measure("cacheback-speculative-decoding", text,
-                ["--draft-length", str(args.lookup), "--max-ngram", str(args.max_ngram)], args.tokens)
+                ["--draft-length", str(args.draft_length), "--max-ngram", str(args.max_ngram),
+                 "--draft-schedule", "fixed" if args.fixed else "adaptive"], args.tokens)
     ours, base = m["spec"]["stats"]["decode_tokens_per_s"], m["base"]["stats"]["decode_tokens_per_s"]
 
     table = Table(title=f"prompt lookup, {len(ids)}-token prompt ({args.prompt}), {args.tokens} tokens, "
-                  f"K={args.lookup}, {torch.get_num_threads()} threads")  # fmt: skip
+                  f"transformers K={args.lookup}, ours up to {args.draft_length}"
+                  f"{' fixed' if args.fixed else ' adaptive'}, {torch.get_num_threads()} threads")  # fmt: skip
     for col in ("", "plain tok/s", "lookup tok/s", "lookup / plain", "digest plain", "digest lookup"):
         table.add_column(col, justify="right")
     table.add_row("transformers", f"{hf_plain:.1f}", f"{hf_lookup:.1f}", f"{hf_lookup / hf_plain:.2f}x",

@@ -65,6 +65,9 @@ def run_engine(args) -> int:
         if costs:
             shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
             print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
+        if s.info.prepacked_bytes:
+            print(f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",
+                  file=sys.stderr, flush=True)
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
     return 0

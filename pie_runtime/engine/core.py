@@ -433,21 +433,31 @@ class EngineCore(ProgramRequests):
             for r, mask in zip(j.readouts, j.masks)
             if r.rows
         ]
-        results = sm.runner.readouts(requests) if requests else []
+        results, raw = sm.runner.readouts(requests) if requests else ([], [])
         t1 = time.perf_counter()
         self.stats.forward_s += t1 - t0
         self.stats.rows += len(tokens)
-        it = iter(results)
-        out = [(j, [next(it) if r.rows else {} for r in j.readouts], self._epilogue(sm, j)) for j in finished]
+        it = iter(zip(results, raw))
+        out = []
+        for j in finished:
+            answered, logits = [], {}
+            for r in j.readouts:
+                res, lg = next(it) if r.rows else ({}, None)
+                answered.append(res)
+                if lg is not None:
+                    logits[tuple(r.rows)] = lg
+            out.append((j, answered, self._epilogue(sm, j, logits)))
         self.stats.epilogue_s += time.perf_counter() - t1
         return out
 
-    def _epilogue(self, sm: ServedModel, j: FireJob) -> object:
+    def _epilogue(self, sm: ServedModel, j: FireJob, logits: dict[tuple[int, ...], torch.Tensor]) -> object:
+        """Runs the fire's program; ``logits`` (readout rows → raw logits) spares it a second lm head."""
         if j.program is None:
             return (None, None)
         txn = Txn(j.bindings)
         try:
-            fold = run_program(j.program, FireIntrinsics(sm.runner, j.hidden, j.tokens), txn, sm.runner.device)
+            intrinsics = FireIntrinsics(sm.runner, j.hidden, j.tokens, logits)
+            fold = run_program(j.program, intrinsics, txn, sm.runner.device)
             if fold is not None and not 0 <= fold <= len(j.tokens):
                 raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}, outside [0, {len(j.tokens)}]")
             txn.commit()

@@ -43,30 +43,32 @@ class ModelRunner:
         self.kv.copy_pages(src, dst)
 
     @torch.inference_mode()
-    def readouts(self, requests: list[ReadoutRequest]) -> list[dict[str, np.ndarray]]:
-        """Runs the lm head once over every logit-needing row, then each readout's kernel."""
-        needs_logits = [r for r in requests if r.spec.kind not in ("hidden", "mtp")]
+    def readouts(self, requests: list[ReadoutRequest]) -> tuple[list[dict[str, np.ndarray]], list[torch.Tensor | None]]:
+        """Runs the lm head once over every row that needs logits (all but Hidden readouts), then each
+        readout's kernel. Returns the results and each request's raw (unmasked) logits, which the fire's
+        epilogue reuses instead of running the lm head again."""
+        needs_logits = [r for r in requests if r.spec.kind != "hidden"]
         logits_all = None
         if needs_logits:
             logits_all = self.model.logits(torch.cat([r.hidden for r in needs_logits]))
         out: list[dict[str, np.ndarray]] = []
+        raw: list[torch.Tensor | None] = []
         offset = 0
         for r in requests:
             kind = r.spec.kind
             if kind == "hidden":
                 out.append({"hidden": r.hidden.float().cpu().numpy()})
-                continue
-            if kind == "mtp":
-                out.append(self._mtp(r))
+                raw.append(None)
                 continue
             n = r.hidden.shape[0]
             logits = logits_all[offset : offset + n]
             offset += n
+            raw.append(logits)
             mask = None
             if r.mask is not None:
                 mask = sampling.unpack_mask(torch.from_numpy(r.mask.astype(np.int32)).to(self.device), self.vocab)
-            out.append(self._kernel(r.spec, logits, mask))
-        return out
+            out.append(self._mtp(r, logits, mask) if kind == "mtp" else self._kernel(r.spec, logits, mask))
+        return out, raw
 
     def _kernel(self, spec: Readout, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
         if spec.kind == "logits":
@@ -78,17 +80,14 @@ class ModelRunner:
             return {"probs": probs.cpu().numpy()}
         return {"tokens": sampling.sample(probs, spec.seed).to(torch.int32).cpu().numpy()}
 
-    def _mtp(self, r: ReadoutRequest) -> dict[str, np.ndarray]:
+    def _mtp(self, r: ReadoutRequest, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
         """tokens (R, 1+k): the target's greedy next token (under the row's mask), then k chained MTP
         drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution."""
         spec = r.spec
-        mask = None
-        if r.mask is not None:
-            mask = sampling.unpack_mask(torch.from_numpy(r.mask.astype(np.int32)).to(self.device), self.vocab)
-        first = sampling.argmax(self.model.logits(r.hidden), mask)
-        drafts, logits = self.mtp.draft(r.hidden, first, spec.k)
+        first = sampling.argmax(logits, mask)
+        drafts, steps = self.mtp.draft(r.hidden, first, spec.k)
         out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
         if spec.with_probs:
-            probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in logits]
+            probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]
             out["probs"] = torch.stack(probs, dim=1).cpu().numpy()
         return out

@@ -30,14 +30,26 @@ class ReadoutResult:
 
 @dataclass
 class PassResult:
+    """A fire's answer. ``res.tokens`` (and ``logits``, ``probs``, ``hidden``) join that array over the
+    readouts that have it, in readout order; readouts whose rows differ in shape (Argmax's (R,) beside
+    MTP's (R, 1+k)) cannot be joined: read those from ``res.readouts[i]``."""
+
     readouts: list[ReadoutResult] = field(default_factory=list)
     committed: int = 0
     fold: int | None = None  # the fold count the epilogue chose, when it folds
     run: dict | None = None  # a run-ahead's {rounds, tokens, reason}
 
     def _cat(self, name: str) -> np.ndarray | None:
-        parts = [getattr(r, name) for r in self.readouts if getattr(r, name) is not None]
-        return np.concatenate(parts) if parts else None
+        with_it = [(i, r) for i, r in enumerate(self.readouts) if getattr(r, name) is not None]
+        if not with_it:
+            return None
+        if len(with_it) == 1:
+            return getattr(with_it[0][1], name)
+        if len({getattr(r, name).shape[1:] for _, r in with_it}) > 1:
+            shapes = ", ".join(f"readouts[{i}] ({r.kind}) {getattr(r, name).shape}" for i, r in with_it)
+            raise ValueError(f"cannot join {name} of differently shaped readouts: {shapes}; "
+                             f"read res.readouts[i].{name}")
+        return np.concatenate([getattr(r, name) for _, r in with_it])
 
     @property
     def logits(self) -> np.ndarray | None:

@@ -13,11 +13,12 @@ from ...protocol import messages as m
 class FireIntrinsics:
     """Lazily computes the readout intrinsics of one fire from the final hidden states of its rows."""
 
-    def __init__(self, runner, hidden: dict[int, torch.Tensor], tokens: list[int]):
+    def __init__(self, runner, hidden: dict[int, torch.Tensor], tokens: list[int],
+                 logits: dict[tuple[int, ...], torch.Tensor] | None = None):
         self.runner = runner
         self._hidden = hidden  # window row → (H,)
         self._tokens = tokens
-        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._logits: dict[tuple[int, ...], torch.Tensor] = dict(logits or {})  # rows → raw logits
 
     def hidden(self, rows: list[int]) -> torch.Tensor:
         return torch.stack([self._hidden[r] for r in rows]).float()
