@@ -28,6 +28,7 @@ from .programs.fire import FireIntrinsics, RunState
 from .programs.requests import ProgramRequests
 from .runner import ModelRunner, ReadoutRequest
 from .scheduler import Chunk, schedule
+from .spec_totals import SpecTotals
 from .working_set import WorkingSet
 
 Reply = tuple[bytes, dict]  # (client identity, reply map)
@@ -86,6 +87,7 @@ class EngineCore(ProgramRequests):
         self.default_model = models[0].name
         self.max_batch_tokens = max_batch_tokens
         self.working_sets: dict[int, WorkingSet] = {}
+        self.spec_totals: dict[str, dict[str, SpecTotals]] = {}  # model → inferlet → summed run counters
         self._ids = itertools.count(1)
         self.stats = StepStats()
         self.channels = ChannelTable()
@@ -136,7 +138,17 @@ class EngineCore(ProgramRequests):
                 name: {"pages_total": sm.pool.num_pages, "pages_free": sm.pool.free_pages, "queued": len(sm.queue)}
                 for name, sm in self.models.items()
             },
+            "speculation": {
+                name: {inferlet: t.as_dict() for inferlet, t in by_inferlet.items()}
+                for name, by_inferlet in self.spec_totals.items()
+            },
         }
+
+    def _op_spec_report(self, client, req: m.SpecReport) -> dict:
+        sm = self._model(req.model)
+        by_inferlet = self.spec_totals.setdefault(sm.name, {})
+        by_inferlet.setdefault(req.inferlet, SpecTotals()).add(req)
+        return {}
 
     def _op_ws_open(self, client, req: m.WsOpen) -> dict:
         sm = self._model(req.model)

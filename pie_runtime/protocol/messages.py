@@ -204,14 +204,44 @@ class Ping(_Req):
     op: Literal["ping"]
 
 
+class SpecReport(_Req):
+    """A finished speculative run's counters, which the engine sums per model and inferlet (``stats``)."""
+
+    op: Literal["spec_report"]
+    model: str | None = None
+    inferlet: str = Field(default="", max_length=128)
+    rounds: int = Field(ge=0)
+    proposed: int = Field(ge=0)
+    accepted: int = Field(ge=0)
+    proposed_per_position: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=64)
+    accepted_per_position: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=64)
+    rounds_with_rejection: int = Field(ge=0)
+    skipped: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0)]] = Field(default={}, max_length=32)
+    decode_tokens: int = Field(default=0, ge=0)
+    decode_s: float = Field(default=0.0, ge=0.0)
+    prefill_ms: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpecReport":
+        if self.accepted > self.proposed:
+            raise ValueError("accepted drafts exceed proposed ones")
+        if len(self.accepted_per_position) != len(self.proposed_per_position):
+            raise ValueError("per-position lists differ in length")
+        if any(a > p for a, p in zip(self.accepted_per_position, self.proposed_per_position)):
+            raise ValueError("a position accepted more drafts than it was proposed")
+        if self.rounds_with_rejection > self.rounds:
+            raise ValueError("more rejecting rounds than rounds")
+        return self
+
+
 Request = Annotated[
     Union[Hello, GetTokenizer, WsOpen, WsFork, WsRelease, WsFold, WsTruncate, Fire, Stats, Ping, ProgramRegister,
-          ChannelOpen, ChannelPut, ChannelSet, ChannelTake, ChannelRead, ChannelClose],
+          ChannelOpen, ChannelPut, ChannelSet, ChannelTake, ChannelRead, ChannelClose, SpecReport],
     Field(discriminator="op"),
 ]
 OPS = ("hello", "tokenizer", "ws_open", "ws_fork", "ws_release", "ws_fold", "ws_truncate", "fire", "stats", "ping",
        "program_register", "channel_open", "channel_put", "channel_set", "channel_take", "channel_read",
-       "channel_close")
+       "channel_close", "spec_report")
 
 
 class ModelInfo(BaseModel):

@@ -31,7 +31,7 @@ from .draft_length import DraftPlanner
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
 from .readouts import Argmax, Distribution, Logits, ReadoutKind
-from .runtime import emit
+from .runtime import emit, inferlet_name
 from .speculative import SpecStats, VerifyResult, filter_distribution, verify_greedy, verify_sampled
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -249,6 +249,17 @@ class Run:
     draft_ms: list[float] = field(default_factory=list)
     logprobs: list[dict] | None = None
 
+    async def finish(self) -> dict:
+        """Reports the run's counters to the engine (summed in its ``stats``), then returns the result."""
+        s = self.stats
+        await self.model.client.request(
+            "spec_report", model=self.model.name, inferlet=inferlet_name(), rounds=s.rounds, proposed=s.proposed,
+            accepted=s.accepted, proposed_per_position=s.proposed_per_position,
+            accepted_per_position=s.accepted_per_position, rounds_with_rejection=s.rounds_with_rejection,
+            skipped=s.skipped, decode_tokens=max(len(self.out.ids) - 1, 0), decode_s=self.decode_s,
+            prefill_ms=self.prefill_ms)
+        return self.result()
+
     def result(self) -> dict:
         decoded = max(len(self.out.ids) - 1, 0)  # the first token came with the prefill
         rate = round(decoded / self.decode_s, 2) if self.decode_s > 0 and decoded else 0.0
@@ -347,4 +358,4 @@ async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
     await drive_rounds(model, run, ws, drafter, k, step, fallback)
     if plain is not None and args.logprobs is not None:
         run.logprobs = plain.logprobs
-    return run.result()
+    return await run.finish()

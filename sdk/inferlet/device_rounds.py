@@ -92,7 +92,7 @@ async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int
         return v.tokens
 
     await drive_rounds(model, run, ws, drafter, k, step, [])
-    result = run.result()
+    result = await run.finish()
     result["stats"]["device"] = "verify"
     return result
 
@@ -185,6 +185,6 @@ async def mtp_run_ahead(model: Model, args: DecodeArgs, drafter: Drafter, k: int
         for ch in (inp, cells, flag):
             await ch.close()
         await ws.release()
-    result = run.result()
+    result = await run.finish()
     result["stats"]["device"] = "run_ahead"
     return result

@@ -37,6 +37,7 @@ class Session:
         self.client = client
         self.models = models
         self.default = default
+        self.inferlet = ""  # the running inferlet's name (its file's stem), for the engine's stats
 
 
 async def connect(address: str, token: str | None = None) -> Session:
@@ -54,6 +55,11 @@ async def connect(address: str, token: str | None = None) -> Session:
                                      info.get("mtp_step_ms", 0.0))
     _session = Session(client, models, hello["default_model"])
     return _session
+
+
+def inferlet_name() -> str:
+    """The running inferlet's name ("" outside ``pie run``)."""
+    return _session.inferlet if _session is not None else ""
 
 
 def model(name: str | None = None) -> Model:
@@ -99,6 +105,7 @@ async def _run(path: Path, engine: str, words: list[str], token: str | None) -> 
     fn = load_entry(path)
     args = parse_args(words, fn)
     session = await connect(engine, token)
+    session.inferlet = path.stem
     try:
         return await fn(args)
     finally:

@@ -1,0 +1,44 @@
+"""The engine sums the counters of finished speculative runs per model and inferlet, under the names a
+run's own stats use; a report that contradicts itself is refused with a typed error and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from pie_runtime.protocol import ErrorCode, PieError
+from tests.conftest import TINY, run
+
+PROMPT = "ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab"
+NAME = "cacheback-speculative-decoding"
+
+
+async def totals(model) -> dict:
+    spec = (await model.client.request("stats"))["speculation"]
+    return spec.get(TINY, {}).get(NAME, {"runs": 0, "rounds": 0, "proposed": 0, "accepted": 0, "skipped": {}})
+
+
+async def test_finished_runs_are_summed_under_their_inferlet(tiny, tiny_engine):
+    before = await totals(tiny)
+    results = [run(NAME, tiny_engine.address, "--prompt", PROMPT, "--max-tokens", str(n)) for n in (12, 20)]
+    after = await totals(tiny)
+    assert after["runs"] == before["runs"] + 2
+    for key in ("rounds", "proposed", "accepted"):
+        assert after[key] == before[key] + sum(r["stats"][key] for r in results)
+    assert after["acceptance"] == after["accepted"] / after["proposed"]
+    assert len(after["acceptance_per_position"]) >= max(len(r["stats"]["acceptance_per_position"]) for r in results)
+    assert after["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"proposed": 2, "accepted": 3},
+    {"proposed": 3, "accepted": 1, "proposed_per_position": [1], "accepted_per_position": [2]},
+    {"proposed": 3, "accepted": 1, "proposed_per_position": [1, 1], "accepted_per_position": [1]},
+    {"proposed": 3, "accepted": 1, "rounds_with_rejection": 9},
+])
+async def test_inconsistent_reports_are_refused(tiny, bad):
+    before = await totals(tiny)
+    fields = {"model": TINY, "inferlet": NAME, "rounds": 2, "rounds_with_rejection": 0, **bad}
+    with pytest.raises(PieError) as e:
+        await tiny.client.request("spec_report", **fields)
+    assert e.value.code == ErrorCode.BAD_MESSAGE
+    assert await totals(tiny) == before
