@@ -3,10 +3,16 @@
 Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling".
 
-    draft ws: feed the tokens it lacks, then k times: d_i ~ q_i (argmax when greedy); embed d_i
+    draft ws: fire(the tokens it lacks, fold all) → d_1 ~ q_1 (argmax when greedy)
+              fire([d_1 .. d_i], fold 0)       → d_(i+1), for i = 1..k-1
     res = fire(target ws, [last, d_1..d_k], readout every row, fold=DEFERRED)
     v = verify(drafts, p, q)          # accept with min(1, p/q), resample max(0, p - q) on rejection
-    target: ws.fold(1 + v.accepted);  draft ws: truncate to the target's committed rows
+    target: ws.fold(1 + v.accepted)
+
+The draft's working set folds only tokens of the sequence (the target's output); its draft rows stay
+unfolded, so a rejected draft never has to be taken back. The price is that each chained fire re-embeds the
+drafts before it (a window of i rows for draft i+1), which costs about one row on a CPU for the small
+windows drafting uses, and the accepted drafts are embedded again with the next round's missing tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ class Args(DecodeArgs):
 
 
 class ModelDrafter(Drafter):
-    """Drafts with a second model in its own working set, kept at the target's committed rows."""
+    """Drafts with a second model in its own working set, which holds exactly the sequence's final tokens."""
 
     def __init__(self, model: inferlet.Model, verifier: Verifier):
         self.ws = model.working_set()
@@ -35,24 +41,21 @@ class ModelDrafter(Drafter):
         if len(prompt) > 1:
             await inferlet.ForwardPass(self.ws).embed(prompt[:-1]).submit()  # its last token comes with a round
 
-    async def commit(self, new_tokens: list[int], seq: list[int], committed: int) -> None:
-        if self.ws.committed > committed:  # rows of drafts the target rejected
-            await self.ws.truncate(committed)
-
     async def propose(self, seq: list[int], k: int) -> Proposal:
-        feed = seq[self.ws.committed:]  # the rows the draft lacks, ending with `last`
+        lacking = seq[self.ws.committed:]  # final tokens the draft has not seen, ending with `last`
         drafts: list[int] = []
         qs: list[np.ndarray] = []
-        for _ in range(k):
-            fp = inferlet.ForwardPass(self.ws).embed(feed)
-            fp.readout([len(feed) - 1], self.verifier.kind())
+        for i in range(k):
+            window = lacking if i == 0 else drafts  # chained fires re-embed the unfolded drafts
+            fp = inferlet.ForwardPass(self.ws).embed(window)
+            fp.readout([len(window) - 1], self.verifier.kind())
+            fp.fold(len(window) if i == 0 else 0)
             res = await fp.submit()
             if self.verifier.greedy:
                 drafts.append(int(res.tokens[0]))
             else:
                 qs.append(res.probs[0])
                 drafts.append(draw(qs[-1], self.verifier.rng))
-            feed = [drafts[-1]]
         return Proposal(drafts, np.stack(qs) if qs else None)
 
     async def close(self) -> None:
