@@ -11,7 +11,8 @@ One round (DESIGN §5):
 
 Terms:
     room          tokens the output may still take (max_tokens minus those emitted);
-    plain step    a round without drafts; its reason is counted in ``stats.skipped``;
+    plain step    a round without drafts; its reason is counted in ``stats.skipped`` (``no_draft``: the
+                  drafter had none; ``draft_cost``: the draft-length planner expected drafting to be slower);
     fallback      a run that never speculates because its sampler needs every step's logits
                   (penalties, a logit bias, logprobs): it reads Logits and samples here.
 """
@@ -308,9 +309,11 @@ async def drive_rounds(model: Model, run: Run, ws, drafter: Drafter, k: int, ste
                 stats.skip("last_token")  # only the bonus token is left to emit
             elif ws.committed + 1 + k > model.max_positions:
                 stats.skip("near_capacity")  # a full verify window would not fit
+            elif (want := planner.next()) == 0 and k > 0:
+                stats.skip("draft_cost")  # the planner expects a plain step to be faster at this acceptance
             else:
                 t = time.perf_counter()
-                proposal = await drafter.propose(seq, min(planner.next(), out.room - 1))
+                proposal = await drafter.propose(seq, min(want, out.room - 1))
                 run.draft_ms.append((time.perf_counter() - t) * 1e3)
                 if not proposal.tokens:
                     stats.skip("no_draft")

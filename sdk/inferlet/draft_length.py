@@ -8,15 +8,18 @@ pooled α where a position has little evidence, and a round of k drafts emits 1 
 engine's business, so the engine measures it at start (``Model.pass_cost_ms``, one sequence's pass of
 w rows); the planner adds the drafter's own cost per draft and a round's fixed overhead, then picks
 
-    k* = argmax over min_k <= k <= max_k of  E[tokens | k, α] / (pass_cost(1 + k) + k * draft_cost + overhead)
+    k* = argmax over 0 <= k <= max_k of  E[tokens | k, α] / (pass_cost(1 + k) + k * draft_cost + overhead)
 
 The α's come from recent rounds with exponential forgetting (weight ``decay`` per round), so k drops
 after a miss and climbs during a run of copies. On a CPU in float32, where 3 rows cost about one and 9
 rows 1.6x, that means short probes while the drafter misses and long windows while it hits; where wide
 windows are nearly free (bf16 with AMX, GPUs) it keeps k at the maximum.
 
-``min_k`` stays at least 1 so a drafter that is missing keeps being tested: with k = 0 the planner would
-never see evidence that it started hitting again.
+Whether to draft at all is decided on a slower estimate (``slow_decay``, about twenty rounds): a drafter
+near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
+otherwise flip to plain steps after two unlucky rounds. When drafting does not pay the round is a plain
+step, except every ``probe_every``-th one, which drafts one token: without rounds that draft, the planner
+would never see the drafter start hitting again.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from __future__ import annotations
 
 class DraftPlanner:
     def __init__(self, max_k: int, pass_cost_ms: list[float], draft_cost_ms: float = 0.0, *,
-                 min_k: int = 1, decay: float = 0.5, prior_alpha: float = 0.5, overhead_ms: float = 1.0):
+                 probe_every: int = 8, decay: float = 0.5, slow_decay: float = 0.95, prior_alpha: float = 0.5,
+                 overhead_ms: float = 1.0):
         self.max_k = max(0, max_k)
-        self.min_k = min(max(1, min_k), self.max_k)
+        self.probe_every = probe_every
+        self.idle = 0  # plain rounds in a row the planner chose since the last drafting round
         self.costs = list(pass_cost_ms)
         self.draft_cost_ms = draft_cost_ms
         self.overhead_ms = overhead_ms
         self.decay = decay
+        self.slow_decay = slow_decay
+        self.slow_hits, self.slow_trials = prior_alpha, 1.0  # the same counts, forgotten slowly
         self.hits = prior_alpha  # discounted accepted drafts
         self.trials = 1.0  # discounted accepted drafts + rejections (geometric trials)
         self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
@@ -66,16 +73,34 @@ class DraftPlanner:
             total += survive
         return total
 
-    def next(self) -> int:
-        """Drafts to ask for this round."""
-        if not self.adaptive:
-            return self.max_k
-        best_k, best = self.min_k, -1.0
-        for k in range(self.min_k, self.max_k + 1):
-            rate = self.expected_tokens(k) / (self.pass_cost(1 + k) + k * self.draft_cost_ms + self.overhead_ms)
+    def round_cost(self, k: int) -> float:
+        return self.pass_cost(1 + k) + k * self.draft_cost_ms + self.overhead_ms
+
+    def best(self) -> int:
+        """k*: the draft count with the most expected tokens per ms now (0: a plain step is faster)."""
+        best_k, best = 0, -1.0
+        for k in range(self.max_k + 1):
+            rate = self.expected_tokens(k) / self.round_cost(k)
             if rate > best:
                 best_k, best = k, rate
         return best_k
+
+    def drafting_pays(self) -> bool:
+        """One draft at the slowly forgotten acceptance beats a plain step."""
+        return (1 + self.slow_hits / self.slow_trials) / self.round_cost(1) > 1 / self.round_cost(0)
+
+    def next(self) -> int:
+        """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
+        if not self.adaptive or self.max_k == 0:
+            return self.max_k
+        if self.drafting_pays():
+            self.idle = 0
+            return max(1, self.best())
+        self.idle += 1
+        if self.idle >= self.probe_every:
+            self.idle = 0
+            return 1
+        return 0
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A verified round: ``accepted`` of ``proposed`` drafts kept (a full acceptance is no rejection)."""
@@ -84,6 +109,8 @@ class DraftPlanner:
         rejected = 1 if accepted < proposed else 0
         self.hits = self.hits * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected
+        self.slow_hits = self.slow_hits * self.slow_decay + accepted
+        self.slow_trials = self.slow_trials * self.slow_decay + accepted + rejected
         for i in range(self.max_k):
             self.pos_hits[i] *= self.decay
             self.pos_trials[i] *= self.decay

@@ -31,7 +31,10 @@ POLICIES = [
     ("cacheback-speculative-decoding", {}),
     ("cacheback-speculative-decoding", {"draft_length": 0}),
     ("cacheback-speculative-decoding", {"draft_schedule": "fixed", "draft_length": 6}),  # planner off
+    # the untrained slice rarely agrees, so the planner mostly takes plain steps and the draft catches up
+    # over several rows when it probes; fixed, it drafts every round
     ("draft-model-speculative-decoding", {"draft": SLICE}),
+    ("draft-model-speculative-decoding", {"draft": SLICE, "draft_schedule": "fixed"}),
     ("draft-model-speculative-decoding", {"draft": SLICE, "draft_length": 0}),
     ("mtp-speculative-decoding", {"draft_length": 0}),  # the control: plain steps though a head is attached
 ]
@@ -51,7 +54,7 @@ def test_greedy_equals_text_completion(spec_engine, reference, name, extra):
     assert {r["finish_reason"] for r in got} == {"eos", "length"}
     proposed = sum(r["stats"]["proposed"] for r in got)
     assert proposed > 0 if extra.get("draft_length", 4) else proposed == 0
-    if proposed:
+    if proposed and (name.startswith("cacheback") or extra.get("draft_schedule") == "fixed"):
         assert sum(r["stats"]["accepted"] for r in got) > 0
 
 

@@ -43,11 +43,25 @@ def test_misses_shrink_the_window_on_the_cpu_curve_and_hits_grow_it_back():
     assert p.next() == 16
 
 
-def test_never_below_one_draft_so_a_missing_drafter_keeps_being_tested():
-    p = DraftPlanner(8, LINEAR)
-    feed(p, 10, 0.0)
-    assert p.next() == 1
-    assert DraftPlanner(0, CPU).next() == 0  # unless the inferlet asked for none
+def test_a_drafter_that_does_not_pay_gets_plain_steps_and_periodic_probes():
+    p = DraftPlanner(8, LINEAR, probe_every=4)
+    ks = []
+    for _ in range(12):
+        k = p.next()
+        ks.append(k)
+        p.observe(k, 0)
+    assert ks == [0, 0, 0, 1] * 3  # a window costs as much as its rows in plain steps: only probes draft
+    assert DraftPlanner(0, CPU).next() == 0  # an inferlet that asked for none
+
+
+def test_a_probe_that_hits_brings_drafting_back():
+    p = DraftPlanner(8, CPU, draft_cost_ms=12.0, probe_every=2)
+    for _ in range(6):
+        p.observe(max(p.next(), 1), 0)
+    assert p.best() == 0
+    for _ in range(4):
+        p.observe(1, 1)
+    assert p.next() >= 1
 
 
 def test_draft_cost_makes_longer_drafts_pay_less():
