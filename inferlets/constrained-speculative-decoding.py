@@ -25,7 +25,7 @@ class Args(DecodeArgs):
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None  # Lark
-    draft_length: int = 4
+    draft_length: int = 16  # the most a round drafts (forced tokens come in long runs)
     max_ngram: int = 3
     min_ngram: int = 1
 

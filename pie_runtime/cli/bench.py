@@ -4,7 +4,8 @@
 
 Prints the decode rate of both, their ratio, acceptance overall and per draft position, the share of rounds
 that rejected a draft, skipped rows, and a digest (sha256 of the token ids) of each output, so a greedy run
-shows at a glance whether it returned text-completion's tokens.
+shows at a glance whether it returned text-completion's tokens. ``--control draft-length-0`` compares with
+the same inferlet at draft length 0 instead (constrained decoding: the plain masked decode).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timing", action="store_true", help="time each verify round")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
+    p.add_argument("--control", choices=["text-completion", "draft-length-0"], default="text-completion",
+                   help="the reference run: text-completion, or this inferlet with --draft-length 0 (for "
+                        "constrained decoding, whose output text-completion cannot match)")
     p.set_defaults(func=_speculation)
 
 
@@ -59,8 +63,10 @@ def _flag(words: list[str], name: str) -> str | None:
 
 
 def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128, timing: bool = False,
-            models: list[str] | None = None, engine_args: list[str] | None = None) -> dict:
-    """Runs a warm-up, the inferlet, then text-completion on one embedded engine; returns both results."""
+            models: list[str] | None = None, engine_args: list[str] | None = None,
+            control: str = "text-completion") -> dict:
+    """Runs a warm-up, the inferlet, then the control (text-completion, or the inferlet with draft length 0)
+    on one embedded engine; returns both results."""
     words = list(words)
     if _flag(words, "--max-tokens") is None:
         words += ["--max-tokens", str(max_tokens)]
@@ -69,8 +75,11 @@ def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128,
     if draft and draft not in models:
         models.append(draft)
     common = ["--prompt", prompt, "--stream", "false"]
-    tc_words = _text_completion_words(words)
     path = resolve_inferlet(inferlet)
+    if control == "draft-length-0":
+        control_path, control_words = path, _without(words, "--draft-length") + ["--draft-length", "0"]
+    else:
+        control_path, control_words = resolve_inferlet("text-completion"), _text_completion_words(words)
 
     def go(p: Path, ws: list[str]) -> dict:
         out = run_inferlet(p, eng.address, common + ws, stdout=subprocess.DEVNULL)
@@ -81,9 +90,22 @@ def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128,
     with EmbeddedEngine(models, engine_args or []) as eng:
         go(resolve_inferlet("text-completion"), ["--max-tokens", "4"])  # warm-up: first-call costs
         spec = go(path, words + (["--timing"] if timing else []))
-        base = go(resolve_inferlet("text-completion"), tc_words)
-    return {"inferlet": path.stem, "models": models, "spec": spec, "base": base,
+        base = go(control_path, control_words)
+    return {"inferlet": path.stem, "models": models, "spec": spec, "base": base, "control": control,
             "greedy": float(_flag(words, "--temperature") or 0) == 0}
+
+
+def _without(words: list[str], name: str) -> list[str]:
+    """``words`` less the flag ``name`` and its value."""
+    out, i = [], 0
+    while i < len(words):
+        if words[i] == name:
+            i += 2
+            continue
+        if not words[i].startswith(name + "="):
+            out.append(words[i])
+        i += 1
+    return out
 
 
 def _text_completion_words(words: list[str]) -> list[str]:
@@ -104,10 +126,12 @@ def summary(m: dict) -> dict:
     spec, base = m["spec"], m["base"]
     s = spec["stats"]
     rate, base_rate = s.get("decode_tokens_per_s", 0.0), base["stats"].get("decode_tokens_per_s", 0.0)
+    control = m.get("control", "text-completion")
+    ref = "text_completion" if control == "text-completion" else "control"  # names of the reference's figures
     out = {
         "inferlet": m["inferlet"],
         "decode_tokens_per_s": rate,
-        "text_completion_tokens_per_s": base_rate,
+        f"{ref}_tokens_per_s": base_rate,
         "speed_ratio": round(rate / base_rate, 3) if base_rate else None,
         "generated_tokens": len(spec["token_ids"]),
         "rounds": s.get("rounds"),
@@ -117,14 +141,14 @@ def summary(m: dict) -> dict:
         "skipped": s.get("skipped", {}),
         "prefill_ms": s.get("prefill_ms"),
         "digest": digest(spec["token_ids"]),
-        "text_completion_digest": digest(base["token_ids"]),
+        f"{ref}_digest": digest(base["token_ids"]),
         "greedy_match": spec["token_ids"] == base["token_ids"] if m["greedy"] else None,
     }
     if "round_ms" in s and s["round_ms"]:
         out["round_ms_mean"] = round(statistics.fmean(s["round_ms"]), 2)
         out["round_ms_median"] = round(statistics.median(s["round_ms"]), 2)
         out["draft_ms_mean"] = round(statistics.fmean(s["draft_ms"]), 2) if s.get("draft_ms") else 0.0
-        out["text_completion_ms_per_token"] = round(1e3 / base_rate, 2) if base_rate else None
+        out[f"{ref}_ms_per_token"] = round(1e3 / base_rate, 2) if base_rate else None
     return out
 
 
@@ -147,11 +171,11 @@ def print_table(row: dict) -> None:
 def _speculation(args: argparse.Namespace) -> int:
     try:
         m = measure(args.inferlet, prompt_text(args.prompt), args.inferlet_args, args.max_tokens, args.timing,
-                    args.model, args.engine_arg)
+                    args.model, args.engine_arg, args.control)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    row = {"prompt": args.prompt, **summary(m)}
+    row = {"prompt": args.prompt, "control": args.control, **summary(m)}
     if args.json:
         print(json.dumps(row))
     else:

@@ -1,0 +1,46 @@
+"""`pie bench speculation` end to end on the tiny model: the policy against text-completion, or against
+itself at draft length 0, with digests that show whether the greedy tokens matched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TINY
+
+PROMPT = "one two three four one two three four one two three four one two"
+
+
+@pytest.fixture
+def bench(pie_home, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+
+    def go(*extra: str) -> dict:
+        cmd = [sys.executable, "-m", "pie_runtime.cli.main", "bench", "speculation", "--model", TINY,
+               "--prompt", str(prompt), "--max-tokens", "24", "--json", *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PIE_HOME": str(pie_home)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    return go
+
+
+def test_against_text_completion(bench):
+    row = bench("--inferlet", "cacheback-speculative-decoding", "--timing")
+    assert row["control"] == "text-completion" and row["greedy_match"] is True
+    assert row["digest"] == row["text_completion_digest"]
+    assert row["generated_tokens"] == 24 and row["speed_ratio"] > 0 and row["rounds"] > 0
+    assert row["round_ms_mean"] > 0
+
+
+def test_against_the_same_inferlet_at_draft_length_zero(bench):
+    row = bench("--inferlet", "constrained-speculative-decoding", "--control", "draft-length-0",
+                "--", "--regex", "(one |two |three |four )+")
+    assert row["control"] == "draft-length-0" and "text_completion_tokens_per_s" not in row
+    assert row["greedy_match"] is True and row["digest"] == row["control_digest"]
