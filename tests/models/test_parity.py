@@ -1,7 +1,7 @@
 """Logits of our paged forward equal Hugging Face transformers' on the same checkpoint (fp32, 1e-4 + 1e-5 relative): tiny
 random llama / mistral / qwen2 / qwen3 checkpoints imported through `pie model import`, and SmolLM2 from
 the store. Each is checked in one pass, in uneven chunks over a scattered page table, and as a batch of two
-prompts of different lengths."""
+prompts of different lengths, with and without the engine's oneDNN-prepacked lm head."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tiny_models import FAMILIES, TINY_VOCAB, run_chunks
+from pie_runtime.models.linear import prepack, unpack
 from pie_runtime.store import load_model
 from pie_runtime.reference import transformers_llama
 
@@ -23,6 +24,16 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 def check_all_modes(model, hf_model, prompt_a: list[int], prompt_b: list[int]) -> None:
+    """Every mode as loaded, then again with the lm head prepacked as the engine serves it."""
+    check_modes(model, hf_model, prompt_a, prompt_b)
+    assert prepack(model.lm_head) > 0
+    try:
+        check_modes(model, hf_model, prompt_a, prompt_b)
+    finally:
+        unpack(model)
+
+
+def check_modes(model, hf_model, prompt_a: list[int], prompt_b: list[int]) -> None:
     ref_a, ref_b = reference_logits(hf_model, prompt_a), reference_logits(hf_model, prompt_b)
 
     (one_pass,) = run_chunks(model, [prompt_a], [[len(prompt_a)]], 4, [list(range(8))])
