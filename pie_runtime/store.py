@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -172,8 +173,11 @@ class ModelStore:
         _write_cache(cache_path, fresh)
         return manifest
 
-    def add(self, converted: Converted, name: str, *, force: bool = False) -> ImportResult:
-        """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename)."""
+    def add(self, converted: Converted, name: str, *, force: bool = False,
+            check: Callable[[Manifest], None] | None = None) -> ImportResult:
+        """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename). ``check``
+        sees the new manifest before the rename; whatever it raises leaves the store as it was, even a model
+        that ``force`` would have replaced."""
         if self.exists(name) and not force:
             return ImportResult(self.get(name), imported=False)
         from safetensors.torch import save_file
@@ -198,6 +202,8 @@ class ModelStore:
             )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
             _write_cache(tmp / VERIFIED_CACHE, {f: _stamp(tmp / f, d) for f, d in files.items()})
+            if check is not None:
+                check(manifest)
             moved = self._move_into_place(tmp, name, force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -254,9 +260,11 @@ def _default_name(path: Path) -> str:
 
 
 def import_model(
-    source: str, *, name: str | None = None, force: bool = False, store: ModelStore | None = None, progress: bool = True
+    source: str, *, name: str | None = None, force: bool = False, store: ModelStore | None = None, progress: bool = True,
+    check: Callable[[Manifest], None] | None = None,
 ) -> ImportResult:
-    """Import a packaged alias, a ``.gguf`` file or a Hugging Face checkpoint folder as model ``name``."""
+    """Import a packaged alias, a ``.gguf`` file or a Hugging Face checkpoint folder as model ``name``.
+    ``check`` (e.g. of drafters to attach) runs on the new manifest before it enters the store."""
     from .models.gguf_import import convert_gguf
     from .models.hf_import import convert_hf
 
@@ -283,7 +291,7 @@ def import_model(
         raise ImportRefused(str(e)) from e
     except OSError as e:
         raise ImportRefused(f"cannot read {source}: {e}") from e
-    return store.add(converted, name, force=force)
+    return store.add(converted, name, force=force, check=check)
 
 
 def ensure_default_model(store: ModelStore | None = None) -> Manifest:

@@ -65,38 +65,30 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 
 def _import(args: argparse.Namespace) -> int:
-    from ..drafters import parse_spec
+    from ..drafters import attach, check_spec, parse_spec
 
     for spec in args.drafter:
         parse_spec(spec)  # a malformed spec is refused before anything is converted
-    result = import_model(args.source, name=args.name, force=args.force)
+    store = ModelStore()
+
+    def check_drafters(target) -> None:
+        for spec in args.drafter:
+            check_spec(store, target, spec)
+
+    # the drafters are checked against the new model before it enters the store, so a refusal leaves the
+    # store as it was, a model --force would have replaced included
+    result = import_model(args.source, name=args.name, force=args.force, store=store, check=check_drafters)
     m = result.manifest
-    if args.drafter:
-        _attach_at_import(m.name, args.drafter, fresh=result.imported and not args.force)
+    if not result.imported:
+        check_drafters(m)  # attaching to the model already there: all or none
+    for spec in args.drafter:
+        entry = attach(store, m.name, spec)
+        print(f"attached {entry.kind} drafter {entry.name} to {m.name}")
     if result.imported:
         print(f"imported {m.name}: {m.family}, {m.parameters / 1e6:.1f}M parameters, from {m.source}")
     else:
         print(f"{m.name} is already imported (from {m.source}); use --force to replace it")
     return 0
-
-
-def _attach_at_import(name: str, specs: list[str], fresh: bool) -> None:
-    """Check every spec against the imported model, then attach them all. A refusal attaches nothing and
-    removes a model this command imported, so the store is as it was before the command."""
-    from ..drafters import attach, check_spec
-
-    store = ModelStore()
-    try:
-        target = store.get(name)
-        for spec in specs:
-            check_spec(store, target, spec)
-    except BaseException:
-        if fresh:
-            store.remove(name)
-        raise
-    for spec in specs:
-        entry = attach(store, name, spec)
-        print(f"attached {entry.kind} drafter {entry.name} to {name}")
 
 
 def _attach(args: argparse.Namespace) -> int:

@@ -75,6 +75,10 @@ def test_import_with_refused_drafter_leaves_store_unchanged(drafter_home, pie_ho
     proc = pie(drafter_home, "model", "import", str(pie_home / "tiny-ckpt"), "--name", "tiny-again",
                "--drafter", "nonsense", check=False)
     assert proc.returncode == 1 and "mtp:FILE or draft:MODEL_NAME" in proc.stderr
+    # --force over a stored model: the refusal comes before the new copy replaces the old one
+    proc = pie(drafter_home, "model", "import", str(pie_home / "tiny-ckpt"), "--name", TINY, "--force",
+               "--drafter", f"mtp:{head}", check=False)
+    assert proc.returncode == 1 and "hidden size" in proc.stderr, proc.stderr
     assert snapshot(drafter_home) == before
 
 
