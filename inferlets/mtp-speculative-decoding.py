@@ -5,6 +5,7 @@ DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (MTP modules used for speculati
 
     res = fire([last, d_1..d_k], readout MTP(k) on every row, fold=DEFERRED)
     # MTP tokens (k+1, 1+k): column 0 is the target's argmax at the row, columns 1..k chained drafts
+    # (greedy: at_accepted, so the engine chains only from the row verification stops at)
     v = verify(drafts, column 0)   (sampled: a Distribution readout too, point-mass q)
     ws.fold(1 + v.accepted);  next drafts = MTP tokens[v.accepted, 1..k] when the emitted token is column 0
 
@@ -41,15 +42,17 @@ class MTPDrafter(Drafter):
     def readouts(self, verifier: Verifier) -> list:
         if self.k == 0:
             return [verifier.kind()]
-        mtp = inferlet.MTP(self.depth)
-        return [mtp] if verifier.greedy else [verifier.kind(), mtp]
+        if verifier.greedy:  # the engine chains drafts only from the row greedy verification stops at
+            return [inferlet.MTP(self.depth, at_accepted=True)]
+        return [verifier.kind(), inferlet.MTP(self.depth)]
 
     def observe(self, res: inferlet.PassResult, verified) -> None:
         if self.k == 0:
             return
         tokens = res.readouts[-1].tokens[verified.accepted]  # (1+depth,) at the last accepted row
         # the chained drafts follow column 0; a sampled token that differs from it leaves none
-        self.next = [int(t) for t in tokens[1:]] if int(tokens[0]) == verified.tokens[-1] else []
+        drafts = [int(t) for t in tokens[1:]]
+        self.next = drafts if int(tokens[0]) == verified.tokens[-1] and min(drafts, default=0) >= 0 else []
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
         if self.k:

@@ -228,6 +228,10 @@ class EngineCore(ProgramRequests, StepLoop):
             raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
         if r.kind == "mtp" and r.k > sm.info.mtp_depth:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
+        if r.at_accepted and (r.kind != "mtp" or r.with_probs):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP readouts (no with_probs)")
+        if r.at_accepted and r.rows and r.rows != list(range(r.rows[0], r.rows[0] + len(r.rows))):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP readout reads consecutive rows")
         if r.mask is None:
             return None
         words = (sm.info.vocab_size + 31) // 32

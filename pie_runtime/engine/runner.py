@@ -22,6 +22,7 @@ class ReadoutRequest:
     spec: Readout
     hidden: torch.Tensor  # (R, H)
     mask: np.ndarray | None  # packed allowed-token bitmask (R, W)
+    next_tokens: list[int] | None = None  # the window's token after each row (-1 past its end)
 
 
 class ModelRunner:
@@ -82,10 +83,17 @@ class ModelRunner:
 
     def _mtp(self, r: ReadoutRequest, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
         """tokens (R, 1+k): the target's greedy next token (under the row's mask), then k chained MTP
-        drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution."""
+        drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution.
+        at_accepted chains only from the row a greedy verifier stops at; other rows' drafts are -1."""
         spec = r.spec
         first = sampling.argmax(logits, mask)
-        drafts, steps = self.mtp.draft(r.hidden, first, spec.k)
+        if spec.at_accepted:
+            agree = first[:-1].cpu() == torch.tensor(r.next_tokens[:-1], dtype=first.dtype)
+            n = int(torch.cumprod(agree.to(torch.int64), 0).sum()) if agree.numel() else 0
+            drafts = torch.full((first.shape[0], spec.k), -1, dtype=first.dtype, device=first.device)
+            drafts[n] = self.mtp.draft(r.hidden[n : n + 1], first[n : n + 1], spec.k)[0][0]
+        else:
+            drafts, steps = self.mtp.draft(r.hidden, first, spec.k)
         out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
         if spec.with_probs:
             probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]

@@ -121,7 +121,8 @@ class StepLoop:
             if j.remaining == 0:
                 finished.append(j)
         requests = [
-            ReadoutRequest(r, torch.stack([j.hidden[row] for row in r.rows]), mask)
+            ReadoutRequest(r, torch.stack([j.hidden[row] for row in r.rows]), mask,
+                           [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows])
             for j in finished
             for r, mask in zip(j.readouts, j.masks)
             if r.rows

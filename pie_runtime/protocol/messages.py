@@ -45,6 +45,9 @@ class Readout(_Msg):
     seed: int | None = None
     k: int = Field(default=1, ge=1, le=16)  # MTP draft depth
     with_probs: bool = False  # MTP: also return the draft distribution at each step
+    # MTP, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
+    # window's next token (the row a greedy verifier keeps going from); the other rows' drafts are -1
+    at_accepted: bool = False
     mask: WireArray | None = None
 
 

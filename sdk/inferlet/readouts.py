@@ -49,10 +49,14 @@ class Hidden:
 
 @dataclass(frozen=True)
 class MTP:
-    """k chained multi-token-prediction drafts from each row; with_probs adds the draft distributions."""
+    """k chained multi-token-prediction drafts from each row; with_probs adds the draft distributions.
+    at_accepted (greedy): drafts only from the row where greedy verification of the window stops (the
+    longest prefix of rows whose argmax is the window's next token), -1 at the others; saves an MTP chain
+    and an lm head per other row."""
 
     k: int = 1
     with_probs: bool = False
+    at_accepted: bool = False
     kind = "mtp"
 
 

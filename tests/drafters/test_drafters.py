@@ -224,6 +224,36 @@ async def test_mtp_readout_through_engine(served, heldout_ids):
         session.client.close()
 
 
+async def test_mtp_at_accepted_chains_only_from_the_verifier_row(served, heldout_ids):
+    session = await inferlet.connect(served.address)
+    try:
+        m = inferlet.model()
+        ids = heldout_ids
+        fp = inferlet.ForwardPass(m.working_set()).embed(ids).readout(range(len(ids)), inferlet.Argmax())
+        greedy = (await fp.submit()).tokens
+        # a window of 5 rows whose first rows follow the target's greedy choice (so it accepts some)
+        runs = [next((n for n in range(4) if greedy[s + n] != ids[s + n + 1]), 4) for s in range(len(ids) - 5)]
+        start = int(np.argmax(runs))
+        rows = list(range(start, start + 5))
+        fp = inferlet.ForwardPass(m.working_set()).embed(ids[: start + 5])
+        fp.readout(rows, inferlet.MTP(k=2)).readout(rows, inferlet.MTP(k=2, at_accepted=True))
+        res = await fp.submit()
+        full, at = res.readouts[0].tokens, res.readouts[1].tokens
+        n = runs[start]
+        assert n > 0 and (at[:, 0] == full[:, 0]).all()
+        assert (at[n, 1:] == full[n, 1:]).all()
+        assert (np.delete(at[:, 1:], n, axis=0) == -1).all()
+
+        refused = [([4, 5], inferlet.MTP(k=1, with_probs=True, at_accepted=True)),  # sampled: host decides
+                   ([1, 3], inferlet.MTP(k=1, at_accepted=True))]  # rows that are not one stretch
+        for bad_rows, kind in refused:
+            fp = inferlet.ForwardPass(m.working_set()).embed(ids[:6]).readout(bad_rows, kind)
+            with pytest.raises(inferlet.PieError, match="at_accepted"):
+                await fp.submit()
+    finally:
+        session.client.close()
+
+
 async def test_mtp_first_column_obeys_the_mask(served, heldout_ids):
     session = await inferlet.connect(served.address)
     try:
