@@ -31,7 +31,8 @@ class Args(DecodeArgs):
 class MTPDrafter(Drafter):
     """Each fire's MTP readout drafts the next round. Its depth follows the draft count the planner asked
     for last (a round late: this fire's drafts are next round's), since every level of depth costs an MTP
-    step and an lm head whether or not its draft is used."""
+    step and an lm head whether or not its draft is used; before a round the planner will not draft in,
+    the fire reads out no MTP at all."""
 
     def __init__(self, k: int, step_ms: float = 0.0):
         self.k = k
@@ -40,14 +41,15 @@ class MTPDrafter(Drafter):
         self.draft_cost_ms = step_ms
 
     def readouts(self, verifier: Verifier) -> list:
-        if self.k == 0:
-            return [verifier.kind()]
+        if self.k == 0 or (self.planner is not None and not self.planner.will_draft()):
+            return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         if verifier.greedy:  # the engine chains drafts only from the row greedy verification stops at
             return [inferlet.MTP(self.depth, at_accepted=True)]
         return [verifier.kind(), inferlet.MTP(self.depth)]
 
     def observe(self, res: inferlet.PassResult, verified) -> None:
-        if self.k == 0:
+        if res.readouts[-1].kind != "mtp":
+            self.next = []
             return
         tokens = res.readouts[-1].tokens[verified.accepted]  # (1+depth,) at the last accepted row
         # the chained drafts follow column 0; a sampled token that differs from it leaves none

@@ -4,8 +4,8 @@ A speculative inferlet picks how many drafts to verify from what a wider window 
 on a CPU in float32 a 3-row window costs about one row and a 9-row one about 1.6x, in bfloat16 17 rows cost
 about 1.2x, on a GPU wider still is nearly free. Guessing that curve in the SDK would be wrong somewhere,
 so the engine times it: a pass of w rows after ``context`` cached tokens plus the lm head and argmax of
-every row (what a greedy verify fire runs), the median of a few repeats, for w = 1..6 and a few wider
-windows up to ``max_rows``, interpolated between them.
+every row (what a greedy verify fire runs), the median of a few repeats taken round-robin over the widths,
+for w = 1..6 and a few wider windows up to ``max_rows``, made non-decreasing and interpolated between them.
 
 It runs before the engine serves anyone, on the first pages of the KV pool, which hold nothing yet; the
 K/V it writes there is garbage that the next owner of those pages overwrites.
@@ -34,7 +34,7 @@ def measured_widths(max_rows: int) -> list[int]:
 
 
 def measure_pass_costs(runner: ModelRunner, num_pages: int, max_rows: int, context: int = 128,
-                       repeats: int = 2) -> list[float]:
+                       repeats: int = 3) -> list[float]:
     """[cost of a 1-row pass, ..., of a max_rows-row pass] in milliseconds; [] when the pool is too small.
     ``context`` shrinks to what the pool holds."""
     ps = runner.kv.page_size
@@ -54,19 +54,33 @@ def measure_pass_costs(runner: ModelRunner, num_pages: int, max_rows: int, conte
 
     one_pass(0, context)  # the cached context the windows attend to
     widths = measured_widths(max_rows)
-    costs = []
     for rows in widths:
         one_pass(context, rows)  # warm-up: first calls at a new shape pick their kernels
-        times = []
-        for _ in range(repeats):
+    # round-robin over the widths, so a slow spell of the machine spreads over all of them
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(repeats):
+        for rows in widths:
             _sync(runner.device)
             t0 = time.perf_counter()
             one_pass(context, rows)
             _sync(runner.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        costs.append(statistics.median(times))
+            times[rows].append((time.perf_counter() - t0) * 1e3)
+    costs = isotonic([statistics.median(times[w]) for w in widths])
     dense = np.interp(np.arange(1, max_rows + 1), widths, costs)
     return [round(float(c), 3) for c in dense]
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a wider pass is not cheaper, and a noisy
+    dip or spike at one width would otherwise decide a planner's choice."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def measure_mtp_step_ms(runner: ModelRunner, repeats: int = 5) -> float:

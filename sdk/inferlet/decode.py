@@ -209,6 +209,7 @@ class Drafter:
     """What a speculative inferlet plugs into `speculate`. The defaults draft nothing."""
 
     draft_cost_ms: float = 0.0  # what proposing one more draft costs (a draft model's step); 0 for lookups
+    planner: DraftPlanner | None = None  # the run's draft-length planner, set by the round loop
 
     async def prefill(self, prompt: list[int]) -> None:
         """Runs alongside the target's prefill (a draft model prefills its own working set here)."""
@@ -284,7 +285,7 @@ async def drive_rounds(model: Model, run: Run, ws, drafter: Drafter, k: int, ste
     Records prefill and decode times, and releases the working set and the drafter at the end."""
     out, stats = run.out, run.stats
     costs = model.pass_cost_ms if run.args.draft_schedule == "adaptive" else []
-    planner = DraftPlanner(k, costs, drafter.draft_cost_ms)
+    planner = drafter.planner = DraftPlanner(k, costs, drafter.draft_cost_ms)
     prompt = list(run.prompt)
     seq = list(prompt)
     try:

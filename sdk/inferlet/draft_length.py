@@ -89,6 +89,13 @@ class DraftPlanner:
         """One draft at the slowly forgotten acceptance beats a plain step."""
         return (1 + self.slow_hits / self.slow_trials) / self.round_cost(1) > 1 / self.round_cost(0)
 
+    def will_draft(self) -> bool:
+        """Whether ``next()`` would draft if asked now (it does not count as asking): a drafter whose drafts
+        come from the previous fire (MTP) skips computing them before a round that will not use them."""
+        if not self.adaptive or self.max_k == 0:
+            return self.max_k > 0
+        return self.drafting_pays() or self.idle + 1 >= self.probe_every
+
     def next(self) -> int:
         """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
         if not self.adaptive or self.max_k == 0:

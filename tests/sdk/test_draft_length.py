@@ -100,3 +100,12 @@ def test_no_draft_rounds_teach_nothing():
 def test_costs_extend_past_the_measured_widths():
     p = DraftPlanner(40, [10.0, 12.0, 14.0])
     assert p.pass_cost(3) == 14.0 and p.pass_cost(5) == 18.0
+
+
+def test_will_draft_predicts_next_without_counting_as_a_round():
+    p = DraftPlanner(4, LINEAR, probe_every=3)
+    for _ in range(9):
+        predicted, idle = p.will_draft(), p.idle
+        assert p.will_draft() == predicted and p.idle == idle  # asking twice changes nothing
+        assert (p.next() > 0) == predicted
+    assert DraftPlanner(4, []).will_draft() and not DraftPlanner(0, CPU).will_draft()
