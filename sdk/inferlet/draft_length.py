@@ -4,9 +4,10 @@ Leviathan et al. 2023, §3.1: if each draft is accepted with probability α give
 were, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens on average. Drafters are not that uniform
 (an MTP head's second draft is kept far less often than its first; a lookup that matched once tends to
 keep matching), so the planner keeps a conditional acceptance α_i per draft position, shrunk toward the
-pooled α where a position has little evidence, and a round of k drafts emits 1 + Σ_{j<=k} Π_{i<=j} α_i. What the round costs is this
-engine's business, so the engine measures it at start (``Model.pass_cost_ms``, one sequence's pass of
-w rows); the planner adds the drafter's own cost per draft and a round's fixed overhead, then picks
+pooled α where a position has little evidence: a round of k drafts emits 1 + Σ_{j<=k} Π_{i<=j} α_i.
+What the round costs is this engine's business, so the engine measures it at start (``Model.pass_cost_ms``,
+one sequence's pass of w rows); the planner adds the drafter's own cost per draft and a round's fixed
+overhead, then picks
 
     k* = argmax over 0 <= k <= max_k of  E[tokens | k, α] / (pass_cost(1 + k) + k * draft_cost + overhead)
 
@@ -15,7 +16,7 @@ after a miss and climbs during a run of copies. On a CPU in float32, where 3 row
 rows 1.6x, that means short probes while the drafter misses and long windows while it hits; where wide
 windows are nearly free (bf16 with AMX, GPUs) it keeps k at the maximum.
 
-Whether to draft at all is decided on a slower estimate (``slow_decay``, about twenty rounds): a drafter
+Whether to draft at all is decided on a slower estimate (``slow_decay``, about five drafting rounds): a drafter
 near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
 otherwise flip to plain steps after two unlucky rounds. When drafting does not pay the round is a plain
 step, except every ``probe_every``-th one, which drafts one token: without rounds that draft, the planner
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 
 class DraftPlanner:
+    """Per-round draft counts for one run: ``next()`` before a round, ``observe()`` after its verification."""
+
     def __init__(self, max_k: int, pass_cost_ms: list[float], draft_cost_ms: float = 0.0, *,
-                 probe_every: int = 8, decay: float = 0.5, slow_decay: float = 0.95, prior_alpha: float = 0.5,
+                 probe_every: int = 8, decay: float = 0.5, slow_decay: float = 0.8, prior_alpha: float = 0.5,
                  overhead_ms: float = 1.0):
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
