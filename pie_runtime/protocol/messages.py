@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .arrays import decode_array
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: spec_report, MTP at_accepted, pass costs in hello
 DEFERRED = "deferred"
 
 
