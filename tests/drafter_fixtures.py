@@ -5,6 +5,7 @@ manifests are copies, so attaching a drafter never touches the real store)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,11 +33,15 @@ def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def link_model(src: Path, dst: Path) -> None:
-    """A model folder whose data files link to ``src``'s and whose manifest is a private copy."""
+    """A model folder whose data files link to ``src``'s and whose manifest is a private copy without
+    drafters: the tests attach their own, and one a developer attached in the real store is not theirs."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name == MANIFEST_FILE:
-            shutil.copyfile(f, dst / f.name)
+            manifest = json.loads(f.read_text())
+            manifest["drafters"] = []
+            manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("drafters/")}
+            (dst / f.name).write_text(json.dumps(manifest, indent=2))
         elif f.is_file() and not f.name.startswith("."):
             (dst / f.name).symlink_to(f.resolve())
 
