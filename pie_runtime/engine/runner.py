@@ -22,7 +22,7 @@ class ReadoutRequest:
     spec: Readout
     hidden: torch.Tensor  # (R, H)
     mask: np.ndarray | None  # packed allowed-token bitmask (R, W)
-    next_tokens: list[int] | None = None  # the window's token after each row (-1 past its end)
+    next_tokens: list[int] | None = None  # at_accepted MTP: the window's token after each row (-1 past it)
 
 
 class ModelRunner:

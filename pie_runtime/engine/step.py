@@ -122,7 +122,8 @@ class StepLoop:
                 finished.append(j)
         requests = [
             ReadoutRequest(r, torch.stack([j.hidden[row] for row in r.rows]), mask,
-                           [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows])
+                           [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows]
+                           if r.at_accepted else None)
             for j in finished
             for r, mask in zip(j.readouts, j.masks)
             if r.rows
