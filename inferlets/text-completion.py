@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel
-
 import inferlet
+from inferlet.args import CompletionArgs
 from inferlet.programs import sample
 
 
-class Args(BaseModel):
-    prompt: str
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = []
-    chat: bool = False
-    stream: bool = True
+class Args(CompletionArgs):
     run_ahead: bool = False
 
 

@@ -1,4 +1,5 @@
-"""Turns the words after ``--`` into an inferlet's arguments: its pydantic model's fields, or a dict.
+"""Turns the words after ``--`` into an inferlet's arguments: its pydantic model's fields, or a dict; and
+``CompletionArgs``, the arguments every text-generating inferlet takes.
 
 ``--max-tokens 8`` → ``max_tokens=8``; a bare ``--chat`` → ``chat=True``; a repeated flag gives a list.
 Values are typed by the pydantic model; in a dict, numbers become numbers and the rest stays text.
@@ -11,6 +12,20 @@ import json
 from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
+
+
+class CompletionArgs(BaseModel):
+    """text-completion's arguments; the speculative inferlets take them too (``inferlet.decode.DecodeArgs``)."""
+
+    prompt: str
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    chat: bool = False
+    stream: bool = True
 
 
 def split_words(words: list[str]) -> dict[str, Any]:

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, field_validator
+from pydantic import field_validator
 
+from .args import CompletionArgs
 from .draft_length import DraftPlanner
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
@@ -37,18 +38,9 @@ from .speculative import SpecStats, VerifyResult, filter_distribution, verify_gr
 from .tokenizer import StreamDecoder, Tokenizer
 
 
-class DecodeArgs(BaseModel):
+class DecodeArgs(CompletionArgs):
     """text-completion's arguments plus the sampler options that turn speculation off."""
 
-    prompt: str
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = []
-    chat: bool = False
-    stream: bool = True
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # Hugging Face's: logits of seen tokens (prompt too) / r if > 0 else * r
