@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -245,13 +245,9 @@ class Run:
 
     async def finish(self) -> dict:
         """Reports the run's counters to the engine (summed in its ``stats``), then returns the result."""
-        s = self.stats
         await self.model.client.request(
-            "spec_report", model=self.model.name, inferlet=inferlet_name(), rounds=s.rounds, proposed=s.proposed,
-            accepted=s.accepted, proposed_per_position=s.proposed_per_position,
-            accepted_per_position=s.accepted_per_position, rounds_with_rejection=s.rounds_with_rejection,
-            skipped=s.skipped, decode_tokens=max(len(self.out.ids) - 1, 0), decode_s=self.decode_s,
-            prefill_ms=self.prefill_ms)
+            "spec_report", model=self.model.name, inferlet=inferlet_name(), **asdict(self.stats),
+            decode_tokens=max(len(self.out.ids) - 1, 0), decode_s=self.decode_s, prefill_ms=self.prefill_ms)
         return self.result()
 
     def result(self) -> dict:

@@ -31,9 +31,11 @@ function is the reference the engine's torch sampler implements.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+
+from pie_runtime.protocol.spec_counters import SpecCounters
 
 
 def filter_distribution(
@@ -171,30 +173,14 @@ def _sample(weights: np.ndarray, rng: np.random.Generator) -> int:
     return min(i, int(np.flatnonzero(weights > 0)[-1]))
 
 
-@dataclass
-class SpecStats:
+class SpecStats(SpecCounters):
     """Counters over a speculative run; `accepted` counts drafts kept, not tokens returned."""
-
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    proposed_per_position: list[int] = field(default_factory=list)  # [i]: rounds with >= i+1 drafts
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds keeping draft i+1
-    rounds_with_rejection: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
 
     def record(self, result: VerifyResult) -> None:
         self.rounds += 1
         self.proposed += result.proposed
         self.accepted += result.accepted
-        missing = result.proposed - len(self.proposed_per_position)
-        if missing > 0:
-            self.proposed_per_position.extend([0] * missing)
-            self.accepted_per_position.extend([0] * missing)
-        for i in range(result.proposed):
-            self.proposed_per_position[i] += 1
-        for i in range(result.accepted):
-            self.accepted_per_position[i] += 1
+        self.add_positions([1] * result.proposed, [1] * result.accepted + [0] * (result.proposed - result.accepted))
         if result.accepted < result.proposed:
             self.rounds_with_rejection += 1
 
@@ -203,19 +189,4 @@ class SpecStats:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def as_dict(self, decode_tokens_per_s: float, prefill_ms: float) -> dict:
-        return {
-            "rounds": self.rounds,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
-            "acceptance_per_position": [
-                a / n if n else 0.0
-                for a, n in zip(self.accepted_per_position, self.proposed_per_position)
-            ],
-            "rejecting_round_share": (
-                self.rounds_with_rejection / self.rounds if self.rounds else 0.0
-            ),
-            "skipped": dict(self.skipped),
-            "decode_tokens_per_s": decode_tokens_per_s,
-            "prefill_ms": prefill_ms,
-        }
+        return {**self.figures(), "decode_tokens_per_s": decode_tokens_per_s, "prefill_ms": prefill_ms}

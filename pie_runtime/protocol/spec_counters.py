@@ -1,0 +1,56 @@
+"""The counters of speculative decoding and the figures derived from them, one definition for both sides:
+a run keeps them in its ``stats`` (SDK) and reports them when it ends (``spec_report``); the engine sums the
+reports per model and inferlet. Same names, same meanings: `accepted` counts drafts kept, not tokens
+returned; acceptance is drafts kept over drafts proposed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class SpecCounters:
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)  # [i]: rounds with >= i+1 drafts
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds keeping draft i+1
+    rounds_with_rejection: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason → plain steps
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(SpecCounters)}
+
+    def add_positions(self, proposed: list[int], accepted: list[int]) -> None:
+        """Adds per-position counts, growing the lists to the longer length."""
+        grow = len(proposed) - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i, (p, a) in enumerate(zip(proposed, accepted)):
+            self.proposed_per_position[i] += p
+            self.accepted_per_position[i] += a
+
+    def merge(self, other: SpecCounters) -> None:
+        self.rounds += other.rounds
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.add_positions(other.proposed_per_position, other.accepted_per_position)
+        self.rounds_with_rejection += other.rounds_with_rejection
+        for reason, n in other.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+
+    def figures(self) -> dict:
+        """The counters and what dashboards read from them."""
+        return {
+            "rounds": self.rounds,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
+            "acceptance_per_position": [
+                a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self.proposed_per_position)
+            ],
+            "rejecting_round_share": self.rounds_with_rejection / self.rounds if self.rounds else 0.0,
+            "skipped": dict(self.skipped),
+        }
