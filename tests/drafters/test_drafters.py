@@ -188,99 +188,91 @@ def heldout_ids(drafter_home):
     return tok.encode(text).ids[:96]
 
 
-async def test_mtp_readout_through_engine(served, heldout_ids):
+@pytest.fixture
+async def served_model(served):
+    """An SDK session on the served engine, yielding the default model's handle."""
     session = await inferlet.connect(served.address)
-    try:
-        m = inferlet.model()
-        assert m.mtp_depth == 2
-        assert {d["name"] for d in m.drafters} == {"head", DRAFT}
-        ids = heldout_ids
-        rows = list(range(len(ids)))
+    yield inferlet.model()
+    session.client.close()
+
+
+async def test_mtp_readout_through_engine(served_model, heldout_ids):
+    m = served_model
+    assert m.mtp_depth == 2
+    assert {d["name"] for d in m.drafters} == {"head", DRAFT}
+    ids = heldout_ids
+    rows = list(range(len(ids)))
+    fp = inferlet.ForwardPass(m.working_set())
+    fp.embed(ids)
+    fp.readout(rows, inferlet.Argmax())
+    fp.readout(rows, inferlet.MTP(k=2))
+    res = await fp.submit()
+    greedy, mtp = res.readouts[0].tokens, res.readouts[1].tokens
+    assert mtp.shape == (len(ids), 3) and mtp.dtype == np.int32
+    assert (mtp[:, 0] == greedy).all()
+    # draft 1 at row i proposes the token after greedy[i]; where the text follows the target's choice,
+    # the target's own next choice is greedy[i + 1]
+    follows = [i for i in range(len(ids) - 1) if ids[i + 1] == greedy[i]]
+    agree = np.mean([mtp[i, 1] == greedy[i + 1] for i in follows])
+    assert len(follows) > 10 and agree > 0.1, agree  # chance is 1 / 49152
+
+    fp = inferlet.ForwardPass(m.working_set())
+    fp.embed(ids[:8]).readout([7], inferlet.MTP(k=2, with_probs=True))
+    res = await fp.submit()
+    assert res.tokens.shape == (1, 3) and res.probs.shape == (1, 2, m.vocab_size)
+    assert np.allclose(res.probs.sum(-1), 1.0, atol=1e-4)
+    assert (res.probs[0].argmax(-1) == res.tokens[0, 1:]).all()
+
+    with pytest.raises(inferlet.PieError, match="depth"):
         fp = inferlet.ForwardPass(m.working_set())
-        fp.embed(ids)
-        fp.readout(rows, inferlet.Argmax())
-        fp.readout(rows, inferlet.MTP(k=2))
-        res = await fp.submit()
-        greedy, mtp = res.readouts[0].tokens, res.readouts[1].tokens
-        assert mtp.shape == (len(ids), 3) and mtp.dtype == np.int32
-        assert (mtp[:, 0] == greedy).all()
-        # draft 1 at row i proposes the token after greedy[i]; where the text follows the target's choice,
-        # the target's own next choice is greedy[i + 1]
-        follows = [i for i in range(len(ids) - 1) if ids[i + 1] == greedy[i]]
-        agree = np.mean([mtp[i, 1] == greedy[i + 1] for i in follows])
-        assert len(follows) > 10 and agree > 0.1, agree  # chance is 1 / 49152
+        await fp.embed(ids[:4]).readout([3], inferlet.MTP(k=3)).submit()
 
+
+async def test_mtp_at_accepted_chains_only_from_the_verifier_row(served_model, heldout_ids):
+    m = served_model
+    ids = heldout_ids
+    fp = inferlet.ForwardPass(m.working_set()).embed(ids).readout(range(len(ids)), inferlet.Argmax())
+    greedy = (await fp.submit()).tokens
+    # a window of 5 rows whose first rows follow the target's greedy choice (so it accepts some)
+    runs = [next((n for n in range(4) if greedy[s + n] != ids[s + n + 1]), 4) for s in range(len(ids) - 5)]
+    start = int(np.argmax(runs))
+    rows = list(range(start, start + 5))
+    fp = inferlet.ForwardPass(m.working_set()).embed(ids[: start + 5])
+    fp.readout(rows, inferlet.MTP(k=2)).readout(rows, inferlet.MTP(k=2, at_accepted=True))
+    res = await fp.submit()
+    full, at = res.readouts[0].tokens, res.readouts[1].tokens
+    n = runs[start]
+    assert n > 0 and (at[:, 0] == full[:, 0]).all()
+    assert (at[n, 1:] == full[n, 1:]).all()
+    assert (np.delete(at[:, 1:], n, axis=0) == -1).all()
+
+    refused = [([4, 5], inferlet.MTP(k=1, with_probs=True, at_accepted=True)),  # sampled: host decides
+               ([1, 3], inferlet.MTP(k=1, at_accepted=True))]  # rows that are not one stretch
+    for bad_rows, kind in refused:
+        fp = inferlet.ForwardPass(m.working_set()).embed(ids[:6]).readout(bad_rows, kind)
+        with pytest.raises(inferlet.PieError, match="at_accepted"):
+            await fp.submit()
+
+
+async def test_mtp_first_column_obeys_the_mask(served_model, heldout_ids):
+    m = served_model
+    allowed = [42, 1000]
+    mask = np.zeros((1, (m.vocab_size + 31) // 32), dtype=np.uint32)
+    for t in allowed:
+        mask[0, t // 32] |= np.uint32(1 << (t % 32))
+    fp = inferlet.ForwardPass(m.working_set())
+    fp.embed(heldout_ids[:6]).readout([5], inferlet.MTP(k=1), mask=mask.view(np.int32))
+    res = await fp.submit()
+    assert res.tokens[0, 0] in allowed
+
+
+async def test_draft_model_is_served_by_name(served_model, heldout_ids):
+    target, draft = served_model, inferlet.model(DRAFT)
+    assert draft.vocab_size == target.vocab_size and draft.mtp_depth == 0
+    ids = heldout_ids
+    out = []
+    for m in (target, draft):
         fp = inferlet.ForwardPass(m.working_set())
-        fp.embed(ids[:8]).readout([7], inferlet.MTP(k=2, with_probs=True))
-        res = await fp.submit()
-        assert res.tokens.shape == (1, 3) and res.probs.shape == (1, 2, m.vocab_size)
-        assert np.allclose(res.probs.sum(-1), 1.0, atol=1e-4)
-        assert (res.probs[0].argmax(-1) == res.tokens[0, 1:]).all()
-
-        with pytest.raises(inferlet.PieError, match="depth"):
-            fp = inferlet.ForwardPass(m.working_set())
-            await fp.embed(ids[:4]).readout([3], inferlet.MTP(k=3)).submit()
-    finally:
-        session.client.close()
-
-
-async def test_mtp_at_accepted_chains_only_from_the_verifier_row(served, heldout_ids):
-    session = await inferlet.connect(served.address)
-    try:
-        m = inferlet.model()
-        ids = heldout_ids
-        fp = inferlet.ForwardPass(m.working_set()).embed(ids).readout(range(len(ids)), inferlet.Argmax())
-        greedy = (await fp.submit()).tokens
-        # a window of 5 rows whose first rows follow the target's greedy choice (so it accepts some)
-        runs = [next((n for n in range(4) if greedy[s + n] != ids[s + n + 1]), 4) for s in range(len(ids) - 5)]
-        start = int(np.argmax(runs))
-        rows = list(range(start, start + 5))
-        fp = inferlet.ForwardPass(m.working_set()).embed(ids[: start + 5])
-        fp.readout(rows, inferlet.MTP(k=2)).readout(rows, inferlet.MTP(k=2, at_accepted=True))
-        res = await fp.submit()
-        full, at = res.readouts[0].tokens, res.readouts[1].tokens
-        n = runs[start]
-        assert n > 0 and (at[:, 0] == full[:, 0]).all()
-        assert (at[n, 1:] == full[n, 1:]).all()
-        assert (np.delete(at[:, 1:], n, axis=0) == -1).all()
-
-        refused = [([4, 5], inferlet.MTP(k=1, with_probs=True, at_accepted=True)),  # sampled: host decides
-                   ([1, 3], inferlet.MTP(k=1, at_accepted=True))]  # rows that are not one stretch
-        for bad_rows, kind in refused:
-            fp = inferlet.ForwardPass(m.working_set()).embed(ids[:6]).readout(bad_rows, kind)
-            with pytest.raises(inferlet.PieError, match="at_accepted"):
-                await fp.submit()
-    finally:
-        session.client.close()
-
-
-async def test_mtp_first_column_obeys_the_mask(served, heldout_ids):
-    session = await inferlet.connect(served.address)
-    try:
-        m = inferlet.model()
-        allowed = [42, 1000]
-        mask = np.zeros((1, (m.vocab_size + 31) // 32), dtype=np.uint32)
-        for t in allowed:
-            mask[0, t // 32] |= np.uint32(1 << (t % 32))
-        fp = inferlet.ForwardPass(m.working_set())
-        fp.embed(heldout_ids[:6]).readout([5], inferlet.MTP(k=1), mask=mask.view(np.int32))
-        res = await fp.submit()
-        assert res.tokens[0, 0] in allowed
-    finally:
-        session.client.close()
-
-
-async def test_draft_model_is_served_by_name(served, heldout_ids):
-    session = await inferlet.connect(served.address)
-    try:
-        target, draft = inferlet.model(), inferlet.model(DRAFT)
-        assert draft.vocab_size == target.vocab_size and draft.mtp_depth == 0
-        ids = heldout_ids
-        out = []
-        for m in (target, draft):
-            fp = inferlet.ForwardPass(m.working_set())
-            fp.embed(ids).readout(list(range(len(ids))), inferlet.Argmax())
-            out.append((await fp.submit()).tokens)
-        assert np.mean(out[0] == out[1]) > 0.02  # 2 layers trained for seconds; chance is 1 / 49152
-    finally:
-        session.client.close()
+        fp.embed(ids).readout(list(range(len(ids))), inferlet.Argmax())
+        out.append((await fp.submit()).tokens)
+    assert np.mean(out[0] == out[1]) > 0.02  # 2 layers trained for seconds; chance is 1 / 49152
