@@ -16,9 +16,9 @@ import torch
 
 from ..protocol import ErrorCode, PieError
 from ..protocol.arrays import encode_array
+from ..protocol.dtypes import CHANNEL_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32, "int64": torch.int64,
-                "bool": torch.bool}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CHANNEL_DTYPES}
 
 
 @dataclass(eq=False)

@@ -1,12 +1,12 @@
-"""Arrays on the wire: raw little-endian bytes with dtype and shape, never lists of floats."""
+"""Arrays on the wire: raw little-endian bytes with dtype and shape, never lists of floats. The dtypes they
+may travel in are ``dtypes.ALLOWED_DTYPES``."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .dtypes import ALLOWED_DTYPES
 from .errors import ErrorCode, PieError
-
-ALLOWED_DTYPES = frozenset({"float32", "float16", "int32", "int64", "uint32", "uint8", "bool"})
 
 
 def encode_array(a: np.ndarray) -> dict:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 from pydantic import TypeAdapter, ValidationError
 
 from .errors import ErrorCode, PieError
-from .messages import OPS, Request
+from .messages import REQUEST_OPS, Request
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -16,7 +16,7 @@ _request_adapter: TypeAdapter = TypeAdapter(Request)
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))  # None only with autoreset=False
 
 
 def unpack(data: bytes) -> Any:
@@ -29,13 +29,13 @@ def parse_request(data: bytes) -> tuple[int | None, Any]:
         raise PieError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         obj = unpack(data)
-    except Exception as e:  # msgpack raises several unrelated types
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
         raise PieError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(e).__name__}") from None
     if not isinstance(obj, dict):
         raise PieError(ErrorCode.BAD_MESSAGE, "a message must be a map")
     req_id = obj.get("id")
     try:
-        if obj.get("op") not in OPS:
+        if obj.get("op") not in REQUEST_OPS:
             raise PieError(ErrorCode.UNKNOWN_OP, f"unknown op {obj.get('op')!r}")
         try:
             return req_id, _request_adapter.validate_python(obj)

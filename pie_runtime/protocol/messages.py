@@ -6,15 +6,17 @@ Only relative row indexes and working-set handles cross the wire, never physical
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Final, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .arrays import decode_array
+from .dtypes import ChannelDtype
 
 PROTOCOL_VERSION = 2  # 2: spec_report, MTP at_accepted, pass costs in hello
-DEFERRED = "deferred"
+Deferred = Literal["deferred"]
+DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
 
 
 class _Msg(BaseModel):
@@ -121,14 +123,14 @@ class Fire(_Req):
     tokens_from: int | None = None
     positions: list[int] | None = None
     readouts: list[Readout] = []
-    fold: int | Literal["deferred"] | None = None
+    fold: int | Deferred | None = None
     settle: int | None = Field(default=None, ge=0)
     program: str | None = None
     bindings: list[int] = []
     run_ahead: RunAhead | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> "Fire":
+    def _one_source(self) -> Fire:
         if (self.tokens is None) == (self.tokens_from is None):
             raise ValueError("give exactly one of tokens and tokens_from")
         return self
@@ -148,9 +150,6 @@ class ProgramRegister(_Req):
     op: Literal["program_register"]
     model: str | None = None
     nodes: list[ProgramNode] = Field(min_length=1)
-
-
-ChannelDtype = Literal["float32", "float16", "int32", "int64", "bool"]
 
 
 class ChannelOpen(_Req):
@@ -225,7 +224,7 @@ class SpecReport(_Req):
     prefill_ms: float = Field(default=0.0, ge=0.0)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SpecReport":
+    def _consistent(self) -> SpecReport:
         if self.accepted > self.proposed:
             raise ValueError("accepted drafts exceed proposed ones")
         if len(self.accepted_per_position) != len(self.proposed_per_position):
@@ -238,13 +237,18 @@ class SpecReport(_Req):
 
 
 Request = Annotated[
-    Union[Hello, GetTokenizer, WsOpen, WsFork, WsRelease, WsFold, WsTruncate, Fire, Stats, Ping, ProgramRegister,
-          ChannelOpen, ChannelPut, ChannelSet, ChannelTake, ChannelRead, ChannelClose, SpecReport],
+    Hello | GetTokenizer | WsOpen | WsFork | WsRelease | WsFold | WsTruncate | Fire | Stats | Ping | ProgramRegister
+    | ChannelOpen | ChannelPut | ChannelSet | ChannelTake | ChannelRead | ChannelClose | SpecReport,
     Field(discriminator="op"),
 ]
-OPS = ("hello", "tokenizer", "ws_open", "ws_fork", "ws_release", "ws_fold", "ws_truncate", "fire", "stats", "ping",
-       "program_register", "channel_open", "channel_put", "channel_set", "channel_take", "channel_read",
-       "channel_close", "spec_report")
+
+
+def _op_of(request: type[_Req]) -> str:
+    (op,) = get_args(request.model_fields["op"].annotation)
+    return op
+
+
+REQUEST_OPS: tuple[str, ...] = tuple(_op_of(r) for r in get_args(get_args(Request)[0]))  # the wire ops, in order
 
 
 class ModelInfo(BaseModel):

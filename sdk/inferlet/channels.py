@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 
 class Channel:
-    def __init__(self, model: "Model", handle: int, shape: tuple[int, ...], dtype: str, capacity: int):
+    def __init__(self, model: Model, handle: int, shape: tuple[int, ...], dtype: str, capacity: int):
         self.model, self.handle, self.shape, self.dtype, self.capacity = model, handle, shape, dtype, capacity
 
     @classmethod
-    async def open(cls, model: "Model", shape, dtype: str = "int32", capacity: int = 1) -> "Channel":
+    async def open(cls, model: Model, shape, dtype: str = "int32", capacity: int = 1) -> Channel:
         shape = tuple(int(d) for d in shape)
         reply = await model.client.request("channel_open", model=model.name, shape=list(shape), dtype=dtype,
                                            capacity=int(capacity))

@@ -47,7 +47,7 @@ class Client:
     async def _read_replies(self) -> None:
         while True:
             reply = parse_reply(await self._sock.recv())
-            fut = self._pending.pop(reply.get("id"), None)
+            fut = self._pending.pop(reply["id"], None)  # parse_reply checked there is one
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 

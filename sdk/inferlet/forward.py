@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pie_runtime.protocol.arrays import decode_array, encode_array
+from pie_runtime.protocol.messages import DEFERRED  # re-exported: inferlet.DEFERRED, forward.DEFERRED
 
 from .channels import Channel
 from .programs import Program
-from .readouts import ReadoutKind, to_wire
+from .readouts import ReadoutSpec, to_wire
 from .working_set import WorkingSet
-
-DEFERRED = "deferred"
 
 
 @dataclass
@@ -80,7 +79,7 @@ class ForwardPass:
         self._bindings: list[Channel] = []
         self._run_ahead: dict | None = None
 
-    def embed(self, token_ids, positions=None) -> "ForwardPass":
+    def embed(self, token_ids, positions=None) -> ForwardPass:
         """Appends rows to the window (written after the working set's committed rows)."""
         ids = [int(t) for t in token_ids]
         if positions is not None:
@@ -98,7 +97,7 @@ class ForwardPass:
     def _default_positions(self) -> list[int]:
         return list(range(self.ws.committed, self.ws.committed + len(self._tokens)))
 
-    def readout(self, rows, kind: ReadoutKind, mask: np.ndarray | None = None) -> "ForwardPass":
+    def readout(self, rows, kind: ReadoutSpec, mask: np.ndarray | None = None) -> ForwardPass:
         """Reads ``kind`` at window rows ``rows``; ``mask`` is a packed allowed-token bitmask per row
         (int32, (len(rows), ceil(vocab / 32)), bit i of word j allows token 32 j + i)."""
         spec = {"rows": [int(r) for r in rows], **to_wire(kind)}
@@ -107,19 +106,19 @@ class ForwardPass:
         self._readouts.append(spec)
         return self
 
-    def fold(self, n: int | str) -> "ForwardPass":
+    def fold(self, n: int | str) -> ForwardPass:
         """How many rows to commit: an int, or DEFERRED to settle later with ``ws.fold(n)``."""
         self._fold = n
         return self
 
-    def embed_from(self, channel: Channel) -> "ForwardPass":
+    def embed_from(self, channel: Channel) -> ForwardPass:
         """Takes the window's tokens from the front cell of ``channel`` (a 1-d int channel) when the fire runs."""
         if self._tokens:
             raise ValueError("a window comes from tokens or from a channel, not both")
         self._source = channel
         return self
 
-    def epilogue(self, program: Program, bindings: list[Channel] | None = None) -> "ForwardPass":
+    def epilogue(self, program: Program, bindings: list[Channel] | None = None) -> ForwardPass:
         """Runs ``program`` on the device right after the forward. A program that folds decides the fold."""
         self._program = program
         self._bindings = list(program.channels if bindings is None else bindings)
@@ -128,7 +127,7 @@ class ForwardPass:
         return self
 
     def run_ahead(self, output: Channel, budget_tokens: int | None = None, budget_rounds: int | None = None,
-                  stop_tokens=(), stop_channel: Channel | None = None) -> "ForwardPass":
+                  stop_tokens=(), stop_channel: Channel | None = None) -> ForwardPass:
         """Leaves this pass with the engine: it re-fires it step after step until a budget, a stop token
         in ``output`` or a nonzero ``stop_channel``. ``submit()`` returns when it has stopped; meanwhile take
         the committed tokens from ``output``."""
@@ -140,7 +139,7 @@ class ForwardPass:
     async def submit(self) -> PassResult:
         return await (await self.launch())
 
-    async def launch(self) -> "asyncio.Task[PassResult]":
+    async def launch(self) -> asyncio.Task[PassResult]:
         """Sends the fire and returns at once with a task for its result: a run-ahead answers only when it
         stops, and takes from its channels sent after ``launch`` returns wait for it rather than find them
         empty."""

@@ -1,9 +1,11 @@
-"""Model handles: what ``inferlet.model()`` returns — the model's facts from ``hello``, its tokenizer, and
-working sets on it."""
+"""Model handles: what ``inferlet.model()`` returns — the model's facts from ``hello`` (the protocol's
+``ModelInfo``, as the engine sent it), its tokenizer, and working sets on it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pie_runtime.protocol.messages import ModelInfo
 
 from .client import Client
 from .tokenizer import Tokenizer
@@ -12,17 +14,48 @@ from .working_set import WorkingSet
 
 @dataclass
 class Model:
-    name: str
+    info: ModelInfo
     client: Client
     tokenizer: Tokenizer
-    vocab_size: int
-    max_positions: int
-    page_size: int
-    drafters: list[dict]
-    mtp_depth: int
-    hidden_size: int = 0
-    pass_cost_ms: list[float] = field(default_factory=list)  # [w-1]: engine-measured ms of a w-row pass
-    mtp_step_ms: float = 0.0  # engine-measured ms of one more MTP(k) draft
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.info.max_positions
+
+    @property
+    def page_size(self) -> int:
+        return self.info.page_size
+
+    @property
+    def drafters(self) -> list[dict]:
+        return self.info.drafters
+
+    @property
+    def mtp_depth(self) -> int:
+        """> 0 when the model serves MTP(k) readouts, up to this k."""
+        return self.info.mtp_depth
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    @property
+    def pass_cost_ms(self) -> list[float]:
+        """[w-1]: engine-measured ms of a w-row pass."""
+        return self.info.pass_cost_ms
+
+    @property
+    def mtp_step_ms(self) -> float:
+        """Engine-measured ms of one more MTP(k) draft."""
+        return self.info.mtp_step_ms
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -16,9 +16,11 @@ tracing by the same rules the engine enforces, so a mistake fails here, at the l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from pie_runtime.protocol.programs import CHANNEL_DTYPES, ModelDims, Spec, infer, program_hash
+from pie_runtime.protocol.dtypes import CHANNEL_DTYPES
+from pie_runtime.protocol.programs import ModelDims, Spec, infer, program_hash
 
 if TYPE_CHECKING:
     from .channels import Channel
@@ -30,7 +32,7 @@ class Sym:
 
     __hash__ = object.__hash__
 
-    def __init__(self, b: "Builder", node: int, spec: Spec):
+    def __init__(self, b: Builder, node: int, spec: Spec):
         self.b, self.node, self.spec = b, node, spec
 
     @property
@@ -47,7 +49,7 @@ class Sym:
     def __bool__(self):
         raise TypeError("a traced value has no truth value while tracing; use inferlet.programs.where")
 
-    def _bin(self, op: str, other, swap: bool = False) -> "Sym":
+    def _bin(self, op: str, other, swap: bool = False) -> Sym:
         other = self.b.lift(other)
         return self.b.op(op, *((other, self) if swap else (self, other)))
 
@@ -61,8 +63,6 @@ class Sym:
     __rtruediv__ = lambda s, o: s._bin("div", o, True)  # noqa: E731
     __floordiv__ = lambda s, o: s._bin("floordiv", o)  # noqa: E731
     __mod__ = lambda s, o: s._bin("mod", o)  # noqa: E731
-    __eq__ = lambda s, o: s._bin("eq", o)  # noqa: E731
-    __ne__ = lambda s, o: s._bin("ne", o)  # noqa: E731
     __lt__ = lambda s, o: s._bin("lt", o)  # noqa: E731
     __le__ = lambda s, o: s._bin("le", o)  # noqa: E731
     __gt__ = lambda s, o: s._bin("gt", o)  # noqa: E731
@@ -74,67 +74,73 @@ class Sym:
     __abs__ = lambda s: s.b.op("abs", s)  # noqa: E731
     __invert__ = lambda s: s.b.op("not", s)  # noqa: E731
 
-    def exp(self) -> "Sym":
+    def __eq__(self, other) -> Sym:  # a traced comparison, not a truth value
+        return self._bin("eq", other)
+
+    def __ne__(self, other) -> Sym:
+        return self._bin("ne", other)
+
+    def exp(self) -> Sym:
         return self.b.op("exp", self)
 
-    def log(self) -> "Sym":
+    def log(self) -> Sym:
         return self.b.op("log", self)
 
-    def _reduce(self, op: str, dim: int, keepdim: bool = False) -> "Sym":
+    def _reduce(self, op: str, dim: int, keepdim: bool = False) -> Sym:
         return self.b.op(op, self, dim=dim, keepdim=keepdim)
 
-    def sum(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def sum(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("sum", dim, keepdim)
 
-    def max(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def max(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("max", dim, keepdim)
 
-    def min(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def min(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("min", dim, keepdim)
 
-    def argmax(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def argmax(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("argmax", dim, keepdim)
 
-    def any(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def any(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("any", dim, keepdim)
 
-    def all(self, dim: int = -1, keepdim: bool = False) -> "Sym":
+    def all(self, dim: int = -1, keepdim: bool = False) -> Sym:
         return self._reduce("all", dim, keepdim)
 
-    def cumsum(self, dim: int = -1) -> "Sym":
+    def cumsum(self, dim: int = -1) -> Sym:
         return self.b.op("cumsum", self, dim=dim)
 
-    def cumprod(self, dim: int = -1) -> "Sym":
+    def cumprod(self, dim: int = -1) -> Sym:
         return self.b.op("cumprod", self, dim=dim)
 
-    def softmax(self, dim: int = -1) -> "Sym":
+    def softmax(self, dim: int = -1) -> Sym:
         return self.b.op("softmax", self, dim=dim)
 
-    def log_softmax(self, dim: int = -1) -> "Sym":
+    def log_softmax(self, dim: int = -1) -> Sym:
         return self.b.op("log_softmax", self, dim=dim)
 
-    def cast(self, kind: str) -> "Sym":
+    def cast(self, kind: str) -> Sym:
         return self.b.op("cast", self, dtype=kind)
 
-    def int(self) -> "Sym":
+    def int(self) -> Sym:
         return self.cast("int")
 
-    def float(self) -> "Sym":
+    def float(self) -> Sym:
         return self.cast("float")
 
-    def bool(self) -> "Sym":
+    def bool(self) -> Sym:
         return self.cast("bool")
 
-    def reshape(self, *shape: int) -> "Sym":
+    def reshape(self, *shape: int) -> Sym:
         return self.b.op("reshape", self, shape=[int(d) for d in shape])
 
-    def gather(self, dim: int, index: "Sym") -> "Sym":
+    def gather(self, dim: int, index: Sym) -> Sym:
         return self.b.op("gather", self, index, dim=dim)
 
-    def scatter(self, dim: int, index: "Sym", src) -> "Sym":
+    def scatter(self, dim: int, index: Sym, src) -> Sym:
         return self.b.op("scatter", self, index, self.b.lift(src), dim=dim)
 
-    def __getitem__(self, key) -> "Sym":
+    def __getitem__(self, key) -> Sym:
         """Integer indexes and step-1 slices, one per leading dim (``x[0]``, ``x[1:]``, ``x[:, 2]``)."""
         keys = key if isinstance(key, tuple) else (key,)
         out, dim = self, 0
@@ -158,13 +164,22 @@ class Builder:
     def __init__(self, dims: ModelDims):
         self.dims = dims
         self.nodes: list[dict] = []
-        self.channels: list["Channel"] = []  # slot i binds channels[i] unless rebound at fire time
+        self.channels: list[Channel] = []  # slot i binds channels[i] unless rebound at fire time
 
-    def op(self, op: str, *ins: Sym, **attrs: Any) -> Sym | None:
-        i = len(self.nodes)
-        spec = infer(i, op, [s.spec for s in ins], attrs, self.dims)
+    def op(self, op: str, *ins: Sym, **attrs: Any) -> Sym:
+        """Records a node that makes a value."""
+        spec = self._record(op, ins, attrs)
+        assert spec is not None, f"{op} is an effect: record it with effect()"
+        return Sym(self, len(self.nodes) - 1, spec)
+
+    def effect(self, op: str, *ins: Sym, **attrs: Any) -> None:
+        """Records a node that makes no value (``put``, ``set``, ``fold``)."""
+        self._record(op, ins, attrs)
+
+    def _record(self, op: str, ins: tuple[Sym, ...], attrs: dict[str, Any]) -> Spec | None:
+        spec = infer(len(self.nodes), op, [s.spec for s in ins], attrs, self.dims)
         self.nodes.append({"op": op, "inputs": [s.node for s in ins], "attrs": attrs})
-        return None if spec is None else Sym(self, i, spec)
+        return spec
 
     def lift(self, x) -> Sym:
         if isinstance(x, Sym):
@@ -203,30 +218,30 @@ class Builder:
         """(n,) the fire's window tokens (the fire must embed exactly n)."""
         return self.op("tokens", n=int(n))
 
-    def _slot(self, ch: "Channel") -> dict:
+    def _slot(self, ch: Channel) -> dict:
         if not any(c is ch for c in self.channels):
             self.channels.append(ch)
         slot = next(i for i, c in enumerate(self.channels) if c is ch)
         return {"slot": slot, "shape": list(ch.shape), "dtype": ch.dtype}
 
-    def take(self, ch: "Channel") -> Sym:
+    def take(self, ch: Channel) -> Sym:
         return self.op("take", **self._slot(ch))
 
-    def read(self, ch: "Channel") -> Sym:
+    def read(self, ch: Channel) -> Sym:
         return self.op("read", **self._slot(ch))
 
-    def put(self, ch: "Channel", x) -> None:
-        self.op("put", self._cast_for(ch, x), **self._slot(ch))
+    def put(self, ch: Channel, x) -> None:
+        self.effect("put", self._cast_for(ch, x), **self._slot(ch))
 
-    def set(self, ch: "Channel", x) -> None:
-        self.op("set", self._cast_for(ch, x), **self._slot(ch))
+    def set(self, ch: Channel, x) -> None:
+        self.effect("set", self._cast_for(ch, x), **self._slot(ch))
 
-    def _cast_for(self, ch: "Channel", x) -> Sym:
+    def _cast_for(self, ch: Channel, x) -> Sym:
         return x if isinstance(x, Sym) else self.const(x, CHANNEL_DTYPES[ch.dtype])
 
     def fold(self, n) -> None:
         """Commits the first ``n`` rows of the window (n: a scalar int), decided on the device."""
-        self.op("fold", self.lift(n))
+        self.effect("fold", self.lift(n))
 
 
 def where(cond: Sym, a, b) -> Sym:
@@ -265,7 +280,7 @@ def uniform(rng: Sym, *shape: int) -> Sym:
 class Program:
     """A traced program: its nodes, the channels its slots bind by default, and its hash (its name)."""
 
-    def __init__(self, model: "Model", nodes: list[dict], channels: list["Channel"]):
+    def __init__(self, model: Model, nodes: list[dict], channels: list[Channel]):
         self.model = model
         self.nodes = nodes
         self.channels = channels
@@ -282,8 +297,8 @@ class Program:
         return self.hash
 
 
-def trace(model: "Model", fn: Callable[..., Any], *channels: "Channel") -> Program:
+def trace(model: Model, fn: Callable[..., Any], *channels: Channel) -> Program:
     """Traces ``fn(builder, *channels)`` into a Program for ``model``."""
-    b = Builder(ModelDims(model.vocab_size, getattr(model, "hidden_size", 0), model.mtp_depth))
+    b = Builder(ModelDims(model.vocab_size, model.hidden_size, model.mtp_depth))
     fn(b, *channels)
     return Program(model, b.nodes, b.channels)

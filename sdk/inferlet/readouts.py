@@ -60,10 +60,10 @@ class MTP:
     kind = "mtp"
 
 
-ReadoutKind = Logits | Argmax | Distribution | Sample | Hidden | MTP
+ReadoutSpec = Logits | Argmax | Distribution | Sample | Hidden | MTP  # what to read; its wire ``kind`` names it
 
 
-def to_wire(kind: ReadoutKind) -> dict:
+def to_wire(kind: ReadoutSpec) -> dict:
     fields = {k: v for k, v in kind.__dict__.items()}
     if "temperature" in fields:
         fields["temperature"] = float(fields["temperature"])

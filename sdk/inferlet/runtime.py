@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from pie_runtime.protocol.messages import PROTOCOL_VERSION
+from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
 from .client import Client
@@ -22,7 +22,7 @@ from .model import Model
 from .tokenizer import Tokenizer
 
 _entry = None  # the function marked with @inferlet.main
-_session: "Session | None" = None
+_session: Session | None = None
 
 
 def main(fn):
@@ -46,13 +46,11 @@ async def connect(address: str, token: str | None = None) -> Session:
     client = Client(address)
     hello = await client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token)
     models = {}
-    for info in hello["models"]:
-        tok_json = (await client.request("tokenizer", model=info["name"]))["tokenizer_json"]
-        tok = Tokenizer(tok_json, info["eos_token_ids"], info["bos_token_id"], info["chat_template"])
-        models[info["name"]] = Model(info["name"], client, tok, info["vocab_size"], info["max_positions"],
-                                     info["page_size"], info.get("drafters", []), info.get("mtp_depth", 0),
-                                     info.get("hidden_size", 0), info.get("pass_cost_ms", []),
-                                     info.get("mtp_step_ms", 0.0))
+    for fields in hello["models"]:
+        info = ModelInfo.model_validate(fields)
+        tok_json = (await client.request("tokenizer", model=info.name))["tokenizer_json"]
+        tok = Tokenizer(tok_json, info.eos_token_ids, info.bos_token_id, info.chat_template)
+        models[info.name] = Model(info, client, tok)
     _session = Session(client, models, hello["default_model"])
     return _session
 
@@ -93,6 +91,8 @@ def _jsonable(obj: Any) -> Any:
 
 def load_entry(path: Path):
     spec = importlib.util.spec_from_file_location(f"inferlet_{path.stem.replace('-', '_')}", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{path} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -117,7 +117,7 @@ def run_file(path: str, engine: str, words: list[str], result_path: str | None, 
         result = asyncio.run(_run(Path(path), engine, words, token))
         payload = {"ok": True, "result": _jsonable(result)}
         code = 0
-    except BaseException as e:  # noqa: BLE001 - any failure of user code is reported, not raised
+    except BaseException as e:  # any failure of user code is reported, not raised
         if isinstance(e, KeyboardInterrupt):
             raise
         traceback.print_exc()

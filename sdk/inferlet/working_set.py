@@ -14,7 +14,7 @@ class WorkingSet:
     Opened lazily: the engine learns of it on its first fire or fork.
     """
 
-    def __init__(self, model: "Model", handle: int | None = None, committed: int = 0):
+    def __init__(self, model: Model, handle: int | None = None, committed: int = 0):
         self.model = model
         self._handle = handle
         self.committed = committed
@@ -28,7 +28,7 @@ class WorkingSet:
             self._handle = reply["ws"]
         return self._handle
 
-    async def fork(self) -> "WorkingSet":
+    async def fork(self) -> WorkingSet:
         """A new working set sharing this one's committed rows copy-on-write."""
         await self._flush_settle()
         reply = await self.model.client.request("ws_fork", ws=await self.handle())

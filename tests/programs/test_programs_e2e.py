@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import inferlet
-from inferlet.programs import where
 from inferlet.client import Client
+from inferlet.programs import where
 from pie_runtime.protocol import ErrorCode, PieError, pack
 from tests.conftest import pages_free
 
@@ -20,7 +20,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 async def logits_of(ws, tokens) -> np.ndarray:
     fp = inferlet.ForwardPass(ws)
     fp.embed(tokens).readout(range(len(tokens)), inferlet.Logits())
-    return (await fp.submit()).logits
+    logits = (await fp.submit()).logits
+    assert logits is not None
+    return logits
 
 
 async def refused(code, coro):

@@ -4,6 +4,8 @@ inferred, and the SDK's tracer builds what the engine accepts."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import pytest
 import torch
@@ -11,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferlet.programs import Builder, Program, concat, sample, where
-from pie_runtime.engine.channels import Channel, Txn
+from pie_runtime.engine.channels import TORCH_DTYPES, Channel, Txn
 from pie_runtime.engine.programs import run_program, validate
+from pie_runtime.engine.programs.interp import KERNELS
 from pie_runtime.protocol import ErrorCode, PieError
-from pie_runtime.protocol.programs import MAX_NODES, OPS, ModelDims
+from pie_runtime.protocol.programs import ARITY, MAX_NODES, PROGRAM_OPS, RULES, ModelDims
 
 DIMS = ModelDims(vocab=50, hidden=8, mtp_depth=2)
 CPU = torch.device("cpu")
@@ -117,9 +120,7 @@ def run(prog, window=3, cells=2):
     chans = [Channel(i, b"c", "m", shape, dtype, 8, CPU) for i, (shape, dtype) in sorted(prog.slots.items())]
     for ch in chans:
         for _ in range(cells):
-            ch.cells.append(torch.zeros(ch.shape, dtype=torch.int64).to(
-                {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32,
-                 "int64": torch.int64, "bool": torch.bool}[ch.dtype]))
+            ch.cells.append(torch.zeros(ch.shape, dtype=torch.int64).to(TORCH_DTYPES[ch.dtype]))
     txn = Txn(chans)
     fold = run_program(prog, FakeFire(window), txn, CPU)
     return fold, txn
@@ -127,7 +128,7 @@ def run(prog, window=3, cells=2):
 
 def test_the_good_program_runs():
     fold, _ = run(validate("m", GOOD, DIMS))
-    assert 0 <= fold <= 3
+    assert fold is not None and 0 <= fold <= 3
 
 
 # ---- fuzzing: the validator never crashes, and what it accepts runs with the shapes it inferred ------------
@@ -161,7 +162,7 @@ def programs(draw):
     so that the fuzz reaches the interpreter as well as the validator's refusals."""
     nodes = [draw(st.sampled_from(_SOURCES))(draw)]
     for i in range(1, draw(st.integers(1, 12))):
-        op = draw(st.sampled_from(sorted(OPS) + ["bogus"]))
+        op = draw(st.sampled_from(sorted(PROGRAM_OPS) + ["bogus"]))
         if op in ("logits", "hidden", "mtp_logits", "tokens", "iota", "const", "take", "read"):
             nodes.append(draw(st.sampled_from(_SOURCES))(draw))
             continue
@@ -227,7 +228,8 @@ class FakeModel:
 
 
 def test_traced_verify_program_validates_and_accepts_the_agreeing_prefix():
-    window, out = FakeChannel((4,), "int32"), FakeChannel((4,), "int32")
+    window: Any = FakeChannel((4,), "int32")
+    out: Any = FakeChannel((4,), "int32")
     b = Builder(DIMS)
     target = b.logits(range(4)).argmax()
     drafts = b.tokens(4)[1:]
@@ -238,18 +240,27 @@ def test_traced_verify_program_validates_and_accepts_the_agreeing_prefix():
     rng = b.const([7, 0])
     sample(b.logits([0]), rng, temperature=0.7, top_k=5)
     prog = validate("m", b.nodes, DIMS)
-    assert prog.hash == Program(FakeModel(), b.nodes, b.channels).hash
+    assert prog.hash == Program(cast(Any, FakeModel()), b.nodes, b.channels).hash
     assert [c for c in b.channels] == [out, window]
     fold, txn = run(prog, window=4)
-    assert 1 <= fold <= 4 and len(txn.puts[0]) == 1
+    assert fold is not None and 1 <= fold <= 4 and len(txn.puts[0]) == 1
 
 
 def test_tracer_refuses_at_the_offending_line():
     b = Builder(DIMS)
     x = b.logits([0, 1])
     with pytest.raises(PieError) as e:
-        x + b.iota(3)
+        _ = x + b.iota(3)
     assert e.value.code == ErrorCode.INVALID_PROGRAM
     with pytest.raises(TypeError):
         bool(x.argmax() == 3)
     assert np.array_equal(run(validate("m", b.nodes, DIMS))[0] is None, True)
+
+
+def test_each_op_has_one_rule_and_one_kernel_or_intrinsic():
+    """The op set, its rules, its arities and the interpreter's kernels name the same ops."""
+    intrinsics = {"logits", "hidden", "mtp_logits", "mtp_logits_at", "tokens", "const", "iota", "take", "read",
+                  "put", "set", "fold"}  # run_program runs these itself
+    assert set(RULES) == PROGRAM_OPS
+    assert set(KERNELS) | intrinsics == PROGRAM_OPS and not set(KERNELS) & intrinsics
+    assert set(ARITY) <= PROGRAM_OPS and PROGRAM_OPS - set(ARITY) == {"concat"}  # concat takes 1..MAX_NODES

@@ -24,4 +24,4 @@ def test_differently_shaped_rows_name_the_readouts():
     res = PassResult([ReadoutResult("argmax", tokens=np.array([1, 2])),
                       ReadoutResult("mtp", tokens=np.array([[1, 2], [3, 4]]))])
     with pytest.raises(ValueError, match=r"readouts\[0\] \(argmax\).*readouts\[1\] \(mtp\)"):
-        res.tokens
+        _ = res.tokens

@@ -6,7 +6,8 @@ float32, int64 or bool tensors; channel cells are cast to and from their channel
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -52,7 +53,18 @@ def _dim(a: dict) -> int:
     return a.get("dim", -1)
 
 
-OPS: dict[str, Callable] = {
+def _acc(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a sum or scan of ``x`` accumulates in: its own when float, int64 otherwise."""
+    return None if x.is_floating_point() else torch.int64
+
+
+def _where(c: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point() or y.is_floating_point():
+        x, y = x.float(), y.float()
+    return torch.where(c, x, y)
+
+
+KERNELS: dict[str, Callable] = {  # op → its torch function; the intrinsics and effects are run_program's
     "add": _float2(torch.add), "sub": _float2(torch.sub), "mul": _float2(torch.mul),
     "div": lambda x, y, a: torch.true_divide(x.float(), y.float()),
     "floordiv": _float2(lambda x, y: torch.div(x, y, rounding_mode="floor")),
@@ -62,17 +74,17 @@ OPS: dict[str, Callable] = {
     "and": lambda x, y, a: x & y, "or": lambda x, y, a: x | y, "xor": lambda x, y, a: x ^ y,
     "neg": lambda x, a: -x, "abs": lambda x, a: x.abs(), "exp": lambda x, a: x.float().exp(),
     "log": lambda x, a: x.float().log(), "not": lambda x, a: ~x,
-    "sum": lambda x, a: x.sum(_dim(a), keepdim=a.get("keepdim", False), dtype=None if x.is_floating_point() else torch.int64),
+    "sum": lambda x, a: x.sum(_dim(a), keepdim=a.get("keepdim", False), dtype=_acc(x)),
     "max": lambda x, a: x.amax(_dim(a), keepdim=a.get("keepdim", False)),
     "min": lambda x, a: x.amin(_dim(a), keepdim=a.get("keepdim", False)),
     "argmax": lambda x, a: x.argmax(_dim(a), keepdim=a.get("keepdim", False)),
     "any": lambda x, a: x.any(_dim(a), keepdim=a.get("keepdim", False)),
     "all": lambda x, a: x.all(_dim(a), keepdim=a.get("keepdim", False)),
-    "cumsum": lambda x, a: x.cumsum(_dim(a), dtype=None if x.is_floating_point() else torch.int64),
-    "cumprod": lambda x, a: x.cumprod(_dim(a), dtype=None if x.is_floating_point() else torch.int64),
+    "cumsum": lambda x, a: x.cumsum(_dim(a), dtype=_acc(x)),
+    "cumprod": lambda x, a: x.cumprod(_dim(a), dtype=_acc(x)),
     "softmax": lambda x, a: torch.softmax(x.float(), _dim(a)),
     "log_softmax": lambda x, a: torch.log_softmax(x.float(), _dim(a)),
-    "where": lambda c, x, y, a: torch.where(c, *((x.float(), y.float()) if x.is_floating_point() or y.is_floating_point() else (x, y))),
+    "where": lambda c, x, y, a: _where(c, x, y),
     "cast": lambda x, a: x.to(DTYPE[a["dtype"]]),
     "masked_argmax": lambda x, m, a: x.float().masked_fill(~m, float("-inf")).argmax(_dim(a)),
     "sample": lambda x, rng, a: _sample(x, rng, a),
@@ -122,12 +134,13 @@ def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device)
                 fold = int(ins[0])
                 out = None
             else:
-                out = OPS[op](*ins, a)
+                out = KERNELS[op](*ins, a)
         except PieError:
             raise
         except (RuntimeError, IndexError, ValueError) as e:
             raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} ({op}): {str(e).splitlines()[0]}") from None
         if out is not None:
+            assert spec is not None  # the validator gave every value node a spec
             out = out.to(DTYPE[spec.kind])
         values.append(out)
     return fold

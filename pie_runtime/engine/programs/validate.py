@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...protocol import ErrorCode, PieError
-from ...protocol.programs import ModelDims, Spec, check_program, program_hash
-
-CHANNEL_OPS = ("take", "read", "put", "set")
+from ...protocol.programs import CHANNEL_OPS, ModelDims, Spec, check_program, program_hash
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,8 @@ class Program:
     def check_fire(self, w: int, bound: list) -> None:
         """Refuses a fire whose window or bound channels do not fit this program."""
         if self.window is not None and self.window != w:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"the program reads a window of {self.window} tokens, the fire has {w}")
+            raise PieError(ErrorCode.INVALID_ARGUMENT,
+                           f"the program reads a window of {self.window} tokens, the fire has {w}")
         if any(r >= w for r in self.rows):
             raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"the program reads rows past the fire's window [0, {w})")
         if len(bound) != len(self.slots) or sorted(self.slots) != list(range(len(self.slots))):
