@@ -59,7 +59,7 @@ def run_engine(args) -> int:
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pools = ", ".join(f"{s.name}: {s.pool.num_pages} pages x {s.info.page_size}" for s in served)
+    pools = ", ".join(f"{s.name}: {s.pages.total} pages x {s.info.page_size}" for s in served)
     for s in served:
         costs = s.info.pass_cost_ms
         if costs:

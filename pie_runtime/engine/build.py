@@ -9,10 +9,11 @@ from ..models.kv_cache import KVCache
 from ..models.linear import prepack
 from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
-from .core import ServedModel
+from .kv_pages import KVPages
 from .page_pool import PagePool
 from .pass_costs import measure_mtp_step_ms, measure_pass_costs
 from .runner import ModelRunner
+from .served import ServedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +66,6 @@ def build_served_model(
         name=manifest.name,
         info=info,
         runner=runner,
-        pool=PagePool(kv_pages),
+        pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages),
         tokenizer_json=loaded.tokenizer_path.read_text(),
     )

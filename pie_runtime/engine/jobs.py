@@ -1,44 +1,35 @@
-"""What the engine core holds per model and per fire: a served model (runner, page pool, fire queue), a
-fire waiting in that queue or partly run (chunked prefill), and the step counters behind ``stats``."""
+"""What the engine holds per fire: a fire waiting in its model's queue or partly run (chunked prefill), the
+typed outcome of executing it, and the step counters behind ``stats``."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..protocol import PieError
 from ..protocol import messages as m
-from .channels import Channel
-from .page_pool import PagePool
+from .channels import Channel, Txn
 from .programs import Program
 from .programs.fire import RunState
-from .runner import ModelRunner
 from .working_set import WorkingSet
 
 Reply = tuple[bytes, dict]  # (client identity, reply map)
+Handler = Callable[[bytes, Any], dict | None]  # (client, the op's request model) → its reply; None: a step's
 
 
-@dataclass
-class ServedModel:
-    name: str
-    info: m.ModelInfo
-    runner: ModelRunner
-    pool: PagePool
-    tokenizer_json: str
-    queue: deque[FireJob] = field(default_factory=deque)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class FireJob:
     client: bytes
     req_id: int
     ws: WorkingSet
-    tokens: list[int]
+    tokens: list[int]  # empty until a channel-fed fire takes its window
     positions: list[int]
     readouts: list[m.Readout]
-    masks: list[np.ndarray | None]
+    masks: list[np.ndarray | None]  # one per readout: its packed allowed-token bitmask
     fold: int | None  # None: deferred
     start: int  # sequence index of the first row
     done: int = 0  # rows already run
@@ -55,6 +46,18 @@ class FireJob:
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.done
+
+
+@dataclass
+class FireOutcome:
+    """What executing a finished fire gave: its readout results and, with an epilogue, the fold the program
+    chose and the channel transaction it committed; or the error that failed it (then none of it applies)."""
+
+    job: FireJob
+    results: list[dict[str, np.ndarray]] = field(default_factory=list)  # one per readout; {} for no rows
+    device_fold: int | None = None
+    txn: Txn | None = None
+    error: PieError | None = None
 
 
 @dataclass

@@ -17,10 +17,6 @@ class PagePool:
     def free_pages(self) -> int:
         return len(self._free)
 
-    @property
-    def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
-
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PieError(

@@ -11,6 +11,7 @@ import torch
 from ..models.context import ForwardContext, Segment
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaForCausalLM
+from ..models.mtp import MTPHead
 from ..protocol.messages import Readout
 from . import sampling
 
@@ -31,7 +32,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.vocab = model.config.vocab_size
-        self.mtp = None  # an MTP drafter module, when the model has one
+        self.mtp: MTPHead | None = None  # the model's MTP drafter, when it has one
 
     def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V, returns (N, H) hidden."""
@@ -49,9 +50,7 @@ class ModelRunner:
         readout's kernel. Returns the results and each request's raw (unmasked) logits, which the fire's
         epilogue reuses instead of running the lm head again."""
         needs_logits = [r for r in requests if r.spec.kind != "hidden"]
-        logits_all = None
-        if needs_logits:
-            logits_all = self.model.logits(torch.cat([r.hidden for r in needs_logits]))
+        logits_all = self.model.logits(torch.cat([r.hidden for r in needs_logits])) if needs_logits else None
         out: list[dict[str, np.ndarray]] = []
         raw: list[torch.Tensor | None] = []
         offset = 0
@@ -61,6 +60,7 @@ class ModelRunner:
                 out.append({"hidden": r.hidden.float().cpu().numpy()})
                 raw.append(None)
                 continue
+            assert logits_all is not None  # this request is one of needs_logits
             n = r.hidden.shape[0]
             logits = logits_all[offset : offset + n]
             offset += n
@@ -85,15 +85,18 @@ class ModelRunner:
         """tokens (R, 1+k): the target's greedy next token (under the row's mask), then k chained MTP
         drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution.
         at_accepted chains only from the row a greedy verifier stops at; other rows' drafts are -1."""
-        spec = r.spec
+        spec, mtp = r.spec, self.mtp
+        assert mtp is not None, "fire admission refuses MTP readouts on a model without a head"
         first = sampling.argmax(logits, mask)
+        steps: list[torch.Tensor] = []
         if spec.at_accepted:
+            assert r.next_tokens is not None  # execute passes them for every at_accepted readout
             agree = first[:-1].cpu() == torch.tensor(r.next_tokens[:-1], dtype=first.dtype)
             n = int(torch.cumprod(agree.to(torch.int64), 0).sum()) if agree.numel() else 0
             drafts = torch.full((first.shape[0], spec.k), -1, dtype=first.dtype, device=first.device)
-            drafts[n] = self.mtp.draft(r.hidden[n : n + 1], first[n : n + 1], spec.k)[0][0]
+            drafts[n] = mtp.draft(r.hidden[n : n + 1], first[n : n + 1], spec.k)[0][0]
         else:
-            drafts, steps = self.mtp.draft(r.hidden, first, spec.k)
+            drafts, steps = mtp.draft(r.hidden, first, spec.k)
         out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
         if spec.with_probs:
             probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]

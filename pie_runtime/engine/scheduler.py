@@ -1,31 +1,52 @@
 """Which rows run in the next step: token counts and jobs only, no tensors.
 
 Decode-like fires (a few rows) go first so that streams keep stepping while a long prompt is prefilled in
-chunks that fill the rest of the token budget. A working set's fires run in submission order.
+chunks that fill the rest of the token budget. A working set's fires run in submission order: only its
+oldest fire (its *head*) may run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 SHORT_FIRE_ROWS = 8
 
 
+class Schedulable(Protocol):
+    @property
+    def ws(self) -> object: ...
+
+    @property
+    def remaining(self) -> int: ...
+
+
+J = TypeVar("J", bound=Schedulable)
+
+
 @dataclass
-class Chunk:
-    job: Any  # a FireJob: anything with .ws and .remaining
+class Chunk(Generic[J]):
+    job: J  # a FireJob
     rows: int
 
 
-def schedule(queue: list, max_batch_tokens: int) -> list[Chunk]:
-    heads, seen = [], set()
+def heads(queue: Iterable[J]) -> list[J]:
+    """The oldest job of each working set, in queue order."""
+    seen: set[int] = set()
+    out = []
     for job in queue:
-        if id(job.ws) not in seen:  # only the oldest fire of each working set may run
+        if id(job.ws) not in seen:
             seen.add(id(job.ws))
-            heads.append(job)
-    ordered = [j for j in heads if j.remaining <= SHORT_FIRE_ROWS] + [j for j in heads if j.remaining > SHORT_FIRE_ROWS]
-    chunks: list[Chunk] = []
+            out.append(job)
+    return out
+
+
+def schedule(queue: Iterable[J], max_batch_tokens: int) -> list[Chunk[J]]:
+    """Chunks of the heads of ``queue`` that fill at most ``max_batch_tokens`` rows, short fires first."""
+    ready = heads(queue)
+    ordered = [j for j in ready if j.remaining <= SHORT_FIRE_ROWS] + [j for j in ready if j.remaining > SHORT_FIRE_ROWS]
+    chunks: list[Chunk[J]] = []
     budget = max_batch_tokens
     for job in ordered:
         if budget <= 0:

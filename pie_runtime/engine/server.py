@@ -113,4 +113,4 @@ class EngineServer:
         try:
             self.sock.send_multipart([client, pack(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the client is gone; ROUTER_NOTIFY will tell us
+            pass  # the client is gone; the socket monitor reports its departure

@@ -1,4 +1,5 @@
-"""A working set: one sequence's page table and committed length, with the fold rule of DESIGN.md §3.
+"""Working sets: one sequence's page table and committed length, with the fold rule of docs/architecture.md
+("The working set and its deferred fold"), and the table of every client's working sets.
 
 Rows ``0 .. committed-1`` are frozen. A fire writes rows ``committed ..`` unfrozen; its fold moves
 ``committed`` forward by the fold count, and the rows past it are overwritten by the next fire.
@@ -6,7 +7,10 @@ Rows ``0 .. committed-1`` are frozen. A fire writes rows ``committed ..`` unfroz
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+
+from ..protocol import ErrorCode, PieError
 
 
 @dataclass
@@ -20,5 +24,49 @@ class WorkingSet:
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
 
-    def pages_for(self, rows: int, page_size: int) -> int:
-        return (rows + page_size - 1) // page_size
+    def check_settle(self, n: int) -> None:
+        """Refuses to settle the deferred fold with ``n`` rows unless that fold is answered and ``n`` fits it."""
+        if self.in_flight:
+            raise PieError(ErrorCode.BUSY, "fold after the deferred fire has been answered")
+        if self.pending_fold is None:
+            raise PieError(ErrorCode.NO_PENDING_FOLD, f"working set {self.id} has no deferred fold to settle")
+        if n > self.pending_fold:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {n} exceeds the fire's {self.pending_fold} rows")
+
+
+class WorkingSetTable:
+    """Every open working set by handle; a client sees only its own."""
+
+    def __init__(self) -> None:
+        self._sets: dict[int, WorkingSet] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def open(self, owner: bytes, model: str, pages: list[int] | None = None, committed: int = 0) -> WorkingSet:
+        ws = WorkingSet(id=next(self._ids), owner=owner, model=model, pages=pages or [], committed=committed)
+        self._sets[ws.id] = ws
+        return ws
+
+    def remove(self, ws: WorkingSet) -> None:
+        ws.released = True
+        self._sets.pop(ws.id, None)
+
+    def owned_by(self, client: bytes) -> list[WorkingSet]:
+        return [ws for ws in self._sets.values() if ws.owner == client]
+
+    def get(self, client: bytes, ws_id: int) -> WorkingSet:
+        ws = self._sets.get(ws_id)
+        if ws is None or ws.owner != client:
+            raise PieError(ErrorCode.UNKNOWN_WORKING_SET, f"no working set {ws_id} (never opened, or released)")
+        return ws
+
+    def idle(self, client: bytes, ws_id: int) -> WorkingSet:
+        """A working set with no fire in flight and no fold to settle (fork and truncate need one)."""
+        ws = self.get(client, ws_id)
+        if ws.in_flight:
+            raise PieError(ErrorCode.BUSY, f"working set {ws.id} has fires in flight")
+        if ws.pending_fold is not None:
+            raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
+        return ws

@@ -34,7 +34,9 @@ async def logits_of(model, ws, tokens, rows=None) -> np.ndarray:
     fp = inferlet.ForwardPass(ws)
     fp.embed(tokens)
     fp.readout(rows if rows is not None else range(len(tokens)), inferlet.Logits())
-    return (await fp.submit()).logits
+    logits = (await fp.submit()).logits
+    assert logits is not None
+    return logits
 
 
 async def test_chunked_prompt_equals_one_pass(tiny):
@@ -156,6 +158,7 @@ async def test_distribution_readout_follows_top_k_and_top_p(tiny):
     from inferlet.speculative import filter_distribution
 
     logits, topk, topp = (r.logits if r.logits is not None else r.probs for r in res.readouts)
+    assert logits is not None and topk is not None and topp is not None
     assert (topk[0] > 0).sum() == 5
     np.testing.assert_allclose(topk, filter_distribution(logits, 0.8, top_k=5), atol=1e-5)
     np.testing.assert_allclose(topp, filter_distribution(logits, 1.0, top_p=0.5), atol=1e-5)

@@ -1,4 +1,4 @@
-"""The requests of epilogue programs and device channels, mixed into EngineCore: ``program_register``,
+"""The requests of epilogue programs and device channels: ``program_register``,
 ``channel_open/put/set/take/read/close``, and the checks a fire with a program, a channel-fed window or a
 run-ahead passes before it is queued. Channels and programs belong to the client that made them."""
 
@@ -8,8 +8,11 @@ import torch
 
 from ...protocol import ErrorCode, PieError
 from ...protocol import messages as m
+from ...protocol.dtypes import CHANNEL_DTYPES
 from ...protocol.programs import ModelDims
-from ..channels import Channel
+from ..channels import Channel, ChannelTable
+from ..jobs import Handler, Reply
+from ..served import ServedModels
 from ..working_set import WorkingSet
 from .fire import RunState
 from .validate import Program, validate
@@ -19,22 +22,42 @@ MAX_CHANNELS = 256  # per client
 
 
 class ProgramRequests:
-    """Needs from its host: ``channels`` (a ChannelTable), ``programs``, ``outbox``, ``models``, ``_model``."""
+    def __init__(self, models: ServedModels, channels: ChannelTable, outbox: list[Reply]):
+        self.models = models
+        self.channels = channels
+        self.outbox = outbox  # replies owed to waiting takes that a host put or close answers
+        self.programs: dict[bytes, dict[str, Program]] = {}  # client → hash → program
 
-    def _source(self, client: bytes, req: m.Fire, ws: WorkingSet) -> Channel | None:
+    def ops(self) -> dict[str, Handler]:
+        return {"program_register": self.register, "channel_open": self.open, "channel_put": self.put,
+                "channel_set": self.set, "channel_take": self.take, "channel_read": self.read,
+                "channel_close": self.close}
+
+    def count(self) -> int:
+        return sum(len(p) for p in self.programs.values())
+
+    def drop_client(self, client: bytes) -> None:
+        self.channels.drop_client(client)
+        self.programs.pop(client, None)
+
+    # ---- a fire's program, bindings and input channel ---------------------------------------------
+
+    def source(self, client: bytes, req: m.Fire, ws: WorkingSet) -> Channel | None:
+        """The channel a fire takes its window from, if it names one."""
         if req.tokens_from is None:
             return None
         ch = self.channels.get(client, req.tokens_from)
-        if len(ch.shape) != 1 or ch.dtype not in ("int32", "int64") or ch.model != ws.model:
+        if len(ch.shape) != 1 or CHANNEL_DTYPES[ch.dtype] != "int" or ch.model != ws.model:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"tokens come from a 1-d int channel on {ws.model}")
         if req.positions is not None:
             raise PieError(ErrorCode.INVALID_ARGUMENT, "a channel-fed fire takes the default positions")
         ch.check_live()
-        if not ch.cells and not self._has_writer(ch):
+        if not ch.cells and not self.models.writes(ch):
             raise PieError(ErrorCode.CHANNEL_EMPTY, f"channel {ch.id} is empty and no fire in flight writes it")
         return ch
 
-    def _bind(self, client: bytes, req: m.Fire, ws: WorkingSet, w: int) -> tuple[Program | None, list[Channel]]:
+    def bind(self, client: bytes, req: m.Fire, ws: WorkingSet, w: int) -> tuple[Program | None, list[Channel]]:
+        """The fire's program and the channels bound to its slots, checked against its window."""
         bindings = [self.channels.get(client, h) for h in req.bindings]
         if req.program is None:
             if bindings:
@@ -48,7 +71,8 @@ class ProgramRequests:
         program.check_fire(w, bindings)
         return program, bindings
 
-    def _check_run_ahead(self, client, req: m.Fire, program, bindings, source) -> RunState | None:
+    def check_run_ahead(self, client: bytes, req: m.Fire, program: Program | None, bindings: list[Channel],
+                        source: Channel | None) -> RunState | None:
         ra = req.run_ahead
         if ra is None:
             return None
@@ -63,8 +87,10 @@ class ProgramRequests:
             raise PieError(ErrorCode.INVALID_ARGUMENT, "a run-ahead reads out through its program's channels")
         return RunState(ra)
 
-    def _op_program_register(self, client, req: m.ProgramRegister) -> dict:
-        sm = self._model(req.model)
+    # ---- requests -------------------------------------------------------------------------------
+
+    def register(self, client: bytes, req: m.ProgramRegister) -> dict:
+        sm = self.models.get(req.model)
         dims = ModelDims(sm.info.vocab_size, sm.info.hidden_size, sm.info.mtp_depth)
         program = validate(sm.name, [n.model_dump() for n in req.nodes], dims)
         mine = self.programs.setdefault(client, {})
@@ -73,43 +99,37 @@ class ProgramRequests:
         mine.setdefault(program.hash, program)
         return {"program": program.hash, "slots": len(program.slots)}
 
-    def _op_channel_open(self, client, req: m.ChannelOpen) -> dict:
-        sm = self._model(req.model)
+    def open(self, client: bytes, req: m.ChannelOpen) -> dict:
+        sm = self.models.get(req.model)
         if sum(c.owner == client for c in self.channels.channels.values()) >= MAX_CHANNELS:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_CHANNELS} channels")
         ch = self.channels.open(client, sm.name, req.shape, req.dtype, req.capacity, sm.runner.device)
         return {"channel": ch.id}
 
-    def _op_channel_put(self, client, req: m.ChannelPut) -> dict:
+    def put(self, client: bytes, req: m.ChannelPut) -> dict:
         ch = self.channels.get(client, req.channel)
         ch.put(torch.from_numpy(req.value.to_numpy().copy()))
-        self.outbox.extend(self.channels.serve(self._has_writer))
+        self.outbox.extend(self.channels.serve(self.models.writes))
         return {"size": len(ch.cells)}
 
-    def _op_channel_set(self, client, req: m.ChannelSet) -> dict:
+    def set(self, client: bytes, req: m.ChannelSet) -> dict:
         ch = self.channels.get(client, req.channel)
         ch.set(torch.from_numpy(req.value.to_numpy().copy()))
-        self.outbox.extend(self.channels.serve(self._has_writer))
+        self.outbox.extend(self.channels.serve(self.models.writes))
         return {"size": len(ch.cells)}
 
-    def _op_channel_take(self, client, req: m.ChannelTake) -> dict | None:
+    def take(self, client: bytes, req: m.ChannelTake) -> dict | None:
         ch = self.channels.get(client, req.channel)
-        return self.channels.take(client, req.id, ch, req.max, True, self._has_writer, req.min)
+        return self.channels.take(client, req.id, ch, req.max, True, self.models.writes, req.min)
 
-    def _op_channel_read(self, client, req: m.ChannelRead) -> dict | None:
+    def read(self, client: bytes, req: m.ChannelRead) -> dict | None:
         ch = self.channels.get(client, req.channel)
-        return self.channels.take(client, req.id, ch, 1, False, self._has_writer)
+        return self.channels.take(client, req.id, ch, 1, False, self.models.writes)
 
-    def _op_channel_close(self, client, req: m.ChannelClose) -> dict:
+    def close(self, client: bytes, req: m.ChannelClose) -> dict:
         ch = self.channels.get(client, req.channel)
-        if self._has_writer(ch) or self._has_reader(ch):
+        if self.models.uses(ch):
             raise PieError(ErrorCode.BUSY, f"channel {ch.id} is bound to fires in flight")
         self.channels.close(ch)
-        self.outbox.extend(self.channels.serve(self._has_writer))
+        self.outbox.extend(self.channels.serve(self.models.writes))
         return {}
-
-    def _has_writer(self, ch: Channel) -> bool:
-        return any(c is ch for sm in self.models.values() for j in sm.queue for c in j.writes)
-
-    def _has_reader(self, ch: Channel) -> bool:
-        return any(ch is j.source or any(c is ch for c in j.bindings) for sm in self.models.values() for j in sm.queue)

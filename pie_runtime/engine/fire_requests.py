@@ -1,0 +1,106 @@
+"""The ``fire`` request: a ForwardPass checked in full, its pages reserved, then queued for the next step.
+
+Every check runs before anything changes, so a refused fire leaves no trace; its pages are reserved when
+it is accepted, so running out of pages is an immediate typed error, never a stall. A fire may settle its
+working set's deferred fold (``settle``), carry an epilogue program over bound channels, take its window
+from a channel, and stay with the engine as a run-ahead (docs/architecture.md, "Programs and channels").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol import ErrorCode, PieError
+from ..protocol import messages as m
+from .jobs import FireJob, Handler
+from .programs.requests import ProgramRequests
+from .served import ServedModel, ServedModels
+from .working_set import WorkingSetTable
+
+
+class FireRequests:
+    def __init__(self, models: ServedModels, sets: WorkingSetTable, programs: ProgramRequests):
+        self.models = models
+        self.sets = sets
+        self.programs = programs
+
+    def ops(self) -> dict[str, Handler]:
+        return {"fire": self.fire}
+
+    def fire(self, client: bytes, req: m.Fire) -> None:
+        """Queues the fire; its reply comes after the step that finishes it."""
+        ws = self.sets.get(client, req.ws)
+        if req.settle is not None:
+            ws.check_settle(req.settle)
+        elif ws.pending_fold is not None:
+            raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
+        sm = self.models[ws.model]
+        source = self.programs.source(client, req, ws)
+        w = source.shape[0] if source is not None else len(req.tokens or [])
+        start = ws.committed + req.settle if req.settle is not None else sm.queue.planned_length(ws)
+        positions = self._check_window(sm, req, start, w)
+        masks = [self._check_readout(r, w, sm) for r in req.readouts]
+        program, bindings = self.programs.bind(client, req, ws, w)
+        fold = self._fold(req, program, w)
+        run = self.programs.check_run_ahead(client, req, program, bindings, source)
+        pending = ws.pending_fold
+        if req.settle is not None:
+            ws.committed, ws.pending_fold = start, None
+        try:
+            sm.pages.reserve(ws, start, w)
+        except PieError:
+            if req.settle is not None:  # a refused fire leaves no trace, its settle included
+                ws.committed, ws.pending_fold = start - req.settle, pending
+            raise
+        sm.queue.push(FireJob(client=client, req_id=req.id, ws=ws, tokens=list(req.tokens or []),
+                              positions=positions, readouts=list(req.readouts), masks=masks, fold=fold, start=start,
+                              program=program, bindings=bindings, source=source, run=run))
+
+    @staticmethod
+    def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int) -> list[int]:
+        """The window's positions, once its tokens and rows are known to fit the model."""
+        info = sm.info
+        bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {bad} outside vocab [0, {info.vocab_size})")
+        if start + w > info.max_positions:
+            raise PieError(
+                ErrorCode.CAPACITY, f"rows {start}..{start + w - 1} exceed the model's {info.max_positions} positions"
+            )
+        positions = list(range(start, start + w)) if req.positions is None else req.positions
+        if len(positions) != w or any(not 0 <= p < info.max_positions for p in positions):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "positions need one value per token, each within capacity")
+        return positions
+
+    @staticmethod
+    def _fold(req: m.Fire, program, w: int) -> int | None:
+        """The fire's fold count, or None when it is deferred (to the host or to the epilogue)."""
+        if req.fold == m.DEFERRED:
+            return None
+        if program is not None and program.folds:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "a fire whose program folds needs fold=deferred")
+        fold = w if req.fold is None else req.fold
+        if not 0 <= fold <= w:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
+        return fold
+
+    @staticmethod
+    def _check_readout(r: m.Readout, w: int, sm: ServedModel) -> np.ndarray | None:
+        """Checks one readout against the window and the model; returns its mask, if it has one."""
+        if any(not 0 <= row < w for row in r.rows):
+            raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"readout rows must lie in the fire's window [0, {w})")
+        if r.kind == "mtp" and sm.runner.mtp is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
+        if r.kind == "mtp" and r.k > sm.info.mtp_depth:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
+        if r.at_accepted and (r.kind != "mtp" or r.with_probs):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP readouts (no with_probs)")
+        if r.at_accepted and r.rows and r.rows != list(range(r.rows[0], r.rows[0] + len(r.rows))):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP readout reads consecutive rows")
+        if r.mask is None:
+            return None
+        words = (sm.info.vocab_size + 31) // 32
+        mask = r.mask.to_numpy()
+        if mask.dtype not in (np.int32, np.uint32) or mask.shape != (len(r.rows), words):
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"mask must be int32 of shape ({len(r.rows)}, {words})")
+        return mask

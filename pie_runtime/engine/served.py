@@ -1,0 +1,99 @@
+"""The models an engine serves: each with its runner, its KV pages and its queue of accepted fires.
+
+A model's queue holds fires oldest first; a working set's fires run in submission order, and a fire counts
+toward its working set's ``in_flight`` from acceptance until it is answered (or dropped with the set).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..protocol import ErrorCode, PieError
+from ..protocol import messages as m
+from .channels import Channel
+from .jobs import FireJob
+from .kv_pages import KVPages
+from .runner import ModelRunner
+from .scheduler import heads
+from .working_set import WorkingSet
+
+
+class FireQueue:
+    def __init__(self) -> None:
+        self._jobs: deque[FireJob] = deque()
+
+    def __iter__(self) -> Iterator[FireJob]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def push(self, job: FireJob) -> None:
+        job.ws.in_flight += 1
+        if job.fold is None:
+            job.ws.pending_fold = len(job.positions)  # refuses the next fire from now on
+        self._jobs.append(job)
+
+    def pop(self, job: FireJob) -> None:
+        """Takes an answered fire out of the queue."""
+        self._jobs.remove(job)
+        job.ws.in_flight -= 1
+
+    def drop(self, ws: WorkingSet) -> list[FireJob]:
+        """Takes every fire of ``ws`` out of the queue unanswered; returns them."""
+        dropped = [j for j in self._jobs if j.ws is ws]
+        self._jobs = deque(j for j in self._jobs if j.ws is not ws)
+        ws.in_flight = 0
+        return dropped
+
+    def heads(self) -> list[FireJob]:
+        return heads(self._jobs)
+
+    def planned_length(self, ws: WorkingSet) -> int:
+        """Committed length of ``ws`` once every queued fire of it has folded (queued fires never defer)."""
+        return ws.committed + sum(j.fold or 0 for j in self._jobs if j.ws is ws)
+
+
+@dataclass
+class ServedModel:
+    name: str
+    info: m.ModelInfo
+    runner: ModelRunner
+    pages: KVPages
+    tokenizer_json: str
+    queue: FireQueue = field(default_factory=FireQueue)
+
+
+class ServedModels:
+    """The served models by name (the first is the default), and questions about all their queued fires."""
+
+    def __init__(self, models: list[ServedModel]):
+        if not models:
+            raise ValueError("an engine serves at least one model")
+        self._by_name = {sm.name: sm for sm in models}
+        self.default = models[0].name
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._by_name.values())
+
+    def __getitem__(self, name: str) -> ServedModel:
+        return self._by_name[name]
+
+    def get(self, name: str | None) -> ServedModel:
+        sm = self._by_name.get(name or self.default)
+        if sm is None:
+            raise PieError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; serving {', '.join(self._by_name)}")
+        return sm
+
+    def jobs(self) -> Iterator[FireJob]:
+        return (j for sm in self for j in sm.queue)
+
+    def writes(self, ch: Channel) -> bool:
+        """Whether a queued fire's epilogue writes ``ch``."""
+        return any(c is ch for j in self.jobs() for c in j.writes)
+
+    def uses(self, ch: Channel) -> bool:
+        """Whether a queued fire reads or writes ``ch``."""
+        return any(ch is j.source or any(c is ch for c in j.bindings) for j in self.jobs())
