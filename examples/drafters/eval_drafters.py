@@ -51,7 +51,7 @@ def main() -> None:
         prompts = [w[:32] for w in distill.spaced_windows(held, args.prompts, 64)]
         greedy = distill.teacher_generations(target.model, prompts, args.new)
         for kind, data, start in (("text", text, 0), ("greedy", greedy, 31)):  # greedy: from the last prompt token
-            row = {"rows": int(data.tokens[:, start:].numel())}
+            row: dict[str, int | list[float]] = {"rows": int(data.tokens[:, start:].numel())}
             if head is not None:
                 d = min(k, head.depth)
                 row["mtp"] = distill.mtp_agreement(head, data, d, conditional=True, start=start)

@@ -11,13 +11,21 @@ imports a small model with the target's tokenizer into the store under ``--out``
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..distill import TeacherData
+    from ..models.llama import LlamaForCausalLM
+    from ..store import ImportResult, LoadedModel, ModelStore
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("drafter", help="train drafters by self-distillation")
     dsub = parser.add_subparsers(dest="drafter_command", required=True)
     p = dsub.add_parser("train", help="train an MTP head or a draft model on the target's own predictions")
@@ -26,7 +34,8 @@ def register(sub) -> None:
     p.add_argument("--corpus", action="append", required=True, help="a UTF-8 text file (repeatable)")
     p.add_argument("--depth", type=int, default=3, help="mtp: draft steps (one module reused K times)")
     p.add_argument("--tokens", type=int, default=49152, help="corpus tokens to train on, split across corpora")
-    p.add_argument("--gen-tokens", type=int, default=0, help="also train on this many tokens of the target's own greedy continuations")
+    p.add_argument("--gen-tokens", type=int, default=0,
+                   help="also train on this many tokens of the target's own greedy continuations")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 draft)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--out", default=None, help="mtp: output file (default MODEL-mtp.safetensors); draft: store name")
@@ -51,85 +60,22 @@ def register(sub) -> None:
     p.set_defaults(func=run_train)
 
 
-def run_train(args) -> int:
+def run_train(args: argparse.Namespace) -> int:
     import torch
 
-    from ..drafters import attach, target_digest
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model, load_model, pie_home
+    from ..drafters import attach
+    from ..store import DEFAULT_MODEL, StoreError
 
     torch.set_num_threads(args.threads)
     name = args.model or DEFAULT_MODEL
-    command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
     try:
-        if name == DEFAULT_MODEL:
-            ensure_default_model()
-        store = ModelStore()
-        loaded = load_model(name, store=store)
-        if args.kind == "draft":
-            out = args.out or f"{name}-draft"
-            if store.exists(out) and not args.force:
-                raise StoreError(f"model {out!r} is already in the store; use --force or another --out")
-        corpora = [Path(c).expanduser() for c in args.corpus]
-        for c in corpora:
-            if not c.is_file():
-                raise StoreError(f"no such corpus file: {c}")
+        store, loaded, corpora = _load_target(args, name)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-    from .. import distill
-
-    digest = target_digest(loaded.manifest)
-    cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and distill.bf16_is_fast())
-    plan = distill.DataPlan(corpora=corpora, tokens=args.tokens, gen_tokens=args.gen_tokens, seq_len=args.seq_len,
-                            heldout_tokens=args.heldout_tokens, teacher_dtype="bfloat16" if bf16 else "float32")
-    t0 = time.monotonic()
-    train, heldout = distill.build_teacher_data(loaded.model, loaded.tokenizer_path, plan, cache, digest,
-                                                progress=not args.quiet)
-    t_data = time.monotonic() - t0
+    run = _teacher_pass(args, name, store, loaded, corpora)
     torch.set_num_threads(args.train_threads)
-    limit = args.minutes * 60 if args.minutes else None
-    t1, c1 = time.monotonic(), time.process_time()
-    info = {"command": command, "corpus": [str(c) for c in corpora], "tokens": train.num_tokens,
-            "teacher_s": round(t_data, 1), "precision": "bf16" if bf16 else "fp32"}
-    if args.kind == "mtp":
-        init = None
-        if args.init:
-            from ..models.mtp import load_mtp, read_config
-
-            init = load_mtp(Path(args.init))
-            info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
-            args.depth = init.config.depth
-        module = distill.train_mtp(
-            loaded.model, train, heldout, depth=args.depth, epochs=args.epochs or 40, target_name=name,
-            target_digest=digest, blocks=args.blocks, batch=args.batch or 256, lr=args.lr or 1e-3, seed=args.seed,
-            progress=not args.quiet, max_seconds=limit, bf16=bf16, init=init,
-        )  # fmt: skip
-        from ..models.mtp import MTPHead, config_path, save_mtp
-
-        agree = distill.mtp_agreement(MTPHead(module, loaded.model), heldout, args.depth, conditional=True)
-        info |= {"train_s": round(time.monotonic() - t1, 1), "train_cpu_s": round(time.process_time() - c1, 1),
-                 "heldout_acceptance": [round(a, 4) for a in agree]}
-        module.config = module.config.model_copy(update={"training": info})
-        out = Path(args.out or f"{name}-mtp.safetensors")
-        save_mtp(module, out)
-        print(f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
-              f"{', '.join(f'{a:.3f}' for a in agree)}; train {info['train_s']:.0f} s)")  # fmt: skip
-        spec = f"mtp:{out}"
-    else:
-        layers = [int(x) for x in args.layers.split(",")]
-        draft = distill.train_draft(
-            loaded.model, train, heldout, layers=layers, epochs=args.epochs or 4, batch=args.batch or 4,
-            lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=limit, bf16=bf16,
-        )  # fmt: skip
-        agree = distill.draft_agreement(draft, heldout, 3)
-        info |= {"train_s": round(time.monotonic() - t1, 1), "train_cpu_s": round(time.process_time() - c1, 1),
-                 "heldout_acceptance": [round(a, 4) for a in agree]}
-        result = save_draft(store, draft, loaded, out, info, force=args.force)
-        print(f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
-              f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; train {info['train_s']:.0f} s)")  # fmt: skip
-        spec = f"draft:{out}"
+    spec = _train_mtp(run) if args.kind == "mtp" else _train_draft(run)
     if args.attach:
         try:
             entry = attach(store, name, spec)
@@ -140,7 +86,121 @@ def run_train(args) -> int:
     return 0
 
 
-def save_draft(store, draft, loaded, name: str, info: dict, force: bool = False):
+@dataclass
+class _Run:
+    """One training run after the teacher pass: its arguments, its target and data, and its record (``info``,
+    saved with the drafter). ``started``: wall and CPU clocks when training began."""
+
+    args: argparse.Namespace
+    name: str  # the target's store name
+    store: ModelStore
+    loaded: LoadedModel
+    digest: str  # the target's, as an MTP head names it
+    train: TeacherData
+    heldout: TeacherData
+    info: dict
+    bf16: bool
+    started: tuple[float, float] = field(default_factory=lambda: (time.monotonic(), time.process_time()))
+
+    @property
+    def max_seconds(self) -> float | None:
+        return self.args.minutes * 60 if self.args.minutes else None
+
+    def trained(self, agree: list[float]) -> None:
+        """Records the training time and the held-out acceptance by draft position."""
+        self.info |= {"train_s": round(time.monotonic() - self.started[0], 1),
+                      "train_cpu_s": round(time.process_time() - self.started[1], 1),
+                      "heldout_acceptance": [round(a, 4) for a in agree]}
+
+
+def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, LoadedModel, list[Path]]:
+    """The store, the target and the corpus files; StoreError when one is missing or the draft's name is taken."""
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model, load_model
+
+    if name == DEFAULT_MODEL:
+        ensure_default_model()
+    store = ModelStore()
+    loaded = load_model(name, store=store)
+    if args.kind == "draft":
+        out = args.out or f"{name}-draft"
+        if store.exists(out) and not args.force:
+            raise StoreError(f"model {out!r} is already in the store; use --force or another --out")
+    corpora = [Path(c).expanduser() for c in args.corpus]
+    for c in corpora:
+        if not c.is_file():
+            raise StoreError(f"no such corpus file: {c}")
+    return store, loaded, corpora
+
+
+def _teacher_pass(args: argparse.Namespace, name: str, store: ModelStore, loaded: LoadedModel,
+                  corpora: list[Path]) -> _Run:
+    """The target's predictions over the corpora (from the teacher cache when the same plan ran before)."""
+    from .. import distill
+    from ..drafters import target_digest
+    from ..store import pie_home
+
+    digest = target_digest(loaded.manifest)
+    cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and distill.bf16_is_fast())
+    plan = distill.DataPlan(corpora=corpora, tokens=args.tokens, gen_tokens=args.gen_tokens, seq_len=args.seq_len,
+                            heldout_tokens=args.heldout_tokens, teacher_dtype="bfloat16" if bf16 else "float32")
+    t0 = time.monotonic()
+    train, heldout = distill.build_teacher_data(loaded.model, loaded.tokenizer_path, plan, cache, digest,
+                                                progress=not args.quiet)
+    command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
+    info = {"command": command, "corpus": [str(c) for c in corpora], "tokens": train.num_tokens,
+            "teacher_s": round(time.monotonic() - t0, 1), "precision": "bf16" if bf16 else "fp32"}
+    return _Run(args, name, store, loaded, digest, train, heldout, info, bf16)
+
+
+def _train_mtp(run: _Run) -> str:
+    """Trains and writes an MTP head; returns its drafter spec (``mtp:FILE``)."""
+    from .. import distill
+    from ..models.mtp import MTPHead, config_path, load_mtp, read_config, save_mtp
+
+    args, name = run.args, run.name
+    init = None
+    if args.init:
+        init = load_mtp(Path(args.init))
+        run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+        args.depth = init.config.depth
+    module = distill.train_mtp(
+        run.loaded.model, run.train, run.heldout, depth=args.depth, epochs=args.epochs or 40, target_name=name,
+        target_digest=run.digest, blocks=args.blocks, batch=args.batch or 256, lr=args.lr or 1e-3, seed=args.seed,
+        progress=not args.quiet, max_seconds=run.max_seconds, bf16=run.bf16, init=init,
+    )  # fmt: skip
+    agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
+    run.trained(agree)
+    module.config = module.config.model_copy(update={"training": run.info})
+    out = Path(args.out or f"{name}-mtp.safetensors")
+    save_mtp(module, out)
+    print(f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
+          f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)")  # fmt: skip
+    return f"mtp:{out}"
+
+
+def _train_draft(run: _Run) -> str:
+    """Trains a draft model and imports it into the store; returns its drafter spec (``draft:NAME``)."""
+    from .. import distill
+
+    args = run.args
+    out = args.out or f"{run.name}-draft"
+    layers = [int(x) for x in args.layers.split(",")]
+    draft = distill.train_draft(
+        run.loaded.model, run.train, run.heldout, layers=layers, epochs=args.epochs or 4, batch=args.batch or 4,
+        lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=run.max_seconds, bf16=run.bf16,
+    )  # fmt: skip
+    agree = distill.draft_agreement(draft, run.heldout, 3)
+    run.trained(agree)
+    result = save_draft(run.store, draft, run.loaded, out, run.info, force=args.force)
+    print(f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
+          f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; "
+          f"train {run.info['train_s']:.0f} s)")  # fmt: skip
+    return f"draft:{out}"
+
+
+def save_draft(store: ModelStore, draft: LlamaForCausalLM, loaded: LoadedModel, name: str, info: dict,
+               force: bool = False) -> ImportResult:
     """Imports a trained draft model into the store under ``name`` with the target's tokenizer."""
     from ..models.checkpoint import Converted
 

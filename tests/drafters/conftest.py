@@ -14,7 +14,7 @@ import pytest
 
 from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
 from tests.conftest import TINY
-from tests.drafter_fixtures import link_model, pie  # noqa: F401  (re-exported for the tests)
+from tests.drafter_fixtures import link_model, pie
 
 DRAFT = "smol-draft"  # the draft model trained by the session fixture
 
@@ -29,7 +29,8 @@ def snapshot(home: Path) -> dict[str, str]:
         if p.is_symlink():
             out[rel] = "->" + os.readlink(p)
         elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.stat().st_size < 1 << 20 else str(p.stat().st_size)
+            size = p.stat().st_size
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if size < 1 << 20 else str(size)
         else:
             out[rel] = "dir"
     return out
@@ -79,8 +80,8 @@ def drafter_home(pie_home, distill_slice, tmp_path_factory) -> Path:
     # the draft model shares the MTP head's corpus slice and teacher cache (tests/drafter_fixtures.py)
     folder, common = distill_slice
     shutil.copyfile(folder / "corpus.txt", home / "corpus.txt")
-    pie(home, "drafter", "train", "--kind", "draft", "--layers", "0,-1", "--epochs", "10", "--batch", "2", "--lr", "1e-3",
-        "--out", DRAFT, *common)
+    pie(home, "drafter", "train", "--kind", "draft", "--layers", "0,-1", "--epochs", "10", "--batch", "2",
+        "--lr", "1e-3", "--out", DRAFT, *common)
     return home
 
 

@@ -16,7 +16,6 @@ from pie_runtime.launcher import LaunchError
 from pie_runtime.models.mtp import config_path, read_config
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, StoreError, StoreIntegrityError
 from tests.conftest import TINY, start_engine
-
 from tests.drafters.conftest import DRAFT, craft, link_model, pie, snapshot
 
 REFUSALS = {
@@ -163,7 +162,7 @@ def test_trained_files(drafter_home, head):
     assert draft.config.num_hidden_layers == 2 and draft.files["tokenizer.json"] == target.files["tokenizer.json"]
 
 
-# ---- serving ------------------------------------------------------------------------------------------------------------
+# ---- serving ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,120 @@
+"""The training data of drafter distillation: where the corpus is, how a corpus file becomes token windows
+(its last 5% held out), the plan of what to build (and its cache key), and :class:`TeacherData`, the token
+sequences with the target's view of them that training and evaluation read.
+
+Training data: windows of the corpus (teacher-forced) and, optionally, the target's own greedy
+continuations of corpus prompts, which are what a drafter sees when serving (see :mod:`.teacher`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TOP_K = 8  # target top-k ids cached per position (the candidate set's core)
+HELDOUT_FRACTION = 0.05  # the last 5% of every corpus file is never trained on
+CORPUS_ENV = "PIE_CORPUS_DIR"  # a folder holding the corpus files (austen.txt, kjv.txt)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def corpus_folders() -> list[Path]:
+    """Where :func:`find_corpus` looks, in order: ``$PIE_CORPUS_DIR`` (when set), then ``shared/corpus/``
+    beside the repository's root."""
+    folders = [REPO_ROOT.parent / "shared" / "corpus"]
+    if env := os.environ.get(CORPUS_ENV):
+        folders.insert(0, Path(env).expanduser())
+    return folders
+
+
+def find_corpus(name: str = "austen.txt") -> Path | None:
+    """The corpus file ``name`` from the first of :func:`corpus_folders` that holds it; None when none does
+    (tests skip, naming the folders searched)."""
+    for folder in corpus_folders():
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+@dataclass
+class TeacherData:
+    """Sequences with the target's view of them: every position's final hidden state and top-k ids."""
+
+    tokens: torch.Tensor  # (S, T) int64
+    hidden: torch.Tensor  # (S, T, H) bfloat16, final normed hidden
+    top: torch.Tensor  # (S, T, TOP_K) int32; top[..., 0] is the target's greedy next token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def cat(self, other: TeacherData) -> TeacherData:
+        return TeacherData(*(torch.cat([a, b]) for a, b in
+                             zip((self.tokens, self.hidden, self.top), (other.tokens, other.hidden, other.top))))
+
+    def every(self, k: int) -> TeacherData:
+        """Every ``k``-th sequence (the training progress bar's probe of the held-out data)."""
+        return TeacherData(self.tokens[::k], self.hidden[::k], self.top[::k])
+
+    def from_position(self, start: int) -> TeacherData:
+        """Every sequence from position ``start`` on."""
+        return TeacherData(self.tokens[:, start:], self.hidden[:, start:], self.top[:, start:])
+
+
+def corpus_tokens(tokenizer_file: Path, corpus: Path) -> tuple[list[int], list[int]]:
+    """(train ids, held-out ids) of one corpus file: the held-out part is its last 5% of characters."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    text = Path(corpus).read_text(encoding="utf-8", errors="replace")
+    cut = int(len(text) * (1 - HELDOUT_FRACTION))
+    cut = text.rfind("\n", 0, cut) + 1 or cut
+    return tok.encode(text[:cut]).ids, tok.encode(text[cut:]).ids
+
+
+def spaced_windows(ids: list[int], n: int, length: int) -> list[list[int]]:
+    """``n`` windows of ``length`` tokens spread evenly over ``ids`` (whole corpus, not its first pages)."""
+    room = len(ids) - length
+    if n <= 0 or room < 0:
+        return []
+    starts = [round(i * room / max(1, n - 1)) for i in range(n)] if n > 1 else [0]
+    return [ids[s : s + length] for s in starts]
+
+
+@dataclass
+class DataPlan:
+    """What :func:`~.teacher.build_teacher_data` builds; ``key`` names its cache file."""
+
+    corpora: list[Path]
+    tokens: int  # corpus tokens to train on (split evenly across corpora)
+    gen_tokens: int  # tokens of the target's own greedy continuations (prompts included)
+    seq_len: int = 256
+    heldout_tokens: int = 2048  # per corpus, teacher-forced, for the progress bar
+    prompt_len: int = 32
+    teacher_dtype: str = "float32"  # the teacher pass's weights: float32 (exact) or bfloat16 (fast)
+
+    def key(self, target_digest: str) -> str:
+        files = [(str(Path(c).resolve()), Path(c).stat().st_size) for c in self.corpora]
+        blob = json.dumps([target_digest, files, self.tokens, self.gen_tokens, self.seq_len, self.heldout_tokens,
+                           self.prompt_len, TOP_K, HELDOUT_FRACTION, 1]
+                          + ([self.teacher_dtype] if self.teacher_dtype != "float32" else []))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def windows(self, tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """(training windows, held-out windows, generation prompts) over every corpus, each window
+        ``seq_len`` tokens; the prompts are ``prompt_len`` tokens."""
+        splits = [corpus_tokens(tokenizer_file, c) for c in self.corpora]
+        per = self.tokens // self.seq_len // len(splits)
+        n_held = max(1, self.heldout_tokens // self.seq_len)
+        n_gen = self.gen_tokens // self.seq_len // len(splits)
+        windows, held, prompts = [], [], []
+        for train_ids, held_ids in splits:
+            # corpus windows and generation prompts come from disjoint halves of each window slot
+            windows += spaced_windows(train_ids, per, self.seq_len)
+            held += spaced_windows(held_ids, n_held, self.seq_len)
+            prompts += [w[-self.prompt_len :] for w in spaced_windows(train_ids, n_gen, self.seq_len + 97)]
+        return windows, held, prompts

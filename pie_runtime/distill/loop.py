@@ -1,0 +1,93 @@
+"""The one training loop of every drafter kind: shuffled batches, AdamW with warm-up and cosine decay, gradient
+clipping, an optional time limit, and a progress bar with the held-out agreement of the first draft.
+
+What differs between kinds (what is trained, the loss of a batch, how agreement is measured, a few
+hyper-parameters) is a :class:`Student`; ``train_mtp`` (:mod:`.mtp`) and ``train_draft`` (:mod:`.draft`)
+build one and hand it to :func:`fit`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class Student(ABC):
+    """One kind of drafter as the loop sees it. ``examples``: training examples per epoch (the loop
+    draws batches of their indices); ``params``: the trained parameters, all of ``module``'s or some."""
+
+    name: str  # the progress bar's label
+    weight_decay: float
+    warmup: int  # steps of linear warm-up
+    evals_per_epoch: int  # held-out agreement checks per epoch (progress bar only)
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], examples: int):
+        self.module, self.params, self.examples = module, params, examples
+
+    @abstractmethod
+    def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """The loss of one batch; ``batch``: example indices; ``gen``: the run's random generator."""
+
+    @abstractmethod
+    def agreement(self) -> float:
+        """The first draft's agreement with the target on (part of) the held-out data."""
+
+
+def _schedule(opt: torch.optim.Optimizer, lr: float, step: int, total: int, warmup: int = 50, elapsed: float = 0.0,
+              max_seconds: float | None = None) -> None:
+    """Linear warm-up, then cosine decay to 5% over the run. The run's progress is the larger of its step
+    share and, under a time limit, its time share: a run cut by ``--minutes`` still ends at a low rate
+    (before, a time-capped run stopped at its peak rate and kept the noisy weights of that moment)."""
+    progress = step / max(1, total)
+    if max_seconds:
+        progress = max(progress, elapsed / max_seconds)
+    scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    for g in opt.param_groups:
+        g["lr"] = lr * max(scale, 0.05)
+
+
+def fit(student: Student, *, epochs: float, batch: int, lr: float, seed: int, progress: bool = True,
+        max_seconds: float | None = None) -> None:
+    """Trains ``student`` for ``epochs`` passes over its examples (or until ``max_seconds``), then leaves
+    its module in eval mode without gradients."""
+    from tqdm import tqdm
+
+    n = student.examples
+    if n < batch:
+        raise ValueError(f"{n} training examples do not fill one batch of {batch}: more data or a smaller batch")
+    steps_per_epoch = max(1, n // batch)
+    total = max(1, int(epochs * steps_per_epoch))
+    eval_every = max(1, steps_per_epoch // student.evals_per_epoch)
+    opt = torch.optim.AdamW(student.params, lr=lr, weight_decay=student.weight_decay, betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.monotonic()
+    bar = tqdm(total=total, desc=student.name, unit="step", disable=not progress)
+    agree = student.agreement()
+    step = 0
+    while step < total:
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n - batch + 1, batch):
+            if step >= total or (max_seconds and time.monotonic() - t0 > max_seconds):
+                step = total
+                break
+            student.module.train()
+            loss = student.loss(perm[i : i + batch], gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.params, 1.0)
+            _schedule(opt, lr, step, total, warmup=student.warmup, elapsed=time.monotonic() - t0,
+                      max_seconds=max_seconds)
+            opt.step()
+            step += 1
+            if step % eval_every == 0 or step == total:
+                student.module.eval()
+                agree = student.agreement()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", heldout_agree=f"{agree:.3f}")
+            bar.update(1)
+    bar.close()
+    student.module.eval()
+    student.module.requires_grad_(False)

@@ -1,0 +1,120 @@
+"""The teacher pass: the frozen target's view of the training data, computed once and cached.
+
+Labels are the target's own predictions, never the corpus's next words: for every training position the
+target's final hidden state ``h_t`` is kept (bfloat16) with its top-k token ids, over corpus windows
+(teacher-forced) and over the target's own greedy continuations of corpus prompts.
+
+Precision (``--precision``, default bf16 on CPUs with bf16 units): the teacher pass runs a bfloat16 copy of
+the target, its top-k re-ranked with the float32 head. On the 2-core development machine that is 3-5x more
+data per CPU minute than float32; about 1% of greedy labels differ from the float32 target's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..models.llama import LlamaForCausalLM
+from .data import TOP_K, DataPlan, TeacherData
+from .dense import dense_hidden, greedy_generate
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+
+def bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); else bf16 is emulated and slow."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - an older torch without the probe
+        return False
+
+
+def teacher_model(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The target for the teacher pass: itself, or a copy with its weights in ``dtype`` (bfloat16: about 3x
+    faster on CPUs with bf16 units; 98.9% of greedy labels equal the float32 target's on held-out Austen)."""
+    if dtype == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+@torch.inference_mode()
+def top_ids(model: LlamaForCausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024,
+            fast: bool = False) -> torch.Tensor:
+    """(N, H) → (N, k) int32 ids of the target's k most likely tokens, best first. ``fast``: a bfloat16
+    product finds 4k candidates, re-ranked with the float32 head (5x cheaper on CPUs with bf16 units;
+    the same ids unless a true top-k token falls outside the bf16 top-4k)."""
+    out = []
+    w = model.lm_head.weight
+    w16 = w.to(torch.bfloat16) if fast else w  # read only when fast
+    for i in range(0, len(hidden), chunk):
+        h = hidden[i : i + chunk].float()
+        if not fast:
+            out.append(model.logits(h).topk(k, dim=-1).indices)
+            continue
+        cand = (h.to(torch.bfloat16) @ w16.T).topk(4 * k, dim=-1).indices  # (n, 4k)
+        exact = torch.einsum("nh,nch->nc", h, w.float()[cand])
+        out.append(cand.gather(1, exact.topk(k, dim=-1).indices))
+    return torch.cat(out).to(torch.int32)
+
+
+def teacher_windows(model: LlamaForCausalLM, windows: list[list[int]], batch: int = 4, bar: tqdm | None = None,
+                    head: LlamaForCausalLM | None = None) -> TeacherData:
+    """``model`` runs the layers (maybe a bf16 copy); ``head`` (default ``model``) ranks the top-k."""
+    toks, hid, top = [], [], []
+    head = head or model
+    fast = head is not model
+    with torch.inference_mode():
+        for i in range(0, len(windows), batch):
+            ids = torch.tensor(windows[i : i + batch], dtype=torch.int64)
+            h = dense_hidden(model, ids)
+            toks.append(ids)
+            hid.append(h.to(torch.bfloat16))
+            top.append(top_ids(head, h.reshape(-1, h.shape[-1]), fast=fast).view(*ids.shape, -1))
+            if bar is not None:
+                bar.update(ids.numel())
+    return TeacherData(torch.cat(toks), torch.cat(hid).clone(), torch.cat(top).clone())  # clone: no inference tensors
+
+
+def teacher_generations(model: LlamaForCausalLM, prompts: list[list[int]], n_new: int, batch: int = 32,
+                        bar: tqdm | None = None,
+                        head: LlamaForCausalLM | None = None) -> TeacherData:
+    """Greedy continuations, ``batch`` prompts in one forward a step (decode reads the weights once per
+    step whatever the batch: 32 rows cost little more than one)."""
+    toks, hid, top = [], [], []
+    head = head or model
+    for i in range(0, len(prompts), batch):
+        t, h = greedy_generate(model, prompts[i : i + batch], n_new)
+        toks.append(t)
+        hid.append(h.to(torch.bfloat16))
+        top.append(top_ids(head, h.reshape(-1, h.shape[-1]), fast=head is not model).view(*t.shape, -1))
+        if bar is not None:
+            bar.update(t.numel())
+    return TeacherData(torch.cat(toks).clone(), torch.cat(hid).clone(), torch.cat(top).clone())
+
+
+def build_teacher_data(model: LlamaForCausalLM, tokenizer_file: Path, plan: DataPlan, cache_dir: Path | None,
+                       target_digest: str, progress: bool = True) -> tuple[TeacherData, TeacherData]:
+    """(train, held-out) teacher data, from ``cache_dir`` when an identical plan was cached before."""
+    from tqdm import tqdm
+
+    path = cache_dir / f"teacher-{plan.key(target_digest)}.pt" if cache_dir else None
+    if path is not None and path.is_file():
+        d = torch.load(path)
+        return TeacherData(**d["train"]), TeacherData(**d["heldout"])
+    windows, held, prompts = plan.windows(tokenizer_file)
+    total = (len(windows) + len(held) + len(prompts)) * plan.seq_len
+    teacher = teacher_model(model, getattr(torch, plan.teacher_dtype))
+    with tqdm(total=total, desc="target", unit="tok", disable=not progress, smoothing=0.1) as bar:
+        heldout = teacher_windows(teacher, held, bar=bar, head=model)
+        train = teacher_windows(teacher, windows, bar=bar, head=model)
+        if prompts:
+            gen_new = plan.seq_len - plan.prompt_len
+            train = train.cat(teacher_generations(teacher, prompts, gen_new, bar=bar, head=model))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"train": vars(train), "heldout": vars(heldout)}, path)
+    return train, heldout
