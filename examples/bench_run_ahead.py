@@ -31,6 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pie_runtime.distill import CORPUS_ENV, corpus_folders, find_corpus
 from pie_runtime.drafters import attach
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
@@ -39,9 +40,19 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "Describe the weather, the sea and the keeper's thoughts.")
 HERE = Path(__file__).resolve().parent
 DEFAULT_HEAD = HERE / "drafters" / "smollm2-mtp.safetensors"
-CORPUS = Path("/work/shared/corpus/austen.txt")
-if not CORPUS.is_file():
-    CORPUS = HERE / "speculation_prompts" / "mixed.txt"
+FALLBACK_CORPUS = HERE / "speculation_prompts" / "mixed.txt"  # agreement is not the point of a --train-mtp head
+
+
+def training_corpus() -> Path:
+    """The corpus the --train-mtp heads learn from: austen.txt from $PIE_CORPUS_DIR or shared/corpus/ beside the
+    repository, else (saying so) the shipped mixed prompt."""
+    corpus = find_corpus("austen.txt")
+    if corpus is None:
+        searched = ", ".join(str(f) for f in corpus_folders())
+        print(f"no austen.txt in {searched} (set {CORPUS_ENV} to a folder holding it): training on "
+              f"{FALLBACK_CORPUS.relative_to(HERE.parent)}", file=sys.stderr)
+        return FALLBACK_CORPUS
+    return corpus
 
 
 def decode(address: str, inferlet: str, tokens: int, extra: list[str]) -> tuple[float, dict]:
@@ -67,10 +78,11 @@ def private_store(models: list[str], heads: dict[str, Path], train: list[str], t
             elif not f.name.startswith("."):  # weights, tokenizer, attached drafters' folders
                 (dst / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
     store = ModelStore(home / "models")
+    corpus = training_corpus() if train else None
     for model in train:  # seconds of training: a head that runs, not one that agrees
         out = home / f"{model}-mtp.safetensors"
         subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "drafter", "train", "--model", model,
-                        "--kind", "mtp", "--depth", "3", "--corpus", str(CORPUS), "--tokens", "1024",
+                        "--kind", "mtp", "--depth", "3", "--corpus", str(corpus), "--tokens", "1024",
                         "--seq-len", "128", "--heldout-tokens", "128", "--epochs", "2", "--out", str(out),
                         "--threads", str(threads or 1), "--train-threads", "1", "--cache-dir", "none", "--quiet"],
                        check=True, env={**os.environ, "PIE_HOME": str(home)}, capture_output=True)

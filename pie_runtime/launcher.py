@@ -33,12 +33,12 @@ def resolve_inferlet(name_or_file: str) -> Path:
         return path.resolve()
     shipped = SHIPPED / f"{name_or_file}.py"
     if not shipped.is_file():
-        names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.py") if not p.stem.startswith("_")))
-        raise LaunchError(f"no shipped inferlet {name_or_file!r}; shipped: {names}")
+        raise LaunchError(f"no shipped inferlet {name_or_file!r}; shipped: {', '.join(shipped_inferlets())}")
     return shipped
 
 
 def shipped_inferlets() -> list[str]:
+    """The names of the inferlets in the repository's inferlets/ folder."""
     return sorted(p.stem for p in SHIPPED.glob("*.py") if not p.stem.startswith("_"))
 
 
@@ -58,6 +58,7 @@ class EmbeddedEngine:
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         deadline = time.monotonic() + timeout
         line = "x"
+        assert self.proc.stdout is not None  # PIPE
         while line and "engine ready" not in line and time.monotonic() < deadline:
             line = self.proc.stdout.readline()  # "pie engine ready on ..." or EOF when it failed
         if "engine ready" not in line:
@@ -66,6 +67,7 @@ class EmbeddedEngine:
             raise LaunchError(f"the engine did not start: {tail.splitlines()[-1] if tail else 'no output'}")
 
     def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None  # PIPE
         for line in self.proc.stderr:
             self._stderr.append(line)
             if os.environ.get("PIE_ENGINE_LOG"):

@@ -24,7 +24,9 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        # transformers 5 takes rope_theta through **kwargs, which its signature does not show
+        rope_theta=c.rope_theta,  # pyright: ignore[reportCallIssue]
+        tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None,
     )  # fmt: skip
     scratch.mkdir(parents=True, exist_ok=True)

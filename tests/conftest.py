@@ -19,6 +19,19 @@ pytest_plugins = ["tests.drafter_fixtures"]  # distill_slice, mtp_head: shared b
 REPO = Path(__file__).resolve().parents[1]
 TINY = "tiny-smol"  # random weights, SmolLM2's tokenizer and vocab: cheap, so engine overhead shows
 
+# Fixtures that start processes: an engine, an inferlet, or a `pie` command line (an import, a drafter's training).
+# A test that uses one, itself or through another fixture, is marked e2e, and `-m "not e2e"` is the fast suite.
+# A test that starts a process in its own body is marked in its module instead (`pytestmark = pytest.mark.e2e`).
+PROCESS_FIXTURES = frozenset(
+    {"pie_home", "engine", "tiny_engine", "tiny", "spec_home", "spec_engine", "mtp_head", "drafter_home"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
 
 def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
     """A 2-layer random Llama checkpoint with the default model's vocabulary and tokenizer."""
@@ -29,8 +42,10 @@ def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
     cfg = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, rope_theta=10000.0,
-    )
+        eos_token_id=2,
+        # transformers 5 takes rope_theta through **kwargs, which its signature does not show
+        rope_theta=10000.0,  # pyright: ignore[reportCallIssue]
+    )  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)
     shutil.copy(tokenizer_json, folder / "tokenizer.json")
@@ -92,11 +107,6 @@ def run(name_or_file: str, address: str, *words: str, timeout: float = 600) -> d
                            timeout=timeout)
     assert outcome["ok"], outcome.get("error")
     return outcome["result"]
-
-
-@pytest.fixture
-def run_inferlet_on():
-    return run
 
 
 def dumps(obj) -> str:

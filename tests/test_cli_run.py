@@ -13,6 +13,8 @@ from pie_runtime.store import ModelStore
 from tests.conftest import REPO, run
 from pie_runtime.reference import greedy_continuation, transformers_llama
 
+pytestmark = pytest.mark.e2e  # some tests start `pie run` themselves, without a process fixture
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -43,10 +43,6 @@ class ForwardContext:
     write_slots: torch.Tensor  # (N,) int64 slot each row's K/V is written to
     groups: tuple[AttentionGroup, ...]
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.positions.shape[0])
-
     @staticmethod
     def build(
         segments: list[Segment],
@@ -80,10 +76,9 @@ class ForwardContext:
         groups = tuple(
             _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device) for plan in plans
         )
-        as_long = dict(dtype=torch.int64, device=device)
         return ForwardContext(
-            positions=torch.tensor(pos, **as_long),
-            write_slots=torch.tensor(write_slots, **as_long),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             groups=groups,
         )
 

@@ -2,9 +2,9 @@
 tensors under Hugging Face names, a ModelConfig from the GGUF metadata, and a tokenizer.json rebuilt from
 the embedded GPT-2 byte-level BPE vocabulary.
 
-Two traps (see FACTS.md): GGUF stores dims reversed (the reader already hands back row-major arrays in
-Hugging Face order), and llama.cpp's converter permuted the q and k rows for its rope layout, which
-:func:`unpermute` undoes.
+Two traps: GGUF stores dims reversed (the reader already hands back row-major arrays in Hugging Face
+order), and llama.cpp's converter permuted the q and k rows for its rope layout, which :func:`unpermute`
+undoes (without it the logits are wrong although every shape fits).
 """
 
 from __future__ import annotations

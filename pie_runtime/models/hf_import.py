@@ -38,7 +38,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise CheckpointError(f"missing file {single} (or {INDEX_FILE})")
     try:
         with safe_open(single, "pt") as f:
-            return {name: single for name in f.keys()}
+            return {name: single for name in f.keys()}  # noqa: SIM118 (the handle has keys() but no __iter__)
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         raise CheckpointError(f"cannot read {single}: {e}") from e
 

@@ -134,20 +134,3 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) final hidden states → (R, V) float32 logits."""
         return self.lm_head(hidden).float()
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a Hugging Face-named state dict; a missing, unexpected or misshapen tensor is an error."""
-        own = self.state_dict()
-        if self.config.tie_word_embeddings:
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-            own.pop("lm_head.weight", None)
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        if missing:
-            raise KeyError(f"missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
-        if unexpected:
-            raise KeyError(f"unexpected tensor {unexpected[0]}")
-        for name, t in state.items():
-            if tuple(t.shape) != tuple(own[name].shape):
-                raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, the config needs {tuple(own[name].shape)}")
-        self.load_state_dict(state, strict=False)

@@ -1,7 +1,7 @@
-"""Logits of our paged forward equal Hugging Face transformers' on the same checkpoint (fp32, 1e-4 + 1e-5 relative): tiny
-random llama / mistral / qwen2 / qwen3 checkpoints imported through `pie model import`, and SmolLM2 from
-the store. Each is checked in one pass, in uneven chunks over a scattered page table, and as a batch of two
-prompts of different lengths, with and without the engine's oneDNN-prepacked lm head."""
+"""Logits of our paged forward equal Hugging Face transformers' on the same checkpoint (fp32, 1e-4 + 1e-5
+relative): tiny random llama / mistral / qwen2 / qwen3 checkpoints imported through `pie model import`, and
+SmolLM2 from the store. Each is checked in one pass, in uneven chunks over a scattered page table, and as a
+batch of two prompts of different lengths, with and without the engine's oneDNN-prepacked lm head."""
 
 from __future__ import annotations
 

@@ -37,14 +37,15 @@ def hf_config(family: str):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
         bos_token_id=256, eos_token_id=257,
     )  # fmt: skip
+    # transformers 5's configs take rope_theta through **kwargs, which their signatures do not show
     if family == "llama":
-        return transformers.LlamaConfig(**common, rope_theta=5e5, tie_word_embeddings=False)
+        return transformers.LlamaConfig(**common, rope_theta=5e5, tie_word_embeddings=False)  # pyright: ignore[reportCallIssue]
     if family == "mistral":
-        return transformers.MistralConfig(**common, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)
+        return transformers.MistralConfig(**common, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)  # pyright: ignore[reportCallIssue]
     if family == "qwen2":
-        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)
+        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)  # pyright: ignore[reportCallIssue]
     if family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6, tie_word_embeddings=True)
+        return transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6, tie_word_embeddings=True)  # pyright: ignore[reportCallIssue]
     raise ValueError(family)
 
 
