@@ -15,8 +15,10 @@ Sampled runs use the host loop.
 from __future__ import annotations
 
 import inferlet
-from inferlet.decode import DecodeArgs, Drafter, Proposal, speculate
+from inferlet.args import DecodeArgs
+from inferlet.decode import speculate
 from inferlet.device_rounds import verify_rounds
+from inferlet.drafter import Drafter, Proposal
 from inferlet.lookup import NgramIndex
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 import inferlet
-from inferlet.decode import DecodeArgs, Drafter, Proposal, speculate
+from inferlet.args import DecodeArgs
+from inferlet.decode import speculate
+from inferlet.drafter import Drafter, Proposal
 from inferlet.grammar import Constraint, grammar_text
 from inferlet.lookup import lookup_drafts
 

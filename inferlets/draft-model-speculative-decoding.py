@@ -20,7 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 import inferlet
-from inferlet.decode import DecodeArgs, Drafter, Proposal, Verifier, draw, speculate
+from inferlet.args import DecodeArgs
+from inferlet.decode import speculate
+from inferlet.drafter import Drafter, Proposal
+from inferlet.sampler import Verifier, draw
 
 
 class Args(DecodeArgs):

@@ -19,8 +19,11 @@ Run-ahead drafts --draft-length every round: the adaptive schedule (inferlet.dra
 from __future__ import annotations
 
 import inferlet
-from inferlet.decode import DecodeArgs, Drafter, Proposal, Verifier, speculate
+from inferlet.args import DecodeArgs
+from inferlet.decode import speculate
 from inferlet.device_rounds import mtp_run_ahead
+from inferlet.drafter import Drafter, Proposal
+from inferlet.sampler import Verifier
 
 
 class Args(DecodeArgs):

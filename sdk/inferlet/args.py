@@ -1,5 +1,6 @@
 """Turns the words after ``--`` into an inferlet's arguments: its pydantic model's fields, or a dict; and
-``CompletionArgs``, the arguments every text-generating inferlet takes.
+``CompletionArgs``, the arguments every text-generating inferlet takes, and ``DecodeArgs``, those plus the
+sampler options of the speculative inferlets.
 
 ``--max-tokens 8`` → ``max_tokens=8``; a bare ``--chat`` → ``chat=True``; a repeated flag gives a list.
 Values are typed by the pydantic model; in a dict, numbers become numbers and the rest stays text.
@@ -9,13 +10,16 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 
 class CompletionArgs(BaseModel):
-    """text-completion's arguments; the speculative inferlets take them too (``inferlet.decode.DecodeArgs``)."""
+    """text-completion's arguments; the speculative inferlets take them too (``DecodeArgs``)."""
 
     prompt: str
     max_tokens: int = 128
@@ -26,6 +30,46 @@ class CompletionArgs(BaseModel):
     stop: list[str] = []
     chat: bool = False
     stream: bool = True
+
+    def prompt_ids(self, tok: Tokenizer) -> list[int]:
+        """The prompt's token ids (rendered with the chat template first with ``--chat``)."""
+        text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
+        return tok.encode(text)
+
+
+class DecodeArgs(CompletionArgs):
+    """text-completion's arguments plus the sampler options that turn speculation off."""
+
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # Hugging Face's: logits of seen tokens (prompt too) / r if > 0 else * r
+    logit_bias: dict[int, float] = {}  # token id → added to its logit; JSON text on the command line
+    logprobs: int | None = None  # record each token's logprob and this many top alternatives (bare flag: 0)
+    timing: bool = False  # per-round times in stats
+    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
+    # at most the inferlet's draft length; fixed: always the draft length
+    draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _json_bias(cls, v: Any) -> Any:
+        return json.loads(v) if isinstance(v, str) else v
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _bare_logprobs(cls, v: Any) -> Any:
+        return {True: 0, False: None}.get(v, v) if isinstance(v, bool) else v
+
+    def fallback_reasons(self) -> list[str]:
+        """Why this run may not speculate; [] when it may."""
+        reasons = []
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty not in (0.0, 1.0):
+            reasons.append("penalties")
+        if self.logit_bias:
+            reasons.append("logit_bias")
+        if self.logprobs is not None:
+            reasons.append("logprobs")
+        return reasons
 
 
 def split_words(words: list[str]) -> dict[str, Any]:

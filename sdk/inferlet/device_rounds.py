@@ -1,5 +1,6 @@
-"""Speculative rounds verified on the device (DESIGN §5, greedy): the accept rule is an epilogue program, so a
-round's fold is decided where its logits are, with no message to settle it.
+"""Speculative rounds verified on the device (greedy; docs/architecture.md, "Programs and channels"): the
+accept rule is an epilogue program, so a round's fold is decided where its logits are, with no message to
+settle it.
 
     target = argmax(logits of every window row)        # (k+1,) the target's greedy token after each row
     n = cumprod(drafts == target[:k]).sum()            # accepted drafts: the longest agreeing prefix
@@ -8,10 +9,10 @@ round's fold is decided where its logits are, with no message to settle it.
 Two loops use it:
     verify_rounds   drafts come from the host (prompt lookup); each round is one fire whose epilogue verifies
                     and folds and whose Argmax readout tells the host the target tokens (n = the fold - 1).
-    mtp_run_ahead   the whole loop stays in the engine: the window [last, d1..dk] comes from a channel; the
-                    epilogue verifies, folds, writes the round's target tokens to an output cell (entries
-                    past n are -1) and the next window [target[n], MTP drafts at row n] to the input channel;
-                    only row n's MTP chain is computed (the host loop reads one from every row).
+    mtp_run_ahead   the whole loop stays in the engine (inferlet.run_ahead): the window [last, d1..dk] comes
+                    from a channel; the epilogue verifies, folds, writes the round's target tokens to an output
+                    cell (entries past n are -1) and the next window [target[n], MTP drafts at row n] to the
+                    input channel; only row n's MTP chain is computed (the host loop reads one from every row).
                     The host replays the output cells: the tokens, and the exact stats of the host loop.
 
 Both run greedy only; a sampled run, or one whose sampler needs every step's logits, uses ``speculate``.
@@ -19,20 +20,18 @@ Both run greedy only; a sampled run, or one whose sampler needs every step's log
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from pie_runtime.protocol import ErrorCode, PieError
-
+from .args import DecodeArgs
 from .channels import Channel
-from .decode import DecodeArgs, Drafter, Output, Run, drive_rounds, prompt_ids, speculate
+from .decode import Run, drive_rounds, speculate
+from .drafter import Drafter
 from .forward import ForwardPass
 from .model import Model
 from .programs import Builder, Program, Sym, concat, trace, where
 from .readouts import Argmax
+from .run_ahead import RunAhead
 from .speculative import VerifyResult, verify_greedy
-
-TAKE_AT_LEAST = 4  # output cells a take waits for: fewer replies while the run is ahead
 
 
 def accept(p: Builder, k: int) -> tuple[Sym, Sym]:
@@ -66,13 +65,11 @@ async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int
     """``speculate``'s round loop (greedy) with the verify and the fold in one fire's epilogue."""
     if (why := on_device(args)) is not None:
         return await host_loop(model, args, drafter, k, why)
-    prompt = prompt_ids(model.tokenizer, args)
-    run = Run(model, args, prompt, Output(model.tokenizer, args, len(prompt), model.max_positions))
-    stats = run.stats
-    ws = model.working_set()
+    run = Run.start(model, args)
+    stats, ws = run.stats, run.ws
     programs: dict[int, Program] = {}  # drafts → the accept rule over that window
 
-    async def step(window: list[int], drafts: list[int], q=None) -> list[int]:
+    async def step(window: list[int], drafts: list[int], q: object = None) -> list[int]:
         fp = ForwardPass(ws).embed(window)
         m = len(drafts)
         if m == 0:  # the prefill or a plain step: read the last row, fold all
@@ -84,14 +81,16 @@ async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int
         t0 = time.perf_counter()
         res = await fp.submit()
         run.round_ms.append((time.perf_counter() - t0) * 1e3)
+        tokens = res.tokens
+        assert tokens is not None  # the Argmax readout
         if m == 0:
-            return [int(res.tokens[0])]
-        v = verify_greedy(drafts, res.tokens)
+            return [int(tokens[0])]
+        v = verify_greedy(drafts, tokens)
         assert res.fold == v.accepted + 1, "the epilogue and the host disagree on the accepted drafts"
         stats.record(v)
         return v.tokens
 
-    await drive_rounds(model, run, ws, drafter, k, step, [])
+    await drive_rounds(run, drafter, k, step, [])
     result = await run.finish()
     result["stats"]["device"] = "verify"
     return result
@@ -137,53 +136,28 @@ async def mtp_run_ahead(model: Model, args: DecodeArgs, drafter: Drafter, k: int
     why = on_device(args) or ("no_draft" if k == 0 else None)
     if why is not None:
         return await host_loop(model, args, drafter, k, why)
-    tok = model.tokenizer
-    prompt = prompt_ids(tok, args)
-    run = Run(model, args, prompt, Output(tok, args, len(prompt), model.max_positions))
-    out = run.out
-    ws = model.working_set()
-    inp = await Channel.open(model, (k + 1,), "int32", 1)
-    cells = await Channel.open(model, (k + 1,), "int32", 256)
-    flag = await Channel.open(model, (), "int32", 1)
-    task = None
+    run = Run.start(model, args)
+    out, ws = run.out, run.ws
+    ra = await RunAhead.open(ws, k + 1)
     try:
         t0 = time.perf_counter()
-        first = trace(model, lambda p: mtp_first(p, len(prompt) - 1, k, inp, cells))
-        await ForwardPass(ws).embed(prompt).epilogue(first).launch()
-        if args.max_tokens > 1:
-            fp = ForwardPass(ws).embed_from(inp).epilogue(trace(model, lambda p: mtp_round(p, k, inp, cells)))
-            fp.run_ahead(cells, budget_tokens=args.max_tokens - 1, stop_tokens=tok.eos_token_ids,
-                         stop_channel=flag)
-            task = await fp.launch()
-        got = (await cells.take(max=1)).tolist()
+        last = len(run.prompt) - 1
+        await ra.launch(run.prompt, lambda p: mtp_first(p, last, k, ra.inp, ra.out),
+                        lambda p: mtp_round(p, k, ra.inp, ra.out), budget_tokens=args.max_tokens - 1)
+        first = await ra.first()
         run.prefill_ms = (time.perf_counter() - t0) * 1e3
         t_decode = time.perf_counter()
-        out.push(got[0][:1])
-        while not out.done and task is not None:
-            try:
-                batch = (await cells.take(max=256, min=TAKE_AT_LEAST)).tolist()
-            except PieError as e:
-                if e.code != ErrorCode.CHANNEL_EMPTY:
-                    raise
-                break  # the run ended (its budget, or capacity) and every cell is taken
-            for cell in batch:
-                out.push(replay(run, cell, k))
-                if out.done:
-                    break
-        if task is not None and not task.done():
-            await flag.set(1)
-        reason = (await task).run["reason"] if task is not None else None
+        out.push(first[:1])
+        await ra.drain(out, lambda cell: replay(run, cell, k))
+        reason = await ra.stop()
         while not out.done and reason == "capacity":  # a verify window no longer fits: plain steps
             run.stats.skip("last_token" if out.room <= 1 else "near_capacity")
-            res = await ForwardPass(ws).embed([out.ids[-1]]).readout([0], Argmax()).fold(1).submit()
-            out.push([int(res.tokens[0])])
+            tokens = (await ForwardPass(ws).embed([out.ids[-1]]).readout([0], Argmax()).fold(1).submit()).tokens
+            assert tokens is not None  # the Argmax readout
+            out.push([int(tokens[0])])
         run.decode_s = time.perf_counter() - t_decode
     finally:
-        if task is not None and not task.done():
-            await flag.set(1)
-            await asyncio.gather(task, return_exceptions=True)
-        for ch in (inp, cells, flag):
-            await ch.close()
+        await ra.close()
         await ws.release()
     result = await run.finish()
     result["stats"]["device"] = "run_ahead"

@@ -48,6 +48,7 @@ def grammar_text(json_schema: str | dict | None = None, regex: str | None = None
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     if regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(regex)
+    assert lark is not None  # exactly one was given
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 

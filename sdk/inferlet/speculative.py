@@ -108,7 +108,7 @@ class VerifyResult:
     proposed: int
 
 
-def verify_greedy(drafts: Sequence[int], target_tokens: Sequence[int]) -> VerifyResult:
+def verify_greedy(drafts: Sequence[int], target_tokens: Sequence[int] | np.ndarray) -> VerifyResult:
     """Greedy verification; target_tokens[i] is the target's argmax at window row i (len k+1)."""
     k = len(drafts)
     if len(target_tokens) != k + 1:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pie_runtime.store import DEFAULT_MODEL, ModelStore
-
 from pie_runtime.drafters import attach
+from pie_runtime.store import DEFAULT_MODEL, ModelStore
 from tests.conftest import REPO, start_engine
 from tests.drafter_fixtures import link_model
 
@@ -33,7 +32,7 @@ def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
     folder.mkdir(parents=True)
     keep = ("model.embed_tokens.", "model.norm.") + tuple(f"model.layers.{i}." for i in range(layers))
     with safe_open(source / "model.safetensors", "pt") as f:
-        tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k.startswith(keep)}
+        tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k.startswith(keep)}  # noqa: SIM118
     save_file(tensors, folder / "model.safetensors")
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg["vocab_size"],
@@ -78,6 +77,7 @@ def load(name: str):
     """(main, Args) of a shipped inferlet, loaded in this process."""
     path = INFERLETS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"inferlet_{name.replace('-', '_')}", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main, module.Args

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlet.decode import DecodeArgs, Output, PlainSampler
+from inferlet.args import DecodeArgs
+from inferlet.output import Output
+from inferlet.sampler import PlainSampler
 from inferlet.tokenizer import Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 

@@ -17,7 +17,6 @@ import pytest
 
 import inferlet
 from pie_runtime.store import DEFAULT_MODEL
-
 from tests.inferlets.conftest import call, call_many
 from tests.inferlets.test_speculative_inferlets import MAX, PROMPTS, REPETITIVE
 from tests.procs import expect_line

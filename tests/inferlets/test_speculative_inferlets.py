@@ -12,7 +12,6 @@ import pytest
 import inferlet
 from tests.conftest import run
 from tests.drafter_fixtures import MTP_DEPTH
-
 from tests.inferlets.conftest import SLICE, call, call_many
 
 PROMPTS = [

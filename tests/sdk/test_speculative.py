@@ -1,6 +1,7 @@
 """Speculative verification: greedy cases, exactness of sampled verification, filtering, stats."""
 
 import math
+from typing import cast
 
 import numpy as np
 import pytest
@@ -140,18 +141,19 @@ def test_sampled_empty_residual_falls_back_to_p():
         def random(self):
             return np.nextafter(1.0, 0.0)
 
+    top = cast(np.random.Generator, TopRng())  # draws u ~ 1 every time
     p = np.stack([P0, P0])
     q = (P0 * (1 - 1e-12))[None]  # p/q a hair above 1: accepted even at u ~ 1
-    assert verify_sampled([0], p, q, TopRng()).accepted == 1
+    assert verify_sampled([0], p, q, top).accepted == 1
     q = P0[None]  # p/q == 1 exactly: accepted
-    assert verify_sampled([0], p, q, TopRng()).accepted == 1
+    assert verify_sampled([0], p, q, top).accepted == 1
     q = np.array([[0.41, 0.25, 0.15, 0.12, 0.07]])  # p(0)/q(0) < 1: rejected at u ~ 1
-    r = verify_sampled([0], p, q, TopRng())
+    r = verify_sampled([0], p, q, top)
     assert r.accepted == 0 and r.tokens == [4]  # the residual's only mass is on token 4
     one_hot = np.array([[0.0, 0.0, 1.0, 0.0, 0.0], P0])
     # q above p everywhere (only float rounding makes this possible): no residual, fall back to p.
     q = one_hot[:1] * 2
-    r = verify_sampled([2], one_hot, q, TopRng())
+    r = verify_sampled([2], one_hot, q, top)
     assert r.accepted == 0 and r.tokens == [2]
 
 
