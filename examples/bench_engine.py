@@ -23,8 +23,10 @@ import inferlet
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 
-PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
-          "Describe the weather, the sea and the keeper's thoughts.")
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. "
+    "Describe the weather, the sea and the keeper's thoughts."
+)
 
 
 async def engine_stats(address: str) -> dict:
@@ -60,9 +62,11 @@ def transformers_decode_rate(model_name: str, tokens: int) -> float:
 
         if manifest.tokenizer.chat_template is None:
             raise SystemExit(f"{model_name} has no chat template: the transformers run needs one")
-        text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-            manifest.tokenizer.chat_template).render(messages=[{"role": "user", "content": PROMPT}],
-                                                     add_generation_prompt=True)
+        text = (
+            ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            .from_string(manifest.tokenizer.chat_template)
+            .render(messages=[{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        )
         ids = torch.tensor([tok.encode(text, add_special_tokens=False).ids])
 
         def gen(n):
@@ -114,11 +118,24 @@ def main() -> None:
         steps = delta("steps")
         step_ms = 1e3 * delta("step_s") / steps
         overhead_ms = 1e3 * (delta("step_s") - delta("forward_s")) / steps
-        client_ms = 1e3 * (len(single["token_ids"]) / single["stats"]["decode_tokens_per_s"]
-                           - len(short["token_ids"]) / short["stats"]["decode_tokens_per_s"]) / steps
+        client_ms = (
+            1e3
+            * (
+                len(single["token_ids"]) / single["stats"]["decode_tokens_per_s"]
+                - len(short["token_ids"]) / short["stats"]["decode_tokens_per_s"]
+            )
+            / steps
+        )
         conc = {n: asyncio.run(concurrent(engine.address, n, args.tokens)) for n in args.concurrency}
-        engine_rss = int(subprocess.run(["ps", "-o", "rss=", "-p", str(engine.proc.pid)], capture_output=True,
-                                        text=True).stdout.strip() or 0) // 1024
+        engine_rss = (
+            int(
+                subprocess.run(
+                    ["ps", "-o", "rss=", "-p", str(engine.proc.pid)], capture_output=True, text=True
+                ).stdout.strip()
+                or 0
+            )
+            // 1024
+        )
 
     ours = single["stats"]["decode_tokens_per_s"]
     table = Table(title=f"pie engine, {args.model}, {args.tokens} tokens, fp32 CPU")
@@ -130,18 +147,22 @@ def main() -> None:
         ref = transformers_decode_rate(args.model, args.tokens)
         table.add_row("batch-1 decode, transformers generate (tok/s)", f"{ref:.1f}", f"{ours / ref:.2f}x pie/hf")
     for n, agg in conc.items():
-        table.add_row(f"{n} concurrent inferlets: aggregate tok/s (wall, incl. prefill)", f"{agg:.1f}",
-                      f"{agg / conc[args.concurrency[0]]:.2f}x vs {args.concurrency[0]}")
+        table.add_row(
+            f"{n} concurrent inferlets: aggregate tok/s (wall, incl. prefill)",
+            f"{agg:.1f}",
+            f"{agg / conc[args.concurrency[0]]:.2f}x vs {args.concurrency[0]}",
+        )
     table.add_row("batch-1 engine step (ms)", f"{step_ms:.2f}", "")
-    table.add_row("batch-1 step time outside the forward (ms)", f"{overhead_ms:.2f}",
-                  f"{overhead_ms / step_ms:.1%} of step")
-    table.add_row("batch-1 round trip outside the step (ms/token)", f"{client_ms - step_ms:.2f}",
-                  "inferlet + sockets + codec")
+    table.add_row(
+        "batch-1 step time outside the forward (ms)", f"{overhead_ms:.2f}", f"{overhead_ms / step_ms:.1%} of step"
+    )
+    table.add_row(
+        "batch-1 round trip outside the step (ms/token)", f"{client_ms - step_ms:.2f}", "inferlet + sockets + codec"
+    )
     table.add_row("engine peak RSS (MiB)", f"{engine_rss}", "")
     table.add_row("bench process peak RSS (MiB)", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}", "")
     console.print(table)
-    print(json.dumps({"pie_tok_s": ours, "overhead_ms": overhead_ms, "step_ms": step_ms,
-                      "concurrent": conc}))
+    print(json.dumps({"pie_tok_s": ours, "overhead_ms": overhead_ms, "step_ms": step_ms, "concurrent": conc}))
 
 
 if __name__ == "__main__":

@@ -83,17 +83,27 @@ def main() -> None:
             results[("ours", batch)] = ours_decode(loaded, prompt, batch, args.tokens)
             results[("transformers", batch)] = hf_decode(hf, prompt, batch, args.tokens)
 
-    table = Table(title=f"{args.model}: {args.tokens} greedy decode steps, {len(prompt)}-token prompt, fp32, "
-                  f"{torch.get_num_threads()} threads")  # fmt: skip
+    table = Table(
+        title=f"{args.model}: {args.tokens} greedy decode steps, {len(prompt)}-token prompt, fp32, "
+        f"{torch.get_num_threads()} threads"
+    )
     table.add_column("measure")
     for col in ("ours", "transformers", "ours / transformers"):
         table.add_column(col, justify="right")
     b1 = {k: results[(k, 1)] / args.tokens * 1e3 for k in ("ours", "transformers")}
     b8 = {k: 8 * args.tokens / results[(k, 8)] for k in ("ours", "transformers")}
-    table.add_row("batch 1: ms per token", f"{b1['ours']:.1f}", f"{b1['transformers']:.1f}",
-                  f"{b1['ours'] / b1['transformers']:.2f}x")  # fmt: skip
-    table.add_row("batch 8: tokens per s", f"{b8['ours']:.1f}", f"{b8['transformers']:.1f}",
-                  f"{b8['ours'] / b8['transformers']:.2f}x")  # fmt: skip
+    table.add_row(
+        "batch 1: ms per token",
+        f"{b1['ours']:.1f}",
+        f"{b1['transformers']:.1f}",
+        f"{b1['ours'] / b1['transformers']:.2f}x",
+    )
+    table.add_row(
+        "batch 8: tokens per s",
+        f"{b8['ours']:.1f}",
+        f"{b8['transformers']:.1f}",
+        f"{b8['ours'] / b8['transformers']:.2f}x",
+    )
     console = Console(width=120)
     console.print(table)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB on Linux

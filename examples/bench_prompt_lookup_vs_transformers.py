@@ -46,7 +46,7 @@ def hf_generate(model, ids: list[int], tokens: int, lookup: int | None) -> tuple
     t0 = time.perf_counter()
     out = model.generate(x, max_new_tokens=tokens, **kw)
     total = time.perf_counter() - t0
-    gen = out[0, len(ids):].tolist()
+    gen = out[0, len(ids) :].tolist()
     eos = set(model.config.eos_token_id)
     gen = gen[: next((i for i, t in enumerate(gen) if t in eos), len(gen))]
     return (len(gen) - 1) / max(total - prefill, 1e-9), gen
@@ -71,27 +71,55 @@ def main() -> None:
         hf_plain, plain_ids = hf_generate(model, ids, args.tokens, None)
         hf_lookup, lookup_ids = hf_generate(model, ids, args.tokens, args.lookup)
         del model
-    m = measure("cacheback-speculative-decoding", text,
-                ["--draft-length", str(args.draft_length), "--max-ngram", str(args.max_ngram),
-                 "--draft-schedule", "fixed" if args.fixed else "adaptive"], args.tokens)
+    m = measure(
+        "cacheback-speculative-decoding",
+        text,
+        [
+            "--draft-length",
+            str(args.draft_length),
+            "--max-ngram",
+            str(args.max_ngram),
+            "--draft-schedule",
+            "fixed" if args.fixed else "adaptive",
+        ],
+        args.tokens,
+    )
     ours, base = m["spec"]["stats"]["decode_tokens_per_s"], m["base"]["stats"]["decode_tokens_per_s"]
 
-    table = Table(title=f"prompt lookup, {len(ids)}-token prompt ({args.prompt}), {args.tokens} tokens, "
-                  f"transformers K={args.lookup}, ours up to {args.draft_length}"
-                  f"{' fixed' if args.fixed else ' adaptive'}, {torch.get_num_threads()} threads")  # fmt: skip
+    table = Table(
+        title=f"prompt lookup, {len(ids)}-token prompt ({args.prompt}), {args.tokens} tokens, "
+        f"transformers K={args.lookup}, ours up to {args.draft_length}"
+        f"{' fixed' if args.fixed else ' adaptive'}, {torch.get_num_threads()} threads"
+    )
     for col in ("", "plain tok/s", "lookup tok/s", "lookup / plain", "digest plain", "digest lookup"):
         table.add_column(col, justify="right")
-    table.add_row("transformers", f"{hf_plain:.1f}", f"{hf_lookup:.1f}", f"{hf_lookup / hf_plain:.2f}x",
-                  digest(plain_ids), digest(lookup_ids))
-    table.add_row("pie (text-completion / cacheback)", f"{base:.1f}", f"{ours:.1f}", f"{ours / base:.2f}x",
-                  digest(m["base"]["token_ids"]), digest(m["spec"]["token_ids"]))
+    table.add_row(
+        "transformers",
+        f"{hf_plain:.1f}",
+        f"{hf_lookup:.1f}",
+        f"{hf_lookup / hf_plain:.2f}x",
+        digest(plain_ids),
+        digest(lookup_ids),
+    )
+    table.add_row(
+        "pie (text-completion / cacheback)",
+        f"{base:.1f}",
+        f"{ours:.1f}",
+        f"{ours / base:.2f}x",
+        digest(m["base"]["token_ids"]),
+        digest(m["spec"]["token_ids"]),
+    )
     console = Console(width=140)
     console.print(table)
     s = m["spec"]["stats"]
-    console.print(f"pie cacheback / transformers lookup: {ours / hf_lookup:.2f}x; acceptance {s['acceptance']:.3f} "
-                  f"per position {[round(a, 3) for a in s['acceptance_per_position']]}")
-    console.print(f"same tokens as transformers plain: ours {m['spec']['token_ids'] == plain_ids}, "
-                  f"transformers lookup {lookup_ids == plain_ids}")
+    console.print(
+        f"pie cacheback / transformers lookup: {ours / hf_lookup:.2f}x; acceptance {s['acceptance']:.3f} "
+        f"per position {[round(a, 3) for a in s['acceptance_per_position']]}"
+    )
+    console.print(
+        f"same tokens as transformers plain: ours {m['spec']['token_ids'] == plain_ids}, "
+        f"transformers lookup {lookup_ids == plain_ids}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ from pie_runtime.drafters import attach
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore
 
-PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
-          "Describe the weather, the sea and the keeper's thoughts.")
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. "
+    "Describe the weather, the sea and the keeper's thoughts."
+)
 HERE = Path(__file__).resolve().parent
 DEFAULT_HEAD = HERE / "drafters" / "smollm2-mtp.safetensors"
 FALLBACK_CORPUS = HERE / "speculation_prompts" / "mixed.txt"  # agreement is not the point of a --train-mtp head
@@ -49,8 +51,11 @@ def training_corpus() -> Path:
     corpus = find_corpus("austen.txt")
     if corpus is None:
         searched = ", ".join(str(f) for f in corpus_folders())
-        print(f"no austen.txt in {searched} (set {CORPUS_ENV} to a folder holding it): training on "
-              f"{FALLBACK_CORPUS.relative_to(HERE.parent)}", file=sys.stderr)
+        print(
+            f"no austen.txt in {searched} (set {CORPUS_ENV} to a folder holding it): training on "
+            f"{FALLBACK_CORPUS.relative_to(HERE.parent)}",
+            file=sys.stderr,
+        )
         return FALLBACK_CORPUS
     return corpus
 
@@ -81,11 +86,43 @@ def private_store(models: list[str], heads: dict[str, Path], train: list[str], t
     corpus = training_corpus() if train else None
     for model in train:  # seconds of training: a head that runs, not one that agrees
         out = home / f"{model}-mtp.safetensors"
-        subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "drafter", "train", "--model", model,
-                        "--kind", "mtp", "--depth", "3", "--corpus", str(corpus), "--tokens", "1024",
-                        "--seq-len", "128", "--heldout-tokens", "128", "--epochs", "2", "--out", str(out),
-                        "--threads", str(threads or 1), "--train-threads", "1", "--cache-dir", "none", "--quiet"],
-                       check=True, env={**os.environ, "PIE_HOME": str(home)}, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pie_runtime.cli.main",
+                "drafter",
+                "train",
+                "--model",
+                model,
+                "--kind",
+                "mtp",
+                "--depth",
+                "3",
+                "--corpus",
+                str(corpus),
+                "--tokens",
+                "1024",
+                "--seq-len",
+                "128",
+                "--heldout-tokens",
+                "128",
+                "--epochs",
+                "2",
+                "--out",
+                str(out),
+                "--threads",
+                str(threads or 1),
+                "--train-threads",
+                "1",
+                "--cache-dir",
+                "none",
+                "--quiet",
+            ],
+            check=True,
+            env={**os.environ, "PIE_HOME": str(home)},
+            capture_output=True,
+        )
         heads[model] = out
     for model, head in heads.items():
         attach(store, model, f"mtp:{head}", "bench")
@@ -120,8 +157,15 @@ def main() -> None:
     home = private_store(args.models, {m: Path(f) for m, f in heads.items()}, args.train_mtp, args.threads)
 
     table = Table(title=f"batch-1 decode, {args.tokens} tokens, median of {args.repeats}")
-    for col in ("model", "inferlet", "host loop ms/token", "on device ms/token", "speedup", "accepted/proposed",
-                "same tokens+stats"):
+    for col in (
+        "model",
+        "inferlet",
+        "host loop ms/token",
+        "on device ms/token",
+        "speedup",
+        "accepted/proposed",
+        "same tokens+stats",
+    ):
         table.add_column(col)
     try:
         for model in args.models:
@@ -137,7 +181,8 @@ def main() -> None:
                         host.append(h)
                         dev.append(d)
                         same &= h_res["token_ids"] == d_res["token_ids"] and all(
-                            h_res["stats"].get(k) == d_res["stats"].get(k) for k in SAME_STATS)
+                            h_res["stats"].get(k) == d_res["stats"].get(k) for k in SAME_STATS
+                        )
                     h, d = statistics.median(host), statistics.median(dev)
                     s = d_res["stats"]
                     acc = f"{s['accepted']}/{s['proposed']}" if "proposed" in s else "-"

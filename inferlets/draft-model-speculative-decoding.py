@@ -45,7 +45,7 @@ class ModelDrafter(Drafter):
             await inferlet.ForwardPass(self.ws).embed(prompt[:-1]).submit()  # its last token comes with a round
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
-        lacking = seq[self.ws.committed:]  # final tokens the draft has not seen, ending with `last`
+        lacking = seq[self.ws.committed :]  # final tokens the draft has not seen, ending with `last`
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(k):

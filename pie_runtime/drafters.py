@@ -78,7 +78,9 @@ def check_mtp(target: Manifest, weights: Path) -> MTPConfig:
             f"model {target.name!r} has {target_digest(target)[:12]}...)"
         )
     if cfg.vocab_size != tc.vocab_size:
-        raise DrafterRefused(f"MTP head {weights.name} has vocab {cfg.vocab_size}, model {target.name!r} {tc.vocab_size}")
+        raise DrafterRefused(
+            f"MTP head {weights.name} has vocab {cfg.vocab_size}, model {target.name!r} {tc.vocab_size}"
+        )
     try:
         load_mtp(weights)  # tensors fit the config
     except (OSError, ValueError) as e:
@@ -123,11 +125,15 @@ def check_draft(store: ModelStore, target: Manifest, draft_name: str) -> Manifes
         raise DrafterRefused(f"model {target.name!r} cannot be its own draft model")
     marker = recurrent_marker(_raw_manifest(store, draft_name))  # before parsing: our schema has no such field
     if marker:
-        raise DrafterRefused(f"draft model {draft_name!r} keeps recurrent state ({marker}); only stateless drafts are supported")
+        raise DrafterRefused(
+            f"draft model {draft_name!r} keeps recurrent state ({marker}); only stateless drafts are supported"
+        )
     draft = store.get(draft_name)
     dc, tc = draft.config, target.config
     if dc.vocab_size > tc.vocab_size:
-        raise DrafterRefused(f"draft model {draft_name!r} has vocab {dc.vocab_size}, larger than {target.name!r}'s {tc.vocab_size}")
+        raise DrafterRefused(
+            f"draft model {draft_name!r} has vocab {dc.vocab_size}, larger than {target.name!r}'s {tc.vocab_size}"
+        )
     if dc.max_position_embeddings < tc.max_position_embeddings:
         raise DrafterRefused(
             f"draft model {draft_name!r} holds {dc.max_position_embeddings} positions, fewer than "
@@ -139,8 +145,7 @@ def check_draft(store: ModelStore, target: Manifest, draft_name: str) -> Manifes
         for piece, i in theirs.items():
             if mine.get(piece) != i:
                 raise DrafterRefused(
-                    f"draft model {draft_name!r} gives token {piece!r} id {i}, {target.name!r} gives "
-                    f"{mine.get(piece)}"
+                    f"draft model {draft_name!r} gives token {piece!r} id {i}, {target.name!r} gives {mine.get(piece)}"
                 )
     return draft
 
@@ -196,9 +201,12 @@ def attach(store: ModelStore, model: str, spec: str, name: str | None = None) ->
         except BaseException:
             shutil.rmtree(dst, ignore_errors=True)
             raise
-        entry = DrafterEntry(kind="mtp", name=name, path=f"{rel}/{MTP_WEIGHTS}",
-                             config={"depth": cfg.depth, "num_blocks": cfg.num_blocks,
-                                     "intermediate_size": cfg.intermediate_size})
+        entry = DrafterEntry(
+            kind="mtp",
+            name=name,
+            path=f"{rel}/{MTP_WEIGHTS}",
+            config={"depth": cfg.depth, "num_blocks": cfg.num_blocks, "intermediate_size": cfg.intermediate_size},
+        )
     else:
         entry = DrafterEntry(kind="draft", name=name, path=value, config={})
     store.write_manifest(target.model_copy(update={"files": files, "drafters": [*target.drafters, entry]}))
@@ -215,8 +223,9 @@ def detach(store: ModelStore, model: str, drafter: str) -> DrafterEntry:
     if entry.kind == "mtp":
         rel = f"drafters/{entry.name}/"
         files = {f: d for f, d in files.items() if not f.startswith(rel)}
-    store.write_manifest(target.model_copy(
-        update={"files": files, "drafters": [d for d in target.drafters if d.name != drafter]}))
+    store.write_manifest(
+        target.model_copy(update={"files": files, "drafters": [d for d in target.drafters if d.name != drafter]})
+    )
     if entry.kind == "mtp":
         shutil.rmtree(store.path(model) / "drafters" / entry.name, ignore_errors=True)
     return entry

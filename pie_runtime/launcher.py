@@ -45,15 +45,21 @@ def shipped_inferlets() -> list[str]:
 class EmbeddedEngine:
     """An engine subprocess on a fresh ipc:// address, up until ``stop()`` (or the with-block ends)."""
 
-    def __init__(self, models: list[str] | None = None, extra_args: list[str] | None = None, timeout: float = 300,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        models: list[str] | None = None,
+        extra_args: list[str] | None = None,
+        timeout: float = 300,
+        env: dict[str, str] | None = None,
+    ):
         self.address = f"ipc://{tempfile.gettempdir()}/pie-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         cmd = [sys.executable, "-m", "pie_runtime.cli.main", "engine", "--listen", self.address]
         for m in models or []:
             cmd += ["--model", m]
         cmd += extra_args or []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -86,7 +92,7 @@ class EmbeddedEngine:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "EmbeddedEngine":
+    def __enter__(self) -> EmbeddedEngine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,8 +104,18 @@ def run_inferlet(path: Path, engine: str, words: list[str], stdout=None, timeout
     The child's streamed text goes to ``stdout`` (ours by default)."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "inferlet", "--engine", engine, "--result", str(result_file), str(path), "--",
-               *words]
+        cmd = [
+            sys.executable,
+            "-m",
+            "inferlet",
+            "--engine",
+            engine,
+            "--result",
+            str(result_file),
+            str(path),
+            "--",
+            *words,
+        ]
         proc = subprocess.run(cmd, stdout=stdout if stdout is not None else None, timeout=timeout)
         if result_file.exists():
             return json.loads(result_file.read_text())

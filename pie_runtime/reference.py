@@ -20,15 +20,21 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
         # transformers 5 takes rope_theta through **kwargs, which its signature does not show
         rope_theta=c.rope_theta,  # pyright: ignore[reportCallIssue]
         tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None,
-    )  # fmt: skip
+        bos_token_id=c.bos_token_id,
+        eos_token_id=list(c.eos_token_ids) or None,
+    )
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "config.json").write_text(json.dumps(config.to_dict()))
     if not (scratch / "model.safetensors").exists():
@@ -39,6 +45,7 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
 def greedy_continuation(hf_model, ids: list[int], n: int) -> list[int]:
     """transformers' greedy ``generate`` for exactly ``n`` tokens (no EOS stop)."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()

@@ -17,7 +17,7 @@ import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -126,7 +126,9 @@ class ModelStore:
     def get(self, name: str) -> Manifest:
         manifest = self.path(name) / MANIFEST_FILE
         if not manifest.is_file():
-            raise ModelNotFoundError(f"model {name!r} is not in the store ({self.root}); import it with `pie model import`")
+            raise ModelNotFoundError(
+                f"model {name!r} is not in the store ({self.root}); import it with `pie model import`"
+            )
         try:
             return Manifest.model_validate_json(manifest.read_text())
         except (OSError, ValidationError) as e:
@@ -173,8 +175,9 @@ class ModelStore:
         _write_cache(cache_path, fresh)
         return manifest
 
-    def add(self, converted: Converted, name: str, *, force: bool = False,
-            check: Callable[[Manifest], None] | None = None) -> ImportResult:
+    def add(
+        self, converted: Converted, name: str, *, force: bool = False, check: Callable[[Manifest], None] | None = None
+    ) -> ImportResult:
         """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename). ``check``
         sees the new manifest before the rename; whatever it raises leaves the store as it was, even a model
         that ``force`` would have replaced."""
@@ -195,7 +198,7 @@ class ModelStore:
                 config=converted.config,
                 files=files,
                 source=converted.source,
-                imported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                imported_at=datetime.now(UTC).isoformat(timespec="seconds"),
                 dtype="float32",
                 parameters=count_parameters(converted.tensors),
                 tokenizer=converted.tokenizer,
@@ -260,7 +263,12 @@ def _default_name(path: Path) -> str:
 
 
 def import_model(
-    source: str, *, name: str | None = None, force: bool = False, store: ModelStore | None = None, progress: bool = True,
+    source: str,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    store: ModelStore | None = None,
+    progress: bool = True,
     check: Callable[[Manifest], None] | None = None,
 ) -> ImportResult:
     """Import a packaged alias, a ``.gguf`` file or a Hugging Face checkpoint folder as model ``name``.
@@ -328,7 +336,11 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
 
 
 def load_model(
-    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", store: ModelStore | None = None
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    store: ModelStore | None = None,
 ) -> LoadedModel:
     """Verify a stored model's digests, then build it on ``device`` in ``dtype``."""
     from safetensors.torch import load_file

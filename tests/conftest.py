@@ -40,12 +40,19 @@ def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
         eos_token_id=2,
         # transformers 5 takes rope_theta through **kwargs, which its signature does not show
         rope_theta=10000.0,  # pyright: ignore[reportCallIssue]
-    )  # fmt: skip
+    )
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)
     shutil.copy(tokenizer_json, folder / "tokenizer.json")
@@ -62,8 +69,19 @@ def pie_home(tmp_path_factory) -> Path:
     ckpt = home / "tiny-ckpt"
     write_tiny_smol(ckpt, real_dir / "tokenizer.json")
     env = {**os.environ, "PIE_HOME": str(home)}
-    subprocess.run([str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie", "model", "import",
-                    str(ckpt), "--name", TINY], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie",
+            "model",
+            "import",
+            str(ckpt),
+            "--name",
+            TINY,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     return home
 
 
@@ -103,8 +121,9 @@ def tiny_engine(pie_home):
 
 def run(name_or_file: str, address: str, *words: str, timeout: float = 600) -> dict:
     """Runs an inferlet through the launcher; returns its result, or fails the test with its error."""
-    outcome = run_inferlet(resolve_inferlet(name_or_file), address, list(words), stdout=subprocess.DEVNULL,
-                           timeout=timeout)
+    outcome = run_inferlet(
+        resolve_inferlet(name_or_file), address, list(words), stdout=subprocess.DEVNULL, timeout=timeout
+    )
     assert outcome["ok"], outcome.get("error")
     return outcome["result"]
 

@@ -23,8 +23,9 @@ MTP_DEPTH = 2  # the session head's depth
 def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProcess:
     """Runs the real `pie` command line with PIE_HOME=home."""
     env = {**os.environ, "PIE_HOME": str(home)}
-    proc = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", *words], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pie_runtime.cli.main", *words], env=env, capture_output=True, text=True
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"pie {' '.join(words)} exited {proc.returncode}: {proc.stderr.strip()}")
     return proc
@@ -56,8 +57,21 @@ def distill_slice(tmp_path_factory) -> tuple[Path, list[str]]:
     text = CORPUS.read_text(encoding="utf-8", errors="replace")
     corpus = folder / "corpus.txt"
     corpus.write_text(text[:40000])
-    common = ["--corpus", str(corpus), "--tokens", "2048", "--seq-len", "128", "--heldout-tokens", "256",
-              "--cache-dir", str(folder / "cache"), "--quiet", "--threads", "2"]
+    common = [
+        "--corpus",
+        str(corpus),
+        "--tokens",
+        "2048",
+        "--seq-len",
+        "128",
+        "--heldout-tokens",
+        "256",
+        "--cache-dir",
+        str(folder / "cache"),
+        "--quiet",
+        "--threads",
+        "2",
+    ]
     return folder, common
 
 
@@ -67,6 +81,18 @@ def mtp_head(pie_home, distill_slice) -> Path:
     accepted now and then, which is all the serving tests need."""
     folder, common = distill_slice
     out = folder / "head.safetensors"
-    pie(pie_home, "drafter", "train", "--kind", "mtp", "--depth", str(MTP_DEPTH), "--epochs", "20", "--out",
-        str(out), *common)
+    pie(
+        pie_home,
+        "drafter",
+        "train",
+        "--kind",
+        "mtp",
+        "--depth",
+        str(MTP_DEPTH),
+        "--epochs",
+        "20",
+        "--out",
+        str(out),
+        *common,
+    )
     return out

@@ -21,10 +21,24 @@ def bench(pie_home, tmp_path):
     prompt.write_text(PROMPT)
 
     def go(*extra: str) -> dict:
-        cmd = [sys.executable, "-m", "pie_runtime.cli.main", "bench", "speculation", "--model", TINY,
-               "--prompt", str(prompt), "--max-tokens", "24", "--json", *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PIE_HOME": str(pie_home)})
+        cmd = [
+            sys.executable,
+            "-m",
+            "pie_runtime.cli.main",
+            "bench",
+            "speculation",
+            "--model",
+            TINY,
+            "--prompt",
+            str(prompt),
+            "--max-tokens",
+            "24",
+            "--json",
+            *extra,
+        ]
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PIE_HOME": str(pie_home)}
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -40,7 +54,14 @@ def test_against_text_completion(bench):
 
 
 def test_against_the_same_inferlet_at_draft_length_zero(bench):
-    row = bench("--inferlet", "constrained-speculative-decoding", "--control", "draft-length-0",
-                "--", "--regex", "(one |two |three |four )+")
+    row = bench(
+        "--inferlet",
+        "constrained-speculative-decoding",
+        "--control",
+        "draft-length-0",
+        "--",
+        "--regex",
+        "(one |two |three |four )+",
+    )
     assert row["control"] == "draft-length-0" and "text_completion_tokens_per_s" not in row
     assert row["greedy_match"] is True and row["digest"] == row["control_digest"]

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from pie_runtime.reference import greedy_continuation, transformers_llama
 from pie_runtime.store import ModelStore
 from tests.conftest import REPO, run
-from pie_runtime.reference import greedy_continuation, transformers_llama
 
 pytestmark = pytest.mark.e2e  # some tests start `pie run` themselves, without a process fixture
 
@@ -50,8 +50,10 @@ def test_seeded_sampling_reproducible_and_two_inferlets_at_once(engine):
 
     async def both():
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(None, lambda s=s: run("text-completion", engine.address, *args, "--seed", s))
-                for s in ("1", "1", "2")]
+        jobs = [
+            loop.run_in_executor(None, lambda s=s: run("text-completion", engine.address, *args, "--seed", s))
+            for s in ("1", "1", "2")
+        ]
         return await asyncio.gather(*jobs)
 
     a, b, c = asyncio.run(both())
@@ -60,13 +62,14 @@ def test_seeded_sampling_reproducible_and_two_inferlets_at_once(engine):
 
 
 def test_stop_string_cuts_the_text(engine):
-    result = run("text-completion", engine.address, "--prompt", "Count: 1, 2, 3, 4,", "--max-tokens", "30",
-                 "--stop", " 7")
+    result = run(
+        "text-completion", engine.address, "--prompt", "Count: 1, 2, 3, 4,", "--max-tokens", "30", "--stop", " 7"
+    )
     assert result["finish_reason"] == "stop"
     assert " 7" not in result["text"] and result["text"].rstrip().endswith("6,")
 
 
-CUSTOM = '''
+CUSTOM = """
 import inferlet
 @inferlet.main
 async def main(args):
@@ -78,15 +81,31 @@ async def main(args):
     fp.readout(list(range(len(ids))), inferlet.Logits())
     res = await fp.submit()
     return {"shape": list(res.logits.shape)}
-'''
+"""
 
 
 def test_pie_run_custom_file_with_embedded_engine(tmp_path):
     path = tmp_path / "shape.py"
     path.write_text(CUSTOM)
-    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", str(path), "--json", "--kv-pages", "64",
-                          "--", "--prompt", "Hello there world"],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pie_runtime.cli.main",
+            "run",
+            str(path),
+            "--json",
+            "--kv-pages",
+            "64",
+            "--",
+            "--prompt",
+            "Hello there world",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"shape": [3, 49152]}
 
@@ -94,12 +113,20 @@ def test_pie_run_custom_file_with_embedded_engine(tmp_path):
 def test_pie_run_reports_a_crashing_inferlet(engine, tmp_path):
     path = tmp_path / "crash.py"
     path.write_text("import inferlet\n@inferlet.main\nasync def main(args):\n    raise ValueError('boom')\n")
-    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", str(path), "--engine", engine.address],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pie_runtime.cli.main", "run", str(path), "--engine", engine.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and "ValueError: boom" in out.stderr
 
 
 def test_pie_run_unknown_inferlet_is_one_line_error():
-    out = subprocess.run([sys.executable, "-m", "pie_runtime.cli.main", "run", "no-such-inferlet"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pie_runtime.cli.main", "run", "no-such-inferlet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: no shipped inferlet")

@@ -14,8 +14,17 @@ def test_deferred_fold_example_equals_greedy(engine):
 
 
 def test_best_of_n_forks_share_the_prompt(engine):
-    result = run(str(REPO / "examples/best_of_n.py"), engine.address, "--prompt", "Name a colour.", "--n", "3",
-                 "--max-tokens", "6", "--chat")
+    result = run(
+        str(REPO / "examples/best_of_n.py"),
+        engine.address,
+        "--prompt",
+        "Name a colour.",
+        "--n",
+        "3",
+        "--max-tokens",
+        "6",
+        "--chat",
+    )
     scores = [c["mean_logprob"] for c in result["candidates"]]
     assert len(scores) == 3 and scores == sorted(scores, reverse=True)
     assert result["best"] == result["candidates"][0]["text"]

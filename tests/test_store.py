@@ -39,9 +39,15 @@ def checkpoint(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     (folder / "tokenizer.json").write_text(_tokenizer_json())

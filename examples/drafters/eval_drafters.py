@@ -59,8 +59,12 @@ def main() -> None:
             if draft is not None:
                 row["draft"] = distill.draft_agreement(draft, data, k, start=start)
             table[f"{Path(corpus).stem}/{kind}"] = row
-            print(Path(corpus).stem, kind, json.dumps({n: [round(x, 3) for x in v] if isinstance(v, list) else v
-                                                       for n, v in row.items()}), flush=True)
+            print(
+                Path(corpus).stem,
+                kind,
+                json.dumps({n: [round(x, 3) for x in v] if isinstance(v, list) else v for n, v in row.items()}),
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
 

@@ -31,14 +31,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--inferlet", required=True, help="a shipped inferlet name or a .py file")
     p.add_argument("--prompt", default="repetitive", help="mixed, repetitive (examples/speculation_prompts) or a file")
     p.add_argument("--max-tokens", type=int, default=128, help="unless given after --")
-    p.add_argument("--model", action="append", default=None,
-                   help=f"models the engine serves (default {DEFAULT_MODEL}; a --draft after -- is added)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help=f"models the engine serves (default {DEFAULT_MODEL}; a --draft after -- is added)",
+    )
     p.add_argument("--timing", action="store_true", help="time each verify round")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
-    p.add_argument("--control", choices=["text-completion", "draft-length-0"], default="text-completion",
-                   help="the reference run: text-completion, or this inferlet with --draft-length 0 (for "
-                        "constrained decoding, whose output text-completion cannot match)")
+    p.add_argument(
+        "--control",
+        choices=["text-completion", "draft-length-0"],
+        default="text-completion",
+        help="the reference run: text-completion, or this inferlet with --draft-length 0 (for "
+        "constrained decoding, whose output text-completion cannot match)",
+    )
     p.set_defaults(func=_speculation)
 
 
@@ -62,9 +70,16 @@ def _flag(words: list[str], name: str) -> str | None:
     return None
 
 
-def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128, timing: bool = False,
-            models: list[str] | None = None, engine_args: list[str] | None = None,
-            control: str = "text-completion") -> dict:
+def measure(
+    inferlet: str,
+    prompt: str,
+    words: list[str],
+    max_tokens: int = 128,
+    timing: bool = False,
+    models: list[str] | None = None,
+    engine_args: list[str] | None = None,
+    control: str = "text-completion",
+) -> dict:
     """Runs a warm-up, the inferlet, then the control (text-completion, or the inferlet with draft length 0)
     on one embedded engine; returns both results."""
     words = list(words)
@@ -91,8 +106,14 @@ def measure(inferlet: str, prompt: str, words: list[str], max_tokens: int = 128,
         go(resolve_inferlet("text-completion"), ["--max-tokens", "4"])  # warm-up: first-call costs
         spec = go(path, words + (["--timing"] if timing else []))
         base = go(control_path, control_words)
-    return {"inferlet": path.stem, "models": models, "spec": spec, "base": base, "control": control,
-            "greedy": float(_flag(words, "--temperature") or 0) == 0}
+    return {
+        "inferlet": path.stem,
+        "models": models,
+        "spec": spec,
+        "base": base,
+        "control": control,
+        "greedy": float(_flag(words, "--temperature") or 0) == 0,
+    }
 
 
 def _without(words: list[str], name: str) -> list[str]:
@@ -170,8 +191,16 @@ def print_table(row: dict) -> None:
 
 def _speculation(args: argparse.Namespace) -> int:
     try:
-        m = measure(args.inferlet, prompt_text(args.prompt), args.inferlet_args, args.max_tokens, args.timing,
-                    args.model, args.engine_arg, args.control)
+        m = measure(
+            args.inferlet,
+            prompt_text(args.prompt),
+            args.inferlet_args,
+            args.max_tokens,
+            args.timing,
+            args.model,
+            args.engine_arg,
+            args.control,
+        )
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

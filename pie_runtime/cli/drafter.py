@@ -34,8 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", action="append", required=True, help="a UTF-8 text file (repeatable)")
     p.add_argument("--depth", type=int, default=3, help="mtp: draft steps (one module reused K times)")
     p.add_argument("--tokens", type=int, default=49152, help="corpus tokens to train on, split across corpora")
-    p.add_argument("--gen-tokens", type=int, default=0,
-                   help="also train on this many tokens of the target's own greedy continuations")
+    p.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=0,
+        help="also train on this many tokens of the target's own greedy continuations",
+    )
     p.add_argument("--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 draft)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--out", default=None, help="mtp: output file (default MODEL-mtp.safetensors); draft: store name")
@@ -48,11 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (draft) per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
-    p.add_argument("--train-threads", type=int, default=1,
-                   help="torch CPU threads while training (small ops: one thread is fastest on a busy machine)")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="teacher pass and training forward: bf16 (float32 weights kept for training; the "
-                        "teacher's top-k re-ranked in float32) or fp32; auto: bf16 where the CPU has bf16 units")
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=1,
+        help="torch CPU threads while training (small ops: one thread is fastest on a busy machine)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="teacher pass and training forward: bf16 (float32 weights kept for training; the "
+        "teacher's top-k re-ranked in float32) or fp32; auto: bf16 where the CPU has bf16 units",
+    )
     p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
     p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
     p.add_argument("--force", action="store_true", help="draft: replace a store model of the same name")
@@ -108,9 +120,11 @@ class _Run:
 
     def trained(self, agree: list[float]) -> None:
         """Records the training time and the held-out acceptance by draft position."""
-        self.info |= {"train_s": round(time.monotonic() - self.started[0], 1),
-                      "train_cpu_s": round(time.process_time() - self.started[1], 1),
-                      "heldout_acceptance": [round(a, 4) for a in agree]}
+        self.info |= {
+            "train_s": round(time.monotonic() - self.started[0], 1),
+            "train_cpu_s": round(time.process_time() - self.started[1], 1),
+            "heldout_acceptance": [round(a, 4) for a in agree],
+        }
 
 
 def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, LoadedModel, list[Path]]:
@@ -132,8 +146,9 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
     return store, loaded, corpora
 
 
-def _teacher_pass(args: argparse.Namespace, name: str, store: ModelStore, loaded: LoadedModel,
-                  corpora: list[Path]) -> _Run:
+def _teacher_pass(
+    args: argparse.Namespace, name: str, store: ModelStore, loaded: LoadedModel, corpora: list[Path]
+) -> _Run:
     """The target's predictions over the corpora (from the teacher cache when the same plan ran before)."""
     from .. import distill
     from ..drafters import target_digest
@@ -142,14 +157,26 @@ def _teacher_pass(args: argparse.Namespace, name: str, store: ModelStore, loaded
     digest = target_digest(loaded.manifest)
     cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
     bf16 = args.precision == "bf16" or (args.precision == "auto" and distill.bf16_is_fast())
-    plan = distill.DataPlan(corpora=corpora, tokens=args.tokens, gen_tokens=args.gen_tokens, seq_len=args.seq_len,
-                            heldout_tokens=args.heldout_tokens, teacher_dtype="bfloat16" if bf16 else "float32")
+    plan = distill.DataPlan(
+        corpora=corpora,
+        tokens=args.tokens,
+        gen_tokens=args.gen_tokens,
+        seq_len=args.seq_len,
+        heldout_tokens=args.heldout_tokens,
+        teacher_dtype="bfloat16" if bf16 else "float32",
+    )
     t0 = time.monotonic()
-    train, heldout = distill.build_teacher_data(loaded.model, loaded.tokenizer_path, plan, cache, digest,
-                                                progress=not args.quiet)
+    train, heldout = distill.build_teacher_data(
+        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
+    )
     command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
-    info = {"command": command, "corpus": [str(c) for c in corpora], "tokens": train.num_tokens,
-            "teacher_s": round(time.monotonic() - t0, 1), "precision": "bf16" if bf16 else "fp32"}
+    info = {
+        "command": command,
+        "corpus": [str(c) for c in corpora],
+        "tokens": train.num_tokens,
+        "teacher_s": round(time.monotonic() - t0, 1),
+        "precision": "bf16" if bf16 else "fp32",
+    }
     return _Run(args, name, store, loaded, digest, train, heldout, info, bf16)
 
 
@@ -165,17 +192,31 @@ def _train_mtp(run: _Run) -> str:
         run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
         args.depth = init.config.depth
     module = distill.train_mtp(
-        run.loaded.model, run.train, run.heldout, depth=args.depth, epochs=args.epochs or 40, target_name=name,
-        target_digest=run.digest, blocks=args.blocks, batch=args.batch or 256, lr=args.lr or 1e-3, seed=args.seed,
-        progress=not args.quiet, max_seconds=run.max_seconds, bf16=run.bf16, init=init,
-    )  # fmt: skip
+        run.loaded.model,
+        run.train,
+        run.heldout,
+        depth=args.depth,
+        epochs=args.epochs or 40,
+        target_name=name,
+        target_digest=run.digest,
+        blocks=args.blocks,
+        batch=args.batch or 256,
+        lr=args.lr or 1e-3,
+        seed=args.seed,
+        progress=not args.quiet,
+        max_seconds=run.max_seconds,
+        bf16=run.bf16,
+        init=init,
+    )
     agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
     run.trained(agree)
     module.config = module.config.model_copy(update={"training": run.info})
     out = Path(args.out or f"{name}-mtp.safetensors")
     save_mtp(module, out)
-    print(f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
-          f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)")  # fmt: skip
+    print(
+        f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
+        f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)"
+    )
     return f"mtp:{out}"
 
 
@@ -187,20 +228,32 @@ def _train_draft(run: _Run) -> str:
     out = args.out or f"{run.name}-draft"
     layers = [int(x) for x in args.layers.split(",")]
     draft = distill.train_draft(
-        run.loaded.model, run.train, run.heldout, layers=layers, epochs=args.epochs or 4, batch=args.batch or 4,
-        lr=args.lr or 3e-4, seed=args.seed, progress=not args.quiet, max_seconds=run.max_seconds, bf16=run.bf16,
-    )  # fmt: skip
+        run.loaded.model,
+        run.train,
+        run.heldout,
+        layers=layers,
+        epochs=args.epochs or 4,
+        batch=args.batch or 4,
+        lr=args.lr or 3e-4,
+        seed=args.seed,
+        progress=not args.quiet,
+        max_seconds=run.max_seconds,
+        bf16=run.bf16,
+    )
     agree = distill.draft_agreement(draft, run.heldout, 3)
     run.trained(agree)
     result = save_draft(run.store, draft, run.loaded, out, run.info, force=args.force)
-    print(f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
-          f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; "
-          f"train {run.info['train_s']:.0f} s)")  # fmt: skip
+    print(
+        f"imported draft model {out} ({result.manifest.parameters / 1e6:.1f}M parameters; held-out "
+        f"acceptance by draft position: {', '.join(f'{a:.3f}' for a in agree)}; "
+        f"train {run.info['train_s']:.0f} s)"
+    )
     return f"draft:{out}"
 
 
-def save_draft(store: ModelStore, draft: LlamaForCausalLM, loaded: LoadedModel, name: str, info: dict,
-               force: bool = False) -> ImportResult:
+def save_draft(
+    store: ModelStore, draft: LlamaForCausalLM, loaded: LoadedModel, name: str, info: dict, force: bool = False
+) -> ImportResult:
     """Imports a trained draft model into the store under ``name`` with the target's tokenizer."""
     from ..models.checkpoint import Converted
 
@@ -208,9 +261,12 @@ def save_draft(store: ModelStore, draft: LlamaForCausalLM, loaded: LoadedModel, 
     if draft.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     converted = Converted(
-        family=loaded.manifest.family, config=draft.config, tensors=state,
-        tokenizer_json=loaded.tokenizer_path.read_text(), tokenizer=loaded.manifest.tokenizer,
+        family=loaded.manifest.family,
+        config=draft.config,
+        tensors=state,
+        tokenizer_json=loaded.tokenizer_path.read_text(),
+        tokenizer=loaded.manifest.tokenizer,
         source=f"pie drafter train --kind draft from {loaded.manifest.name} "
-               f"(sha256 {loaded.manifest.files['model.safetensors'][:12]}...); {info}",
-    )  # fmt: skip
+        f"(sha256 {loaded.manifest.files['model.safetensors'][:12]}...); {info}",
+    )
     return store.add(converted, name, force=force)

@@ -16,10 +16,18 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--pass-cost-rows", type=int, default=32,
-                   help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)")
-    p.add_argument("--no-prepack", dest="prepack", action="store_false",
-                   help="no oneDNN-prepacked lm head copy (saves vocab x hidden x 4 bytes; slower verify windows)")
+    p.add_argument(
+        "--pass-cost-rows",
+        type=int,
+        default=32,
+        help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)",
+    )
+    p.add_argument(
+        "--no-prepack",
+        dest="prepack",
+        action="store_false",
+        help="no oneDNN-prepacked lm head copy (saves vocab x hidden x 4 bytes; slower verify windows)",
+    )
 
 
 def register(sub) -> None:
@@ -34,10 +42,10 @@ def register(sub) -> None:
 def run_engine(args) -> int:
     import torch
 
+    from ..drafters import draft_models
     from ..engine.build import build_served_model
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
-    from ..drafters import draft_models
     from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -50,8 +58,14 @@ def run_engine(args) -> int:
         names += [d for n in list(names) for d in draft_models(ModelStore().get(n)) if d not in names]
         served = [
             build_served_model(
-                n, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_pages=args.kv_pages,
-                kv_bytes=args.kv_memory << 20, prepack_lm_head=args.prepack, pass_cost_rows=args.pass_cost_rows,
+                n,
+                device=args.device,
+                dtype=args.dtype,
+                page_size=args.page_size,
+                kv_pages=args.kv_pages,
+                kv_bytes=args.kv_memory << 20,
+                prepack_lm_head=args.prepack,
+                pass_cost_rows=args.pass_cost_rows,
             )
             for n in names
         ]
@@ -66,8 +80,11 @@ def run_engine(args) -> int:
             shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
             print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
         if s.info.prepacked_bytes:
-            print(f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",
+                file=sys.stderr,
+                flush=True,
+            )
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
     return 0

@@ -19,8 +19,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("source", help=f"path to a .gguf file or checkpoint folder, or a packaged alias ({DEFAULT_MODEL})")
     p.add_argument("--name", help="name in the store (default: the alias, file stem or folder name)")
     p.add_argument("--force", action="store_true", help="replace a model already imported under this name")
-    p.add_argument("--drafter", action="append", default=[], metavar="SPEC",
-                   help="attach a drafter: mtp:FILE or draft:MODEL_NAME (repeatable)")
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="attach a drafter: mtp:FILE or draft:MODEL_NAME (repeatable)",
+    )
     p.set_defaults(func=_guarded(_import))
 
     p = sub.add_parser("list", help="list imported models")
@@ -115,8 +120,8 @@ def _list(args: argparse.Namespace) -> int:
     if not manifests:
         print(f"no models imported; try `pie model import {DEFAULT_MODEL}`")
         return 0
-    from rich.console import Console
     from rich import box
+    from rich.console import Console
     from rich.table import Column, Table
 
     table = Table("family", "params", "dtype", "vocab", "context", "drafters", "imported", box=box.SIMPLE_HEAD)
@@ -124,9 +129,15 @@ def _list(args: argparse.Namespace) -> int:
     for m in manifests:
         s = _summary(m)
         table.add_row(
-            m.name, m.family, f"{m.parameters / 1e6:.1f}M", m.dtype, str(s["vocab_size"]),
-            str(s["context"]), str(len(m.drafters)), m.imported_at[:10],
-        )  # fmt: skip
+            m.name,
+            m.family,
+            f"{m.parameters / 1e6:.1f}M",
+            m.dtype,
+            str(s["vocab_size"]),
+            str(s["context"]),
+            str(len(m.drafters)),
+            m.imported_at[:10],
+        )
     Console(width=max(Console().width, 100)).print(table)  # pipes get 80 columns otherwise
     return 0
 
@@ -148,8 +159,10 @@ def _info(args: argparse.Namespace) -> int:
         f"  shape       {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads, "
         f"{c.num_key_value_heads} kv heads, head dim {c.head_dim}, mlp {c.intermediate_size}"
     )
-    print(f"  tokens      bos {m.tokenizer.bos_token_id}, eos {m.tokenizer.eos_token_ids}, "
-          f"chat template {'yes' if m.tokenizer.chat_template else 'no'}")  # fmt: skip
+    print(
+        f"  tokens      bos {m.tokenizer.bos_token_id}, eos {m.tokenizer.eos_token_ids}, "
+        f"chat template {'yes' if m.tokenizer.chat_template else 'no'}"
+    )
     print(f"  source      {m.source}")
     print(f"  imported    {m.imported_at}")
     print("  files")

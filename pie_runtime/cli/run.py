@@ -22,8 +22,16 @@ def register(sub) -> None:
 
 
 def engine_args(args) -> list[str]:
-    out = ["--device", args.device, "--dtype", args.dtype, "--page-size", str(args.page_size),
-           "--max-batch-tokens", str(args.max_batch_tokens)]
+    out = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--page-size",
+        str(args.page_size),
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+    ]
     out += ["--kv-pages", str(args.kv_pages)] if args.kv_pages else ["--kv-memory", str(args.kv_memory)]
     if args.threads:
         out += ["--threads", str(args.threads)]

@@ -20,8 +20,9 @@ def follows_greedy(data: TeacherData) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mtp_agreement(head: MTPHead, data: TeacherData, depth: int, conditional: bool = False,
-                  start: int = 0) -> list[float]:
+def mtp_agreement(
+    head: MTPHead, data: TeacherData, depth: int, conditional: bool = False, start: int = 0
+) -> list[float]:
     """Per draft position j = 1..depth, how often the chained MTP draft equals the target's greedy token.
 
     At position t the chain starts from h_t and token t+1 (the readout's column 0 when the data follows
@@ -53,8 +54,9 @@ def mtp_agreement(head: MTPHead, data: TeacherData, depth: int, conditional: boo
 
 
 @torch.no_grad()
-def draft_agreement(draft: LlamaForCausalLM, data: TeacherData, depth: int = 1, batch: int = 4,
-                    start: int = 0) -> list[float]:
+def draft_agreement(
+    draft: LlamaForCausalLM, data: TeacherData, depth: int = 1, batch: int = 4, start: int = 0
+) -> list[float]:
     """Per draft position j = 1..depth, the acceptance rate of the draft model's greedy drafts: draft j
     agrees with the target's greedy token given that drafts 1..j-1 did. With 1..j-1 accepted the draft
     model has read exactly the target's greedy tokens, so draft j is its teacher-forced argmax at t+j-1,

@@ -53,8 +53,12 @@ class TeacherData:
         return self.tokens.numel()
 
     def cat(self, other: TeacherData) -> TeacherData:
-        return TeacherData(*(torch.cat([a, b]) for a, b in
-                             zip((self.tokens, self.hidden, self.top), (other.tokens, other.hidden, other.top))))
+        return TeacherData(
+            *(
+                torch.cat([a, b])
+                for a, b in zip((self.tokens, self.hidden, self.top), (other.tokens, other.hidden, other.top))
+            )
+        )
 
     def every(self, k: int) -> TeacherData:
         """Every ``k``-th sequence (the training progress bar's probe of the held-out data)."""
@@ -99,9 +103,21 @@ class DataPlan:
 
     def key(self, target_digest: str) -> str:
         files = [(str(Path(c).resolve()), Path(c).stat().st_size) for c in self.corpora]
-        blob = json.dumps([target_digest, files, self.tokens, self.gen_tokens, self.seq_len, self.heldout_tokens,
-                           self.prompt_len, TOP_K, HELDOUT_FRACTION, 1]
-                          + ([self.teacher_dtype] if self.teacher_dtype != "float32" else []))
+        blob = json.dumps(
+            [
+                target_digest,
+                files,
+                self.tokens,
+                self.gen_tokens,
+                self.seq_len,
+                self.heldout_tokens,
+                self.prompt_len,
+                TOP_K,
+                HELDOUT_FRACTION,
+                1,
+            ]
+            + ([self.teacher_dtype] if self.teacher_dtype != "float32" else [])
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def windows(self, tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:

@@ -18,8 +18,9 @@ from ..models.llama import DecoderLayer, LlamaForCausalLM
 from ..models.rope import apply_rotary
 
 
-def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list | None = None) -> torch.Tensor:
+def dense_layer(
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list | None = None
+) -> torch.Tensor:
     """One decoder layer over (B, T) with plain causal attention; same weights as the paged path.
     ``cache``: ``[k, v]`` of the positions before (None at first), extended in place; x then holds the T
     positions after them (T = 1 when the cache is not empty: one decode step)."""
@@ -61,8 +62,7 @@ def dense_hidden(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]],
-                    n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched greedy continuation with a dense KV cache (the prompts share one length, so no paging: on
     a CPU this is many times faster than the paged serving path at batch 32). Returns (tokens (B, P+n_new)
     int64, hidden (B, P+n_new, H)): the hidden state of every token, the last generated one included."""

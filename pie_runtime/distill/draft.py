@@ -26,7 +26,7 @@ def draft_from_target(target: LlamaForCausalLM, layers: list[int]) -> LlamaForCa
     state = {k: v for k, v in src.items() if not k.startswith("model.layers.")}
     for new, old in enumerate(layers):
         prefix = f"model.layers.{old}."
-        state |= {f"model.layers.{new}.{k[len(prefix):]}": v for k, v in src.items() if k.startswith(prefix)}
+        state |= {f"model.layers.{new}.{k[len(prefix) :]}": v for k, v in src.items() if k.startswith(prefix)}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return build_model(cfg, {k: v.clone().float() for k, v in state.items()}, torch.float32, "cpu")
@@ -37,8 +37,16 @@ class DraftStudent(Student):
 
     name, weight_decay, warmup, evals_per_epoch = "draft", 0.0, 20, 2
 
-    def __init__(self, draft: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, *, alpha: float,
-                 n_random: int, bf16: bool):
+    def __init__(
+        self,
+        draft: LlamaForCausalLM,
+        train: TeacherData,
+        heldout: TeacherData,
+        *,
+        alpha: float,
+        n_random: int,
+        bf16: bool,
+    ):
         trainable = [p for n, p in draft.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
         for p in trainable:
             p.requires_grad_(True)
@@ -59,10 +67,22 @@ class DraftStudent(Student):
         return draft_agreement(self.draft, self.probe)[0]
 
 
-def train_draft(target: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, *, layers: list[int],
-                epochs: float, batch: int = 4, lr: float = 3e-4, alpha: float = 1.0, n_random: int = 1024,
-                seed: int = 0, progress: bool = True, max_seconds: float | None = None,
-                bf16: bool = False) -> LlamaForCausalLM:
+def train_draft(
+    target: LlamaForCausalLM,
+    train: TeacherData,
+    heldout: TeacherData,
+    *,
+    layers: list[int],
+    epochs: float,
+    batch: int = 4,
+    lr: float = 3e-4,
+    alpha: float = 1.0,
+    n_random: int = 1024,
+    seed: int = 0,
+    progress: bool = True,
+    max_seconds: float | None = None,
+    bf16: bool = False,
+) -> LlamaForCausalLM:
     """Distills a few-layer copy of the target (shared embedding and head stay frozen). ``bf16``: the
     forward under bfloat16 autocast (float32 weights and optimizer)."""
     torch.manual_seed(seed)

@@ -37,8 +37,15 @@ class Student(ABC):
         """The first draft's agreement with the target on (part of) the held-out data."""
 
 
-def _schedule(opt: torch.optim.Optimizer, lr: float, step: int, total: int, warmup: int = 50, elapsed: float = 0.0,
-              max_seconds: float | None = None) -> None:
+def _schedule(
+    opt: torch.optim.Optimizer,
+    lr: float,
+    step: int,
+    total: int,
+    warmup: int = 50,
+    elapsed: float = 0.0,
+    max_seconds: float | None = None,
+) -> None:
     """Linear warm-up, then cosine decay to 5% over the run. The run's progress is the larger of its step
     share and, under a time limit, its time share: a run cut by ``--minutes`` still ends at a low rate
     (before, a time-capped run stopped at its peak rate and kept the noisy weights of that moment)."""
@@ -50,8 +57,16 @@ def _schedule(opt: torch.optim.Optimizer, lr: float, step: int, total: int, warm
         g["lr"] = lr * max(scale, 0.05)
 
 
-def fit(student: Student, *, epochs: float, batch: int, lr: float, seed: int, progress: bool = True,
-        max_seconds: float | None = None) -> None:
+def fit(
+    student: Student,
+    *,
+    epochs: float,
+    batch: int,
+    lr: float,
+    seed: int,
+    progress: bool = True,
+    max_seconds: float | None = None,
+) -> None:
     """Trains ``student`` for ``epochs`` passes over its examples (or until ``max_seconds``), then leaves
     its module in eval mode without gradients."""
     from tqdm import tqdm
@@ -79,8 +94,9 @@ def fit(student: Student, *, epochs: float, batch: int, lr: float, seed: int, pr
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.params, 1.0)
-            _schedule(opt, lr, step, total, warmup=student.warmup, elapsed=time.monotonic() - t0,
-                      max_seconds=max_seconds)
+            _schedule(
+                opt, lr, step, total, warmup=student.warmup, elapsed=time.monotonic() - t0, max_seconds=max_seconds
+            )
             opt.step()
             step += 1
             if step % eval_every == 0 or step == total:

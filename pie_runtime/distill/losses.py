@@ -20,8 +20,9 @@ def candidates(top: torch.Tensor, vocab: int, n_random: int, gen: torch.Generato
     return torch.unique(torch.cat([top.reshape(-1).long(), rand]))
 
 
-def distill_loss(student_h: torch.Tensor, teacher_h: torch.Tensor, head_w: torch.Tensor, cand: torch.Tensor,
-                 alpha: float) -> torch.Tensor:
+def distill_loss(
+    student_h: torch.Tensor, teacher_h: torch.Tensor, head_w: torch.Tensor, cand: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """student_h, teacher_h: (N, H) final normed hidden; head_w: (V, H) the shared lm head."""
     w = head_w[cand]  # (C, H)
     s = student_h.float() @ w.T

@@ -20,8 +20,18 @@ class MTPStudent(Student):
 
     name, weight_decay, warmup, evals_per_epoch = "mtp", 0.01, 50, 4
 
-    def __init__(self, module: MTPModule, target: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, *,
-                 depth: int, alpha: float, n_random: int, bf16: bool):
+    def __init__(
+        self,
+        module: MTPModule,
+        target: LlamaForCausalLM,
+        train: TeacherData,
+        heldout: TeacherData,
+        *,
+        depth: int,
+        alpha: float,
+        n_random: int,
+        bf16: bool,
+    ):
         s, t = train.tokens.shape
         n = t - depth  # start positions with targets up to t+depth
         self.rows = torch.arange(s).repeat_interleave(n), torch.arange(n).repeat(s)
@@ -51,22 +61,49 @@ class MTPStudent(Student):
         return mtp_agreement(self.head, self.probe, 1)[0]
 
 
-def train_mtp(target: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, *, depth: int, epochs: float,
-              target_name: str, target_digest: str, intermediate: int | None = None, blocks: int = 2,
-              batch: int = 256, lr: float = 1e-3, alpha: float = 1.0, n_random: int = 1024, seed: int = 0,
-              progress: bool = True, max_seconds: float | None = None, bf16: bool = False,
-              init: MTPModule | None = None) -> MTPModule:
+def train_mtp(
+    target: LlamaForCausalLM,
+    train: TeacherData,
+    heldout: TeacherData,
+    *,
+    depth: int,
+    epochs: float,
+    target_name: str,
+    target_digest: str,
+    intermediate: int | None = None,
+    blocks: int = 2,
+    batch: int = 256,
+    lr: float = 1e-3,
+    alpha: float = 1.0,
+    n_random: int = 1024,
+    seed: int = 0,
+    progress: bool = True,
+    max_seconds: float | None = None,
+    bf16: bool = False,
+    init: MTPModule | None = None,
+) -> MTPModule:
     """Trains one MTP module reused ``depth`` times (step j: the previous step's output hidden and the
     data's token, teacher-forced; each step's loss against the target at that position). ``bf16``: the
     forward under bfloat16 autocast (float32 weights and optimizer; about 3x the steps a CPU minute).
     ``init``: continue training this module (its blocks, width and depth win over the arguments)."""
     torch.manual_seed(seed)
     cfg = target.config
-    module = init if init is not None else MTPModule(MTPConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=intermediate or cfg.intermediate_size, num_blocks=blocks,
-        depth=depth, vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, target=target_name,
-        target_digest=target_digest,
-    ))  # fmt: skip
+    module = (
+        init
+        if init is not None
+        else MTPModule(
+            MTPConfig(
+                hidden_size=cfg.hidden_size,
+                intermediate_size=intermediate or cfg.intermediate_size,
+                num_blocks=blocks,
+                depth=depth,
+                vocab_size=cfg.vocab_size,
+                rms_norm_eps=cfg.rms_norm_eps,
+                target=target_name,
+                target_digest=target_digest,
+            )
+        )
+    )
     if init is not None:
         module = module.float().requires_grad_(True)
         depth = module.config.depth

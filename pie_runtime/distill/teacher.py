@@ -42,8 +42,9 @@ def teacher_model(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausal
 
 
 @torch.inference_mode()
-def top_ids(model: LlamaForCausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024,
-            fast: bool = False) -> torch.Tensor:
+def top_ids(
+    model: LlamaForCausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024, fast: bool = False
+) -> torch.Tensor:
     """(N, H) → (N, k) int32 ids of the target's k most likely tokens, best first. ``fast``: a bfloat16
     product finds 4k candidates, re-ranked with the float32 head (5x cheaper on CPUs with bf16 units;
     the same ids unless a true top-k token falls outside the bf16 top-4k)."""
@@ -61,8 +62,13 @@ def top_ids(model: LlamaForCausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk
     return torch.cat(out).to(torch.int32)
 
 
-def teacher_windows(model: LlamaForCausalLM, windows: list[list[int]], batch: int = 4, bar: tqdm | None = None,
-                    head: LlamaForCausalLM | None = None) -> TeacherData:
+def teacher_windows(
+    model: LlamaForCausalLM,
+    windows: list[list[int]],
+    batch: int = 4,
+    bar: tqdm | None = None,
+    head: LlamaForCausalLM | None = None,
+) -> TeacherData:
     """``model`` runs the layers (maybe a bf16 copy); ``head`` (default ``model``) ranks the top-k."""
     toks, hid, top = [], [], []
     head = head or model
@@ -79,9 +85,14 @@ def teacher_windows(model: LlamaForCausalLM, windows: list[list[int]], batch: in
     return TeacherData(torch.cat(toks), torch.cat(hid).clone(), torch.cat(top).clone())  # clone: no inference tensors
 
 
-def teacher_generations(model: LlamaForCausalLM, prompts: list[list[int]], n_new: int, batch: int = 32,
-                        bar: tqdm | None = None,
-                        head: LlamaForCausalLM | None = None) -> TeacherData:
+def teacher_generations(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    n_new: int,
+    batch: int = 32,
+    bar: tqdm | None = None,
+    head: LlamaForCausalLM | None = None,
+) -> TeacherData:
     """Greedy continuations, ``batch`` prompts in one forward a step (decode reads the weights once per
     step whatever the batch: 32 rows cost little more than one)."""
     toks, hid, top = [], [], []
@@ -96,8 +107,14 @@ def teacher_generations(model: LlamaForCausalLM, prompts: list[list[int]], n_new
     return TeacherData(torch.cat(toks).clone(), torch.cat(hid).clone(), torch.cat(top).clone())
 
 
-def build_teacher_data(model: LlamaForCausalLM, tokenizer_file: Path, plan: DataPlan, cache_dir: Path | None,
-                       target_digest: str, progress: bool = True) -> tuple[TeacherData, TeacherData]:
+def build_teacher_data(
+    model: LlamaForCausalLM,
+    tokenizer_file: Path,
+    plan: DataPlan,
+    cache_dir: Path | None,
+    target_digest: str,
+    progress: bool = True,
+) -> tuple[TeacherData, TeacherData]:
     """(train, held-out) teacher data, from ``cache_dir`` when an identical plan was cached before."""
     from tqdm import tqdm
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -39,15 +39,18 @@ class Channel:
 
     def check_live(self) -> None:
         if self.poison is not None:
-            raise PieError(ErrorCode.CHANNEL_POISONED,
-                           f"channel {self.id}: a fire that writes it failed: {self.poison.code.value}: "
-                           f"{self.poison.message}")
+            raise PieError(
+                ErrorCode.CHANNEL_POISONED,
+                f"channel {self.id}: a fire that writes it failed: {self.poison.code.value}: {self.poison.message}",
+            )
 
     def cell(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as one cell of this channel (on its device, in its dtype); refuses another shape."""
         if tuple(value.shape) != self.shape:
-            raise PieError(ErrorCode.INVALID_ARGUMENT,
-                           f"channel {self.id} holds cells of shape {list(self.shape)}, got {list(value.shape)}")
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"channel {self.id} holds cells of shape {list(self.shape)}, got {list(value.shape)}",
+            )
         return value.to(device=self.device, dtype=TORCH_DTYPES[self.dtype]).clone()
 
     def put(self, value: torch.Tensor) -> None:
@@ -110,8 +113,10 @@ class Txn:
         for slot, cells in self._staged.items():
             ch = self.bindings[slot]
             if len(cells) > ch.capacity:
-                raise PieError(ErrorCode.CHANNEL_FULL,
-                               f"the epilogue leaves {len(cells)} cells in channel {ch.id} of capacity {ch.capacity}")
+                raise PieError(
+                    ErrorCode.CHANNEL_FULL,
+                    f"the epilogue leaves {len(cells)} cells in channel {ch.id} of capacity {ch.capacity}",
+                )
         for slot, cells in self._staged.items():
             self.bindings[slot].cells = deque(cells)
 
@@ -142,8 +147,9 @@ class ChannelTable:
         self.waiters: list[Waiter] = []
         self._ids = itertools.count(1)
 
-    def open(self, owner: bytes, model: str, shape: list[int], dtype: str, capacity: int,
-             device: torch.device) -> Channel:
+    def open(
+        self, owner: bytes, model: str, shape: list[int], dtype: str, capacity: int, device: torch.device
+    ) -> Channel:
         if any(d < 1 for d in shape):
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"channel dims must be >= 1, got {shape}")
         ch = Channel(next(self._ids), owner, model, tuple(shape), dtype, capacity, device)
@@ -164,8 +170,16 @@ class ChannelTable:
             self.close(ch)
         self.waiters = [w for w in self.waiters if w.client != owner]
 
-    def take(self, client: bytes, req_id: int, ch: Channel, n: int, consume: bool,
-             has_writer: Callable[[Channel], bool], at_least: int = 1) -> dict | None:
+    def take(
+        self,
+        client: bytes,
+        req_id: int,
+        ch: Channel,
+        n: int,
+        consume: bool,
+        has_writer: Callable[[Channel], bool],
+        at_least: int = 1,
+    ) -> dict | None:
         """The reply to a host take or read, or None when it waits for a fire in flight."""
         w = Waiter(client, req_id, ch.id, n, consume, min(at_least, n))
         reply = self._try(w, has_writer)

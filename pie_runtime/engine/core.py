@@ -28,7 +28,6 @@ from .working_set import WorkingSetTable
 from .ws_requests import WorkingSetRequests
 
 
-
 class EngineCore:
     def __init__(self, models: list[ServedModel], max_batch_tokens: int = 256):
         self.models = ServedModels(models)
@@ -41,10 +40,14 @@ class EngineCore:
         self.programs = ProgramRequests(self.models, self.channels, self.outbox)
         self.fires = FireRequests(self.models, self.sets, self.programs)
         self._step = Step(self.models, self.channels, self.stats, max_batch_tokens)
-        own: dict[str, Handler] = {"ping": self._ping, "hello": self._hello, "tokenizer": self._tokenizer,
-                                   "stats": self._stats, "spec_report": self._spec_report}
-        self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(),
-                                         **self.programs.ops()}
+        own: dict[str, Handler] = {
+            "ping": self._ping,
+            "hello": self._hello,
+            "tokenizer": self._tokenizer,
+            "stats": self._stats,
+            "spec_report": self._spec_report,
+        }
+        self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(), **self.programs.ops()}
         for sm in self.models:
             if not sm.info.hidden_size:
                 sm.info.hidden_size = sm.runner.model.config.hidden_size

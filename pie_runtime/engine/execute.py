@@ -24,9 +24,12 @@ def execute(sm: ServedModel, chunks: list[Chunk[FireJob]], stats: StepStats) -> 
     t0 = time.perf_counter()
     finished = _forward(sm, chunks)
     requests = [
-        ReadoutRequest(r, torch.stack([j.hidden[row] for row in r.rows]), mask,
-                       [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows]
-                       if r.at_accepted else None)
+        ReadoutRequest(
+            r,
+            torch.stack([j.hidden[row] for row in r.rows]),
+            mask,
+            [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows] if r.at_accepted else None,
+        )
         for j in finished
         for r, mask in zip(j.readouts, j.masks)
         if r.rows

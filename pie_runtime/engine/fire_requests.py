@@ -52,9 +52,23 @@ class FireRequests:
             if req.settle is not None:  # a refused fire leaves no trace, its settle included
                 ws.committed, ws.pending_fold = start - req.settle, pending
             raise
-        sm.queue.push(FireJob(client=client, req_id=req.id, ws=ws, tokens=list(req.tokens or []),
-                              positions=positions, readouts=list(req.readouts), masks=masks, fold=fold, start=start,
-                              program=program, bindings=bindings, source=source, run=run))
+        sm.queue.push(
+            FireJob(
+                client=client,
+                req_id=req.id,
+                ws=ws,
+                tokens=list(req.tokens or []),
+                positions=positions,
+                readouts=list(req.readouts),
+                masks=masks,
+                fold=fold,
+                start=start,
+                program=program,
+                bindings=bindings,
+                source=source,
+                run=run,
+            )
+        )
 
     @staticmethod
     def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int) -> list[int]:

@@ -38,8 +38,9 @@ class KVPages:
         of every shared page those rows land in. All or nothing: OUT_OF_PAGES leaves ``ws`` as it was."""
         need = self.pages_for(start + rows)
         grow = max(0, need - len(ws.pages))
-        shared = [i for i in range(start // self.page_size, min(need, len(ws.pages)))
-                  if self.pool.refcount(ws.pages[i]) > 1]
+        shared = [
+            i for i in range(start // self.page_size, min(need, len(ws.pages))) if self.pool.refcount(ws.pages[i]) > 1
+        ]
         fresh = self.pool.alloc(grow + len(shared))
         if shared:
             src = [ws.pages[i] for i in shared]

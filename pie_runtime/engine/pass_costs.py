@@ -33,8 +33,9 @@ def measured_widths(max_rows: int) -> list[int]:
     return sorted({w for w in [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, max_rows] if w <= max_rows})
 
 
-def measure_pass_costs(runner: ModelRunner, num_pages: int, max_rows: int, context: int = 128,
-                       repeats: int = 3) -> list[float]:
+def measure_pass_costs(
+    runner: ModelRunner, num_pages: int, max_rows: int, context: int = 128, repeats: int = 3
+) -> list[float]:
     """[cost of a 1-row pass, ..., of a max_rows-row pass] in milliseconds; [] when the pool is too small.
     ``context`` shrinks to what the pool holds."""
     ps = runner.kv.page_size
@@ -87,8 +88,9 @@ def measure_mtp_step_ms(runner: ModelRunner, repeats: int = 5) -> float:
     """ms of one more MTP draft on a row (one MTP module step and the lm head); 0.0 without an MTP head."""
     if runner.mtp is None:
         return 0.0
-    hidden = torch.zeros(1, runner.model.config.hidden_size, dtype=next(runner.model.parameters()).dtype,
-                         device=runner.device)
+    hidden = torch.zeros(
+        1, runner.model.config.hidden_size, dtype=next(runner.model.parameters()).dtype, device=runner.device
+    )
     first = torch.zeros(1, dtype=torch.int64, device=runner.device)
     runner.mtp.draft(hidden, first, 1)  # warm-up
     times = []
@@ -99,4 +101,3 @@ def measure_mtp_step_ms(runner: ModelRunner, repeats: int = 5) -> float:
         _sync(runner.device)
         times.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(times), 3)
-

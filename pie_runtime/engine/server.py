@@ -17,8 +17,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import ErrorCode, PieError
-from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request
 from ..protocol import messages as m
+from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request
 from .core import EngineCore
 
 log = logging.getLogger("pie.engine")
@@ -106,8 +106,14 @@ class EngineServer:
             self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": e.to_wire()})
         except Exception as e:  # a bug must cost one request, never the engine
             log.exception("internal error")
-            self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False,
-                                "error": PieError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}").to_wire()})
+            self._send(
+                client,
+                {
+                    "id": req_id if isinstance(req_id, int) else None,
+                    "ok": False,
+                    "error": PieError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}").to_wire(),
+                },
+            )
 
     def _send(self, client: bytes, reply: dict) -> None:
         try:

@@ -115,8 +115,13 @@ class Step:
                     replies.append((j.client, reply))
                 continue
             wire = [{k: encode_array(v) for k, v in res.items()} for res in o.results]
-            reply = {"id": j.req_id, "ok": True, "results": wire, "committed": ws.committed,
-                     "pending_fold": ws.pending_fold}
+            reply = {
+                "id": j.req_id,
+                "ok": True,
+                "results": wire,
+                "committed": ws.committed,
+                "pending_fold": ws.pending_fold,
+            }
             if o.device_fold is not None:
                 reply["fold"] = o.device_fold
             replies.append((j.client, reply))
@@ -145,15 +150,35 @@ class Step:
             sm.pages.reserve(ws, start, w)
         except PieError as e:
             return e.code.value
-        sm.queue.push(FireJob(client=j.client, req_id=j.req_id, ws=ws, tokens=[],
-                              positions=list(range(start, start + w)), readouts=[], masks=[], fold=None, start=start,
-                              program=j.program, bindings=j.bindings, source=j.source, run=j.run))
+        sm.queue.push(
+            FireJob(
+                client=j.client,
+                req_id=j.req_id,
+                ws=ws,
+                tokens=[],
+                positions=list(range(start, start + w)),
+                readouts=[],
+                masks=[],
+                fold=None,
+                start=start,
+                program=j.program,
+                bindings=j.bindings,
+                source=j.source,
+                run=j.run,
+            )
+        )
         return None
 
     @staticmethod
     def _run_reply(j: FireJob, run: RunState) -> dict:
-        return {"id": j.req_id, "ok": True, "results": [], "committed": j.ws.committed, "pending_fold": None,
-                "run": run.summary()}
+        return {
+            "id": j.req_id,
+            "ok": True,
+            "results": [],
+            "committed": j.ws.committed,
+            "pending_fold": None,
+            "run": run.summary(),
+        }
 
     def _finish(self, sm: ServedModel, j: FireJob, reply: dict) -> Reply:
         """Ends a fire that will not run (a stopped run-ahead round): its rows were never written."""

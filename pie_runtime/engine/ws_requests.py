@@ -17,8 +17,13 @@ class WorkingSetRequests:
         self.outbox = outbox  # replies owed to the fires a release drops
 
     def ops(self) -> dict[str, Handler]:
-        return {"ws_open": self.open, "ws_fork": self.fork, "ws_release": self.release_request,
-                "ws_fold": self.fold, "ws_truncate": self.truncate}
+        return {
+            "ws_open": self.open,
+            "ws_fork": self.fork,
+            "ws_release": self.release_request,
+            "ws_fold": self.fold,
+            "ws_truncate": self.truncate,
+        }
 
     def open(self, client: bytes, req: m.WsOpen) -> dict:
         sm = self.models.get(req.model)

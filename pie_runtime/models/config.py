@@ -40,7 +40,7 @@ class ModelConfig(BaseModel):
     eos_token_ids: tuple[int, ...] = ()
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         return self
@@ -54,7 +54,7 @@ class ModelConfig(BaseModel):
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict; refuses model types outside the family."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_FAMILIES:

@@ -49,7 +49,7 @@ class ForwardContext:
         page_size: int,
         device: torch.device | str = "cpu",
         positions: list[int] | None = None,
-    ) -> "ForwardContext":
+    ) -> ForwardContext:
         """Lay out ``segments`` (rows concatenated in this order). ``positions`` defaults to each row's
         sequence index; a caller may pass others (RoPE only; attention stays causal over the page table)."""
         write_slots: list[int] = []

@@ -36,8 +36,9 @@ class Linear(nn.Linear):
 def prepack_available(module: nn.Module) -> bool:
     """True when the module's weights are float32 on CPU and this torch has oneDNN."""
     p = next(module.parameters(), None)
-    return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return (
+        p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
 
 
 def prepack(module: nn.Module) -> int:

@@ -68,8 +68,12 @@ class Attention(nn.Module):
             vg = v_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, self.kv_heads, self.head_dim)
             qg = q[g.query_rows].transpose(1, 2)  # (B, h, Q, D)
             og = F.scaled_dot_product_attention(
-                qg, kg.transpose(1, 2).to(q.dtype), vg.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+                qg,
+                kg.transpose(1, 2).to(q.dtype),
+                vg.transpose(1, 2).to(q.dtype),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=True,
             )
             out[g.valid_rows] = og.transpose(1, 2)[g.query_valid]  # (B, Q, h, D) → valid rows
         return self.o_proj(out.reshape(n, -1))

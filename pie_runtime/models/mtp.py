@@ -64,10 +64,16 @@ class MTPModule(nn.Module):
     def __init__(self, cfg: MTPConfig):
         super().__init__()
         mcfg = ModelConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
-            max_position_embeddings=1, rms_norm_eps=cfg.rms_norm_eps,
-        )  # fmt: skip
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=1,
+            max_position_embeddings=1,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
         self.config = cfg
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -237,8 +237,24 @@ class SpecReport(_Req):
 
 
 Request = Annotated[
-    Hello | GetTokenizer | WsOpen | WsFork | WsRelease | WsFold | WsTruncate | Fire | Stats | Ping | ProgramRegister
-    | ChannelOpen | ChannelPut | ChannelSet | ChannelTake | ChannelRead | ChannelClose | SpecReport,
+    Hello
+    | GetTokenizer
+    | WsOpen
+    | WsFork
+    | WsRelease
+    | WsFold
+    | WsTruncate
+    | Fire
+    | Stats
+    | Ping
+    | ProgramRegister
+    | ChannelOpen
+    | ChannelPut
+    | ChannelSet
+    | ChannelTake
+    | ChannelRead
+    | ChannelClose
+    | SpecReport,
     Field(discriminator="op"),
 ]
 

@@ -20,8 +20,9 @@ class Channel:
     @classmethod
     async def open(cls, model: Model, shape, dtype: str = "int32", capacity: int = 1) -> Channel:
         shape = tuple(int(d) for d in shape)
-        reply = await model.client.request("channel_open", model=model.name, shape=list(shape), dtype=dtype,
-                                           capacity=int(capacity))
+        reply = await model.client.request(
+            "channel_open", model=model.name, shape=list(shape), dtype=dtype, capacity=int(capacity)
+        )
         return cls(model, reply["channel"], shape, dtype, capacity)
 
     def _wire(self, value) -> dict:

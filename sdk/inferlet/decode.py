@@ -72,20 +72,33 @@ class Run:
     async def finish(self) -> dict:
         """Reports the run's counters to the engine (summed in its ``stats``), then returns the result."""
         await self.model.client.request(
-            "spec_report", model=self.model.name, inferlet=inferlet_name(), **asdict(self.stats),
-            decode_tokens=max(len(self.out.ids) - 1, 0), decode_s=self.decode_s, prefill_ms=self.prefill_ms)
+            "spec_report",
+            model=self.model.name,
+            inferlet=inferlet_name(),
+            **asdict(self.stats),
+            decode_tokens=max(len(self.out.ids) - 1, 0),
+            decode_s=self.decode_s,
+            prefill_ms=self.prefill_ms,
+        )
         return self.result()
 
     def result(self) -> dict:
         decoded = max(len(self.out.ids) - 1, 0)  # the first token came with the prefill
         rate = round(decoded / self.decode_s, 2) if self.decode_s > 0 and decoded else 0.0
-        stats = {"prompt_tokens": len(self.prompt), "generated_tokens": len(self.out.ids),
-                 **self.stats.as_dict(rate, round(self.prefill_ms, 2))}
+        stats = {
+            "prompt_tokens": len(self.prompt),
+            "generated_tokens": len(self.out.ids),
+            **self.stats.as_dict(rate, round(self.prefill_ms, 2)),
+        }
         if self.args.timing:
             stats["round_ms"] = [round(t, 3) for t in self.round_ms]
             stats["draft_ms"] = [round(t, 3) for t in self.draft_ms]
-        res = {"text": self.out.text(), "token_ids": self.out.ids, "finish_reason": self.out.finish or "length",
-               "stats": stats}
+        res = {
+            "text": self.out.text(),
+            "token_ids": self.out.ids,
+            "finish_reason": self.out.finish or "length",
+            "stats": stats,
+        }
         if self.logprobs is not None:
             res["logprobs"] = self.logprobs
         return res
@@ -141,8 +154,7 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
         await ws.release()
 
 
-async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int,
-                    verifier: Verifier | None = None) -> dict:
+async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int, verifier: Verifier | None = None) -> dict:
     """Runs the round loop (module docstring) with up to ``k`` drafts a round; returns the inferlet result.
     Pass ``verifier`` when the drafter samples too, so both draw from one seeded generator."""
     run = Run.start(model, args)

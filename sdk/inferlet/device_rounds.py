@@ -142,8 +142,12 @@ async def mtp_run_ahead(model: Model, args: DecodeArgs, drafter: Drafter, k: int
     try:
         t0 = time.perf_counter()
         last = len(run.prompt) - 1
-        await ra.launch(run.prompt, lambda p: mtp_first(p, last, k, ra.inp, ra.out),
-                        lambda p: mtp_round(p, k, ra.inp, ra.out), budget_tokens=args.max_tokens - 1)
+        await ra.launch(
+            run.prompt,
+            lambda p: mtp_first(p, last, k, ra.inp, ra.out),
+            lambda p: mtp_round(p, k, ra.inp, ra.out),
+            budget_tokens=args.max_tokens - 1,
+        )
         first = await ra.first()
         run.prefill_ms = (time.perf_counter() - t0) * 1e3
         t_decode = time.perf_counter()

@@ -29,9 +29,18 @@ from __future__ import annotations
 class DraftPlanner:
     """Per-round draft counts for one run: ``next()`` before a round, ``observe()`` after its verification."""
 
-    def __init__(self, max_k: int, pass_cost_ms: list[float], draft_cost_ms: float = 0.0, *,
-                 probe_every: int = 8, decay: float = 0.5, slow_decay: float = 0.8, prior_alpha: float = 0.5,
-                 overhead_ms: float = 1.0):
+    def __init__(
+        self,
+        max_k: int,
+        pass_cost_ms: list[float],
+        draft_cost_ms: float = 0.0,
+        *,
+        probe_every: int = 8,
+        decay: float = 0.5,
+        slow_decay: float = 0.8,
+        prior_alpha: float = 0.5,
+        overhead_ms: float = 1.0,
+    ):
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
         self.idle = 0  # plain rounds in a row the planner chose since the last drafting round

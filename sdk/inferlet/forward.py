@@ -46,8 +46,9 @@ class PassResult:
             return getattr(with_it[0][1], name)
         if len({getattr(r, name).shape[1:] for _, r in with_it}) > 1:
             shapes = ", ".join(f"readouts[{i}] ({r.kind}) {getattr(r, name).shape}" for i, r in with_it)
-            raise ValueError(f"cannot join {name} of differently shaped readouts: {shapes}; "
-                             f"read res.readouts[i].{name}")
+            raise ValueError(
+                f"cannot join {name} of differently shaped readouts: {shapes}; read res.readouts[i].{name}"
+            )
         return np.concatenate([getattr(r, name) for _, r in with_it])
 
     @property
@@ -89,8 +90,9 @@ class ForwardPass:
             base = self._positions if self._positions is not None else self._default_positions()
             self._positions = base + pos
         elif self._positions is not None:
-            self._positions += list(range(self.ws.committed + len(self._tokens),
-                                          self.ws.committed + len(self._tokens) + len(ids)))
+            self._positions += list(
+                range(self.ws.committed + len(self._tokens), self.ws.committed + len(self._tokens) + len(ids))
+            )
         self._tokens += ids
         return self
 
@@ -126,14 +128,24 @@ class ForwardPass:
             self._fold = DEFERRED
         return self
 
-    def run_ahead(self, output: Channel, budget_tokens: int | None = None, budget_rounds: int | None = None,
-                  stop_tokens=(), stop_channel: Channel | None = None) -> ForwardPass:
+    def run_ahead(
+        self,
+        output: Channel,
+        budget_tokens: int | None = None,
+        budget_rounds: int | None = None,
+        stop_tokens=(),
+        stop_channel: Channel | None = None,
+    ) -> ForwardPass:
         """Leaves this pass with the engine: it re-fires it step after step until a budget, a stop token
         in ``output`` or a nonzero ``stop_channel``. ``submit()`` returns when it has stopped; meanwhile take
         the committed tokens from ``output``."""
-        self._run_ahead = {"output": output.handle, "budget_tokens": budget_tokens, "budget_rounds": budget_rounds,
-                           "stop_tokens": [int(t) for t in stop_tokens],
-                           "stop_channel": None if stop_channel is None else stop_channel.handle}
+        self._run_ahead = {
+            "output": output.handle,
+            "budget_tokens": budget_tokens,
+            "budget_rounds": budget_rounds,
+            "stop_tokens": [int(t) for t in stop_tokens],
+            "stop_channel": None if stop_channel is None else stop_channel.handle,
+        }
         return self
 
     async def submit(self) -> PassResult:

@@ -52,16 +52,18 @@ class RunAhead:
         self.channels.append(ch)
         return ch
 
-    async def launch(self, prompt: list[int], first: Callable[[Builder], None], step: Callable[[Builder], None],
-                     budget_tokens: int) -> None:
+    async def launch(
+        self, prompt: list[int], first: Callable[[Builder], None], step: Callable[[Builder], None], budget_tokens: int
+    ) -> None:
         """Sends the prefill (its epilogue traced from ``first``) and, when ``budget_tokens`` > 0, the run-ahead
         (from ``step``), which stops after that many tokens or at the model's EOS."""
         model = self.ws.model
         await ForwardPass(self.ws).embed(prompt).epilogue(trace(model, first)).launch()
         if budget_tokens > 0:
             fp = ForwardPass(self.ws).embed_from(self.inp).epilogue(trace(model, step))
-            fp.run_ahead(self.out, budget_tokens=budget_tokens, stop_tokens=model.tokenizer.eos_token_ids,
-                         stop_channel=self.flag)
+            fp.run_ahead(
+                self.out, budget_tokens=budget_tokens, stop_tokens=model.tokenizer.eos_token_ids, stop_channel=self.flag
+            )
             self.task = await fp.launch()
 
     async def first(self) -> list[int]:

@@ -74,6 +74,7 @@ class PlainSampler:
             m = x[finite].max()
             lp = np.where(finite, x - m - np.log(np.exp(x[finite] - m).sum()), -np.inf)
             top = np.argsort(-lp, kind="stable")[: a.logprobs]
-            self.logprobs.append({"token": token, "logprob": float(lp[token]),
-                                  "top": [[int(t), float(lp[t])] for t in top]})
+            self.logprobs.append(
+                {"token": token, "logprob": float(lp[token]), "top": [[int(t), float(lp[t])] for t in top]}
+            )
         return token

@@ -9,8 +9,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 
 class Tokenizer:
-    def __init__(self, tokenizer_json: str, eos_token_ids: list[int], bos_token_id: int | None,
-                 chat_template: str | None):
+    def __init__(
+        self, tokenizer_json: str, eos_token_ids: list[int], bos_token_id: int | None, chat_template: str | None
+    ):
         self._json = tokenizer_json
         self._tok = _HFTokenizer.from_str(tokenizer_json)
         self.eos_token_ids = list(eos_token_ids)
@@ -51,8 +52,9 @@ class Tokenizer:
         """Renders ``messages`` ([{"role", "content"}]) with the model's chat template."""
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
 
 
 class StreamDecoder:
@@ -68,5 +70,5 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta, self.text = text[len(self.text) :], text
         return delta

@@ -36,8 +36,9 @@ def snapshot(home: Path) -> dict[str, str]:
     return out
 
 
-def craft(home: Path, base: str, name: str, config: dict | None = None, top: dict | None = None,
-          tokenizer=None) -> None:
+def craft(
+    home: Path, base: str, name: str, config: dict | None = None, top: dict | None = None, tokenizer=None
+) -> None:
     """A store model copied from ``base`` with its manifest's config (and top level) edited: only the checks
     read it, never a forward."""
     src = home / "models" / base
@@ -73,15 +74,36 @@ def drafter_home(pie_home, distill_slice, tmp_path_factory) -> Path:
     target_positions = ModelStore(models).get(DEFAULT_MODEL).config.max_position_embeddings
     craft(home, TINY, "big-vocab", {"vocab_size": 50000, "max_position_embeddings": target_positions})
     craft(home, TINY, "short-context")  # 2048 positions, the target has 8192
-    craft(home, TINY, "swapped-ids", {"max_position_embeddings": target_positions},
-          tokenizer=swapped_tokenizer(models / TINY / "tokenizer.json"))
+    craft(
+        home,
+        TINY,
+        "swapped-ids",
+        {"max_position_embeddings": target_positions},
+        tokenizer=swapped_tokenizer(models / TINY / "tokenizer.json"),
+    )
     craft(home, TINY, "recurrent", {"max_position_embeddings": target_positions, "recurrent": True})
 
     # the draft model shares the MTP head's corpus slice and teacher cache (tests/drafter_fixtures.py)
     folder, common = distill_slice
     shutil.copyfile(folder / "corpus.txt", home / "corpus.txt")
-    pie(home, "drafter", "train", "--kind", "draft", "--layers", "0,-1", "--epochs", "10", "--batch", "2",
-        "--lr", "1e-3", "--out", DRAFT, *common)
+    pie(
+        home,
+        "drafter",
+        "train",
+        "--kind",
+        "draft",
+        "--layers",
+        "0,-1",
+        "--epochs",
+        "10",
+        "--batch",
+        "2",
+        "--lr",
+        "1e-3",
+        "--out",
+        DRAFT,
+        *common,
+    )
     return home
 
 

@@ -25,19 +25,34 @@ PAGE = 4
 
 def config(**switches: Any) -> ModelConfig:
     """A 3-layer model of width 64 with the given attention switches."""
-    return ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, **switches)
+    return ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        **switches,
+    )
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CONFIGS = {
     "llama-gqa": config(num_key_value_heads=2, head_dim=16, rope_theta=5e5),
-    "qwen2-bias-tied": config(family="qwen2", num_key_value_heads=2, head_dim=16, attention_bias=True,
-                              tie_word_embeddings=True),
+    "qwen2-bias-tied": config(
+        family="qwen2", num_key_value_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True
+    ),
     "qwen3-qknorm": config(family="qwen3", num_key_value_heads=1, head_dim=24, qk_norm=True),
-    "llama3-mha-obias": config(num_key_value_heads=4, head_dim=16, attention_bias=True, o_proj_bias=True,
-                               rope_scaling=LLAMA3_ROPE),
+    "llama3-mha-obias": config(
+        num_key_value_heads=4, head_dim=16, attention_bias=True, o_proj_bias=True, rope_scaling=LLAMA3_ROPE
+    ),
 }
 
 

@@ -68,15 +68,43 @@ def test_mtp_head_with_another_digest_refused(drafter_home, head, tmp_path):
 
 def test_import_with_refused_drafter_leaves_store_unchanged(drafter_home, pie_home, head):
     before = snapshot(drafter_home)
-    proc = pie(drafter_home, "model", "import", str(pie_home / "tiny-ckpt"), "--name", "tiny-again",
-               "--drafter", f"mtp:{head}", check=False)
+    proc = pie(
+        drafter_home,
+        "model",
+        "import",
+        str(pie_home / "tiny-ckpt"),
+        "--name",
+        "tiny-again",
+        "--drafter",
+        f"mtp:{head}",
+        check=False,
+    )
     assert proc.returncode == 1 and "hidden size" in proc.stderr, proc.stderr
-    proc = pie(drafter_home, "model", "import", str(pie_home / "tiny-ckpt"), "--name", "tiny-again",
-               "--drafter", "nonsense", check=False)
+    proc = pie(
+        drafter_home,
+        "model",
+        "import",
+        str(pie_home / "tiny-ckpt"),
+        "--name",
+        "tiny-again",
+        "--drafter",
+        "nonsense",
+        check=False,
+    )
     assert proc.returncode == 1 and "mtp:FILE or draft:MODEL_NAME" in proc.stderr
     # --force over a stored model: the refusal comes before the new copy replaces the old one
-    proc = pie(drafter_home, "model", "import", str(pie_home / "tiny-ckpt"), "--name", TINY, "--force",
-               "--drafter", f"mtp:{head}", check=False)
+    proc = pie(
+        drafter_home,
+        "model",
+        "import",
+        str(pie_home / "tiny-ckpt"),
+        "--name",
+        TINY,
+        "--force",
+        "--drafter",
+        f"mtp:{head}",
+        check=False,
+    )
     assert proc.returncode == 1 and "hidden size" in proc.stderr, proc.stderr
     assert snapshot(drafter_home) == before
 
@@ -111,10 +139,13 @@ def test_engine_refuses_a_broken_drafter(drafter_home, head):
 
 
 def test_engine_exit_code_is_2(drafter_home):
-    craft(drafter_home, TINY, "tiny-bad-exit",
-          top={"drafters": [{"kind": "draft", "name": "recurrent", "path": "recurrent", "config": {}}]})
-    proc = pie(drafter_home, "engine", "--model", "tiny-bad-exit", "--listen", "ipc:///tmp/pie-never.sock",
-               check=False)
+    craft(
+        drafter_home,
+        TINY,
+        "tiny-bad-exit",
+        top={"drafters": [{"kind": "draft", "name": "recurrent", "path": "recurrent", "config": {}}]},
+    )
+    proc = pie(drafter_home, "engine", "--model", "tiny-bad-exit", "--listen", "ipc:///tmp/pie-never.sock", check=False)
     store(drafter_home).remove("tiny-bad-exit")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: draft model 'recurrent' keeps recurrent state")
@@ -245,8 +276,10 @@ async def test_mtp_at_accepted_chains_only_from_the_verifier_row(served_model, h
     assert (at[n, 1:] == full[n, 1:]).all()
     assert (np.delete(at[:, 1:], n, axis=0) == -1).all()
 
-    refused = [([4, 5], inferlet.MTP(k=1, with_probs=True, at_accepted=True)),  # sampled: host decides
-               ([1, 3], inferlet.MTP(k=1, at_accepted=True))]  # rows that are not one stretch
+    refused = [
+        ([4, 5], inferlet.MTP(k=1, with_probs=True, at_accepted=True)),  # sampled: host decides
+        ([1, 3], inferlet.MTP(k=1, at_accepted=True)),
+    ]  # rows that are not one stretch
     for bad_rows, kind in refused:
         fp = inferlet.ForwardPass(m.working_set()).embed(ids[:6]).readout(bad_rows, kind)
         with pytest.raises(inferlet.PieError, match="at_accepted"):

@@ -29,16 +29,31 @@ A, B = b"client-a", b"client-b"
 
 def tiny_served_model(num_pages: int) -> ServedModel:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
     kv = KVCache(cfg, num_pages, PAGE, torch.float32)
     runner = ModelRunner(model, kv, torch.device("cpu"))
-    info = m.ModelInfo(name="tiny", vocab_size=VOCAB, max_positions=128, page_size=PAGE, bos_token_id=None,
-                       eos_token_ids=[], chat_template=None)
+    info = m.ModelInfo(
+        name="tiny",
+        vocab_size=VOCAB,
+        max_positions=128,
+        page_size=PAGE,
+        bos_token_id=None,
+        eos_token_ids=[],
+        chat_template=None,
+    )
     return ServedModel("tiny", info, runner, KVPages(PagePool(num_pages), PAGE, runner.copy_pages), "{}")
 
 

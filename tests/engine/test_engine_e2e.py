@@ -267,8 +267,9 @@ KILLED_CLIENT = textwrap.dedent(
 
 async def test_killed_client_pages_return(tiny):
     free0 = await pages_free(tiny)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, tiny.client.address, TINY],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, tiny.client.address, TINY], stdout=subprocess.PIPE, text=True
+    )
     try:
         expect_line(proc, "holding")
         assert await pages_free(tiny) < free0

@@ -13,8 +13,16 @@ from pie_runtime.models.llama import LlamaForCausalLM
 
 
 def tiny_runner(pages: int) -> ModelRunner:
-    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = ModelConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     return ModelRunner(model, KVCache(cfg, pages, 16, torch.float32), torch.device("cpu"))

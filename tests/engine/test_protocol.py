@@ -25,8 +25,16 @@ def test_array_round_trip(dtype):
 
 
 def test_fire_golden_bytes_parse():
-    golden = pack({"id": 7, "op": "fire", "ws": 3, "tokens": [1, 2, 3],
-                   "readouts": [{"rows": [2], "kind": "sample", "temperature": 0.7, "seed": 5}], "fold": "deferred"})
+    golden = pack(
+        {
+            "id": 7,
+            "op": "fire",
+            "ws": 3,
+            "tokens": [1, 2, 3],
+            "readouts": [{"rows": [2], "kind": "sample", "temperature": 0.7, "seed": 5}],
+            "fold": "deferred",
+        }
+    )
     req_id, req = parse_request(golden)
     assert req_id == 7 and isinstance(req, Fire)
     assert req.tokens == [1, 2, 3] and req.fold == "deferred"
@@ -43,8 +51,10 @@ def test_fire_golden_bytes_parse():
         (pack({"id": 1, "op": "fire", "ws": 1, "tokens": ["a"]}), ErrorCode.BAD_MESSAGE),
         (pack({"id": 1, "op": "fire", "ws": 1, "tokens": []}), ErrorCode.BAD_MESSAGE),
         (pack({"id": 1, "op": "fire", "ws": 1, "tokens": [1], "bogus": 1}), ErrorCode.BAD_MESSAGE),
-        (pack({"id": 1, "op": "fire", "ws": 1, "tokens": [1], "readouts": [{"rows": [0], "kind": "magic"}]}),
-         ErrorCode.BAD_MESSAGE),
+        (
+            pack({"id": 1, "op": "fire", "ws": 1, "tokens": [1], "readouts": [{"rows": [0], "kind": "magic"}]}),
+            ErrorCode.BAD_MESSAGE,
+        ),
         (pack({"id": 1, "op": "ws_fold", "ws": 1, "n": -1}), ErrorCode.BAD_MESSAGE),
         (b"\x00" * (MAX_MESSAGE_BYTES + 1), ErrorCode.MESSAGE_TOO_LARGE),
     ],
@@ -60,8 +70,10 @@ def test_protocol_imports_no_torch_or_zmq():
     import subprocess
     import sys
 
-    code = ("import sys, pie_runtime.protocol, pie_runtime.protocol.programs, pie_runtime.protocol.dtypes; "
-            "bad = {'torch', 'zmq'} & set(sys.modules); print(sorted(bad))")
+    code = (
+        "import sys, pie_runtime.protocol, pie_runtime.protocol.programs, pie_runtime.protocol.dtypes; "
+        "bad = {'torch', 'zmq'} & set(sys.modules); print(sorted(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -97,11 +109,31 @@ def test_one_channel_dtype_table():
 
 
 def test_sdk_model_reads_the_hello_model_info():
-    info = ModelInfo(name="m", vocab_size=50, max_positions=64, page_size=16, bos_token_id=None, eos_token_ids=[2],
-                     chat_template=None, drafters=[{"name": "d"}], mtp_depth=2, hidden_size=8,
-                     pass_cost_ms=[1.0, 1.5], mtp_step_ms=0.25)
+    info = ModelInfo(
+        name="m",
+        vocab_size=50,
+        max_positions=64,
+        page_size=16,
+        bos_token_id=None,
+        eos_token_ids=[2],
+        chat_template=None,
+        drafters=[{"name": "d"}],
+        mtp_depth=2,
+        hidden_size=8,
+        pass_cost_ms=[1.0, 1.5],
+        mtp_step_ms=0.25,
+    )
     no_engine = cast(Any, None)  # the facts need neither a connection nor a tokenizer
     model = Model(ModelInfo.model_validate(info.model_dump()), client=no_engine, tokenizer=no_engine)
-    for field in ("name", "vocab_size", "max_positions", "page_size", "drafters", "mtp_depth", "hidden_size",
-                  "pass_cost_ms", "mtp_step_ms"):
+    for field in (
+        "name",
+        "vocab_size",
+        "max_positions",
+        "page_size",
+        "drafters",
+        "mtp_depth",
+        "hidden_size",
+        "pass_cost_ms",
+        "mtp_step_ms",
+    ):
         assert getattr(model, field) == getattr(info, field)

@@ -29,12 +29,15 @@ async def test_finished_runs_are_summed_under_their_inferlet(tiny, tiny_engine):
     assert after["decode_tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("bad", [
-    {"proposed": 2, "accepted": 3},
-    {"proposed": 3, "accepted": 1, "proposed_per_position": [1], "accepted_per_position": [2]},
-    {"proposed": 3, "accepted": 1, "proposed_per_position": [1, 1], "accepted_per_position": [1]},
-    {"proposed": 3, "accepted": 1, "rounds_with_rejection": 9},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"proposed": 2, "accepted": 3},
+        {"proposed": 3, "accepted": 1, "proposed_per_position": [1], "accepted_per_position": [2]},
+        {"proposed": 3, "accepted": 1, "proposed_per_position": [1, 1], "accepted_per_position": [1]},
+        {"proposed": 3, "accepted": 1, "rounds_with_rejection": 9},
+    ],
+)
 async def test_inconsistent_reports_are_refused(tiny, bad):
     before = await totals(tiny)
     fields = {"model": TINY, "inferlet": NAME, "rounds": 2, "rounds_with_rejection": 0, **bad}

@@ -35,14 +35,23 @@ def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
         tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k.startswith(keep)}  # noqa: SIM118
     save_file(tensors, folder / "model.safetensors")
     hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg["vocab_size"],
-        "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
-        "num_hidden_layers": layers, "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
-        "max_position_embeddings": cfg["max_position_embeddings"], "rms_norm_eps": cfg["rms_norm_eps"],
-        "rope_theta": cfg["rope_theta"], "tie_word_embeddings": True, "bos_token_id": cfg["bos_token_id"],
-        "eos_token_id": cfg["eos_token_ids"][0], "torch_dtype": "float32",
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_key_value_heads": cfg["num_key_value_heads"],
+        "head_dim": cfg["head_dim"],
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "rms_norm_eps": cfg["rms_norm_eps"],
+        "rope_theta": cfg["rope_theta"],
+        "tie_word_embeddings": True,
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_ids"][0],
+        "torch_dtype": "float32",
+    }
     (folder / "config.json").write_text(json.dumps(hf))
     shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
 
@@ -55,8 +64,12 @@ def spec_home(pie_home, mtp_head, tmp_path_factory) -> Path:
         ckpt = pie_home / "slice-ckpt"
         write_slice(ckpt, ModelStore().path(DEFAULT_MODEL))
         pie = REPO / ".venv/bin/pie"
-        subprocess.run([str(pie) if pie.exists() else "pie", "model", "import", str(ckpt), "--name", SLICE],
-                       check=True, env={**os.environ, "PIE_HOME": str(pie_home)}, capture_output=True)
+        subprocess.run(
+            [str(pie) if pie.exists() else "pie", "model", "import", str(ckpt), "--name", SLICE],
+            check=True,
+            env={**os.environ, "PIE_HOME": str(pie_home)},
+            capture_output=True,
+        )
     home = tmp_path_factory.mktemp("spec-home")
     link_model((pie_home / "models" / DEFAULT_MODEL).resolve(), home / "models" / DEFAULT_MODEL)
     link_model(pie_home / "models" / SLICE, home / "models" / SLICE)

@@ -12,28 +12,55 @@ import pytest
 from tests.inferlets.conftest import call_many
 
 NAME = "constrained-speculative-decoding"
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
-COLORS = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                                      "minItems": 1, "maxItems": 3}},
-          "required": ["colors"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                         "country": {"type": "string", "maxLength": 20},
-                                         "capital": {"type": "boolean"}},
-        "required": ["city", "country", "capital"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+COLORS = {
+    "type": "object",
+    "properties": {
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+    },
+    "required": ["colors"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "capital"],
+    "additionalProperties": False,
+}
 
 CASES = [
-    ({"json_schema": json.dumps(PERSON), "prompt": "Give a JSON object for a person named Alice who is 30."},
-     lambda t: jsonschema.validate(json.loads(t), PERSON)),
-    ({"json_schema": json.dumps(COLORS), "prompt": "List two colors of the French flag as JSON."},
-     lambda t: jsonschema.validate(json.loads(t), COLORS)),
-    ({"json_schema": json.dumps(CITY), "prompt": "Describe Paris as JSON."},
-     lambda t: jsonschema.validate(json.loads(t), CITY)),
-    ({"regex": r"\d{3}-\d{4}", "prompt": "Make up a phone number like 555-1234."},
-     lambda t: re.fullmatch(r"\d{3}-\d{4}", t) or pytest.fail(t)),
-    ({"grammar": 'start: "yes" | "no"', "prompt": "Is the sky blue? Answer yes or no."},
-     lambda t: t in ("yes", "no") or pytest.fail(t)),
+    (
+        {"json_schema": json.dumps(PERSON), "prompt": "Give a JSON object for a person named Alice who is 30."},
+        lambda t: jsonschema.validate(json.loads(t), PERSON),
+    ),
+    (
+        {"json_schema": json.dumps(COLORS), "prompt": "List two colors of the French flag as JSON."},
+        lambda t: jsonschema.validate(json.loads(t), COLORS),
+    ),
+    (
+        {"json_schema": json.dumps(CITY), "prompt": "Describe Paris as JSON."},
+        lambda t: jsonschema.validate(json.loads(t), CITY),
+    ),
+    (
+        {"regex": r"\d{3}-\d{4}", "prompt": "Make up a phone number like 555-1234."},
+        lambda t: re.fullmatch(r"\d{3}-\d{4}", t) or pytest.fail(t),
+    ),
+    (
+        {"grammar": 'start: "yes" | "no"', "prompt": "Is the sky blue? Answer yes or no."},
+        lambda t: t in ("yes", "no") or pytest.fail(t),
+    ),
 ]
 
 

@@ -57,7 +57,10 @@ def test_stop_string_inside_a_multi_token_result_cuts_there(tok):
 def test_fallback_reasons():
     assert args().fallback_reasons() == []
     assert args(repetition_penalty=1.2, logit_bias='{"5": 1.5}', logprobs=True).fallback_reasons() == [
-        "penalties", "logit_bias", "logprobs"]
+        "penalties",
+        "logit_bias",
+        "logprobs",
+    ]
     assert args(logprobs=True).logprobs == 0 and args(logit_bias='{"5": 1.5}').logit_bias == {5: 1.5}
 
 

@@ -23,8 +23,10 @@ from tests.procs import expect_line
 
 STATS = ("rounds", "proposed", "accepted", "acceptance_per_position", "rejecting_round_share", "skipped")
 # run-ahead drafts --draft-length every round (its loop is in the engine), so its host twin is fixed too
-DEVICE = [("mtp-speculative-decoding", {"draft_length": 2, "draft_schedule": "fixed"}, {"run_ahead": True}),
-          ("cacheback-speculative-decoding", {}, {"device_verify": True})]
+DEVICE = [
+    ("mtp-speculative-decoding", {"draft_length": 2, "draft_schedule": "fixed"}, {"run_ahead": True}),
+    ("cacheback-speculative-decoding", {}, {"device_verify": True}),
+]
 IDS = ["mtp-run-ahead", "cacheback-device-verify"]
 
 
@@ -103,8 +105,9 @@ async def _stats(address: str) -> dict:
 
 def test_a_client_dying_mid_mtp_run_ahead_returns_its_pages(spec_engine):
     before = asyncio.run(_stats(spec_engine.address))
-    proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, spec_engine.address], stdout=subprocess.PIPE,
-                            text=True, cwd=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DYING_CLIENT, spec_engine.address], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
     try:
         expect_line(proc, "running")
         os.kill(proc.pid, signal.SIGKILL)

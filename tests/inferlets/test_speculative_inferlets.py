@@ -16,8 +16,10 @@ from tests.inferlets.conftest import SLICE, call, call_many
 
 PROMPTS = [
     {"prompt": "The capital of France is"},
-    {"prompt": "Repeat after me: the quick brown fox jumps over the lazy dog. "
-               "The quick brown fox jumps over the lazy dog. The quick brown"},
+    {
+        "prompt": "Repeat after me: the quick brown fox jumps over the lazy dog. "
+        "The quick brown fox jumps over the lazy dog. The quick brown"
+    },
     {"prompt": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"},
     {"prompt": "Once upon a time, there was a little girl named Emma who loved to play"},
     {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"},
@@ -58,12 +60,28 @@ def test_greedy_equals_text_completion(spec_engine, reference, name, extra):
 
 
 def test_launcher_path_and_stats(spec_engine, reference):
-    res = run("cacheback-speculative-decoding", spec_engine.address, "--prompt", REPETITIVE["prompt"],
-              "--max-tokens", str(MAX), "--timing")
+    res = run(
+        "cacheback-speculative-decoding",
+        spec_engine.address,
+        "--prompt",
+        REPETITIVE["prompt"],
+        "--max-tokens",
+        str(MAX),
+        "--timing",
+    )
     assert res["token_ids"] == reference[1]["token_ids"]
     s = res["stats"]
-    for key in ("rounds", "proposed", "accepted", "acceptance", "acceptance_per_position",
-                "rejecting_round_share", "skipped", "decode_tokens_per_s", "prefill_ms"):
+    for key in (
+        "rounds",
+        "proposed",
+        "accepted",
+        "acceptance",
+        "acceptance_per_position",
+        "rejecting_round_share",
+        "skipped",
+        "decode_tokens_per_s",
+        "prefill_ms",
+    ):
         assert key in s
     assert s["accepted"] > 0 and s["acceptance"] == s["accepted"] / s["proposed"]
     assert len(s["round_ms"]) == s["rounds"] + sum(s["skipped"].values())
@@ -74,8 +92,11 @@ def test_mtp_greedy_equals_text_completion(spec_engine, reference):
     the target's greedy text whatever it proposes. Draft length 0, the control, is in POLICIES."""
     draft_length = MTP_DEPTH
     assert asyncio.run(_model_facts(spec_engine.address))["mtp_depth"] == MTP_DEPTH
-    got = call_many(spec_engine.address, "mtp-speculative-decoding",
-                    [{**p, "max_tokens": MAX, "draft_length": draft_length} for p in PROMPTS])
+    got = call_many(
+        spec_engine.address,
+        "mtp-speculative-decoding",
+        [{**p, "max_tokens": MAX, "draft_length": draft_length} for p in PROMPTS],
+    )
     for want, res in zip(reference, got):
         assert res["token_ids"] == want["token_ids"]
         assert (res["text"], res["finish_reason"]) == (want["text"], want["finish_reason"])
@@ -110,13 +131,16 @@ def test_stop_string_cuts_a_multi_token_round(spec_engine, reference):
     assert stop not in got["text"] and got["stats"]["accepted"] > 0
 
 
-@pytest.mark.parametrize("flags,reason", [
-    ({"presence_penalty": 0.5}, "penalties"),
-    ({"frequency_penalty": 0.5}, "penalties"),
-    ({"repetition_penalty": 1.3}, "penalties"),
-    ({"logit_bias": '{"314": 5.0}'}, "logit_bias"),
-    ({"logprobs": 3}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "flags,reason",
+    [
+        ({"presence_penalty": 0.5}, "penalties"),
+        ({"frequency_penalty": 0.5}, "penalties"),
+        ({"repetition_penalty": 1.3}, "penalties"),
+        ({"logit_bias": '{"314": 5.0}'}, "logit_bias"),
+        ({"logprobs": 3}, "logprobs"),
+    ],
+)
 def test_sampler_options_do_not_speculate(spec_engine, reference, flags, reason):
     res = call(spec_engine.address, "cacheback-speculative-decoding", **REPETITIVE, max_tokens=12, **flags)
     s = res["stats"]
@@ -129,8 +153,14 @@ def test_sampler_options_do_not_speculate(spec_engine, reference, flags, reason)
 
 
 def test_logit_bias_applies(spec_engine):
-    res = call(spec_engine.address, "draft-model-speculative-decoding", prompt="Hello", draft=SLICE,
-               max_tokens=4, logit_bias={"1171": 100.0})
+    res = call(
+        spec_engine.address,
+        "draft-model-speculative-decoding",
+        prompt="Hello",
+        draft=SLICE,
+        max_tokens=4,
+        logit_bias={"1171": 100.0},
+    )
     assert res["token_ids"] == [1171] * 4 and res["stats"]["skipped"] == {"logit_bias": 3}
 
 
@@ -176,12 +206,18 @@ def _assert_follows(samples: list[int], p: np.ndarray) -> None:
     assert np.all(np.abs(freq - p) <= tol), (np.flatnonzero(np.abs(freq - p) > tol), freq[p > 0], p[p > 0])
 
 
-@pytest.mark.parametrize("name,extra", [("cacheback-speculative-decoding", {}),
-                                        ("draft-model-speculative-decoding", {"draft": SLICE})])
+@pytest.mark.parametrize(
+    "name,extra", [("cacheback-speculative-decoding", {}), ("draft-model-speculative-decoding", {"draft": SLICE})]
+)
 def test_sampled_tokens_follow_the_target(spec_engine, name, extra):
-    runs = call_many(spec_engine.address, name, [
-        {"prompt": SAMPLE_PROMPT, "max_tokens": 3, "temperature": TEMP, "top_k": TOP_K, "seed": s, **extra}
-        for s in range(N)])
+    runs = call_many(
+        spec_engine.address,
+        name,
+        [
+            {"prompt": SAMPLE_PROMPT, "max_tokens": 3, "temperature": TEMP, "top_k": TOP_K, "seed": s, **extra}
+            for s in range(N)
+        ],
+    )
     firsts = [r["token_ids"][0] for r in runs]
     _, p1 = asyncio.run(_target_probs(spec_engine.address, []))
     _assert_follows(firsts, p1)
@@ -193,6 +229,7 @@ def test_sampled_tokens_follow_the_target(spec_engine, name, extra):
     _, p2 = asyncio.run(_target_probs(spec_engine.address, [x]))
     _assert_follows(seconds, p2)
     # seeded runs are reproducible
-    again = call(spec_engine.address, name, prompt=SAMPLE_PROMPT, max_tokens=3, temperature=TEMP, top_k=TOP_K,
-                 seed=7, **extra)
+    again = call(
+        spec_engine.address, name, prompt=SAMPLE_PROMPT, max_tokens=3, temperature=TEMP, top_k=TOP_K, seed=7, **extra
+    )
     assert again["token_ids"] == runs[7]["token_ids"]

@@ -33,10 +33,17 @@ def hf_config(family: str):
     import transformers
 
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-        bos_token_id=256, eos_token_id=257,
-    )  # fmt: skip
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     # transformers 5's configs take rope_theta through **kwargs, which their signatures do not show
     if family == "llama":
         return transformers.LlamaConfig(**common, rope_theta=5e5, tie_word_embeddings=False)  # pyright: ignore[reportCallIssue]
@@ -67,7 +74,11 @@ def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> None:
 
 
 def run_chunks(
-    model: LlamaForCausalLM, prompts: list[list[int]], chunks: list[list[int]], page_size: int, page_tables: list[list[int]]
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    chunks: list[list[int]],
+    page_size: int,
+    page_tables: list[list[int]],
 ) -> list[torch.Tensor]:
     """Feed each prompt through the paged cache in steps; step s feeds chunks[p][s] rows of prompt p (all
     prompts of a step in one forward). Returns each prompt's (T, V) logits, one row per token."""

@@ -39,8 +39,12 @@ async def test_host_channel_ops(tiny):
     assert await ch.set([3, 4]) == 1  # replaces the front
     assert await ch.put([5, 6]) == 2
     await refused(ErrorCode.CHANNEL_FULL, ch.put([7, 8]))
-    await refused(ErrorCode.INVALID_ARGUMENT, tiny.client.request(
-        "channel_put", channel=ch.handle, value=inferlet.forward.encode_array(np.zeros(3, np.int32))))
+    await refused(
+        ErrorCode.INVALID_ARGUMENT,
+        tiny.client.request(
+            "channel_put", channel=ch.handle, value=inferlet.forward.encode_array(np.zeros(3, np.int32))
+        ),
+    )
     assert (await ch.read()).tolist() == [3, 4]
     assert (await ch.take(max=5)).tolist() == [[3, 4], [5, 6]]
     await ch.close()
@@ -53,8 +57,12 @@ async def test_a_program_is_registered_by_hash_and_a_bad_one_refused(tiny):
     assert await prog.register() == prog.hash
     reply = await tiny.client.request("program_register", model=tiny.name, nodes=prog.nodes)
     assert reply["program"] == prog.hash
-    await refused(ErrorCode.INVALID_PROGRAM, tiny.client.request(
-        "program_register", nodes=[{"op": "logits", "attrs": {"rows": [0]}}, {"op": "rm_rf", "inputs": [0]}]))
+    await refused(
+        ErrorCode.INVALID_PROGRAM,
+        tiny.client.request(
+            "program_register", nodes=[{"op": "logits", "attrs": {"rows": [0]}}, {"op": "rm_rf", "inputs": [0]}]
+        ),
+    )
     raw = Client(tiny.client.address)  # a malformed message's reply carries no id: read it raw
     try:
         reply = await raw.send_raw(pack({"id": 1, "op": "program_register", "nodes": [{"op": 3}]}))
@@ -105,7 +113,7 @@ async def test_a_failed_fire_poisons_the_channels_it_writes(tiny):
     other = await inferlet.Channel.open(tiny, (1,), "int32", 4)
 
     def gathers_far(p, other):
-        far = p.const([[10 ** 9]])
+        far = p.const([[10**9]])
         p.put(other, p.logits([0]).gather(1, far).reshape(1).int())
 
     fp = inferlet.ForwardPass(ws).embed([3]).epilogue(inferlet.trace(tiny, gathers_far, other))

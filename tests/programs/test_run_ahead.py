@@ -150,8 +150,12 @@ DYING_CLIENT = textwrap.dedent(
 async def test_a_client_dying_mid_run_stops_its_fires_and_returns_its_pages(tiny):
     before = await stats(tiny)
     free0 = before["models"][TINY]["pages_free"]
-    proc = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, tiny.client.address, TINY],
-                            stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DYING_CLIENT, tiny.client.address, TINY],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
     try:
         expect_line(proc, "running")
         assert (await stats(tiny))["run_ahead"] == 1

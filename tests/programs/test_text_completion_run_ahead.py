@@ -21,13 +21,14 @@ def test_run_ahead_ends_at_a_stop_string_and_at_max_tokens(tiny_engine):
     assert ahead["token_ids"] == host["token_ids"] and len(ahead["token_ids"]) == 30
     stop = host["text"].split()[3]
     cut = run("text-completion", tiny_engine.address, *base, "--stop", stop, "--run-ahead")
-    assert cut["finish_reason"] == "stop" and cut["text"] == run(
-        "text-completion", tiny_engine.address, *base, "--stop", stop)["text"]
+    assert (
+        cut["finish_reason"] == "stop"
+        and cut["text"] == run("text-completion", tiny_engine.address, *base, "--stop", stop)["text"]
+    )
 
 
 def test_seeded_sampled_run_ahead_is_reproducible(tiny_engine):
-    words = ["--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.9", "--seed", "5",
-             "--run-ahead"]
+    words = ["--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.9", "--seed", "5", "--run-ahead"]
     a = run("text-completion", tiny_engine.address, *words)
     b = run("text-completion", tiny_engine.address, *words)
     c = run("text-completion", tiny_engine.address, *words[:-2], "6", "--run-ahead")

@@ -28,8 +28,15 @@ def node(op, inputs=(), **attrs):
 
 
 LOGITS = node("logits", rows=[0, 1, 2])
-GOOD = [LOGITS, node("argmax", [0]), node("tokens", n=3), node("eq", [1, 2]), node("cumprod", [3]),
-        node("sum", [4]), node("fold", [5])]
+GOOD = [
+    LOGITS,
+    node("argmax", [0]),
+    node("tokens", n=3),
+    node("eq", [1, 2]),
+    node("cumprod", [3]),
+    node("sum", [4]),
+    node("fold", [5]),
+]
 
 BAD = {
     "unknown op": [node("launch_missiles")],
@@ -47,8 +54,12 @@ BAD = {
     "shape: reshape numel": [node("iota", n=6), node("reshape", [0], shape=[4])],
     "shape: gather rank": [LOGITS, node("iota", n=3), node("gather", [0, 1], dim=1)],
     "dim out of range": [LOGITS, node("argmax", [0], dim=5)],
-    "size: too many elements": [node("iota", n=1 << 20), node("iota", n=64), node("reshape", [1], shape=[64, 1]),
-                                node("mul", [0, 2])],
+    "size: too many elements": [
+        node("iota", n=1 << 20),
+        node("iota", n=64),
+        node("reshape", [1], shape=[64, 1]),
+        node("mul", [0, 2]),
+    ],
     "size: too many rows": [node("logits", rows=list(range(65)))],
     "size: too many nodes": [node("iota", n=1)] * (MAX_NODES + 1),
     "size: huge constant": [node("const", value=[0] * 5000, dtype="int")],
@@ -57,8 +68,10 @@ BAD = {
     "attr: bad channel dtype": [node("take", slot=0, shape=[1], dtype="complex64")],
     "attr: ragged constant": [node("const", value=[[1, 2], [3]], dtype="int")],
     "two folds": GOOD + [node("fold", [5])],
-    "one slot, two shapes": [node("take", slot=0, shape=[1], dtype="int32"),
-                             node("take", slot=0, shape=[2], dtype="int32")],
+    "one slot, two shapes": [
+        node("take", slot=0, shape=[1], dtype="int32"),
+        node("take", slot=0, shape=[2], dtype="int32"),
+    ],
     "slots with a gap": [node("take", slot=1, shape=[1], dtype="int32")],
     "mtp past its depth": [node("mtp_logits", rows=[0], k=3)],
     "mtp at a vector index": [node("iota", n=2), node("mtp_logits_at", [0], rows=[0, 1], k=1)],
@@ -67,8 +80,7 @@ BAD = {
 
 
 def test_mtp_logits_at_reads_one_row_picked_on_the_device():
-    nodes = [node("const", value=1, dtype="int"), node("mtp_logits_at", [0], rows=[0, 1, 2], k=2),
-             node("argmax", [1])]
+    nodes = [node("const", value=1, dtype="int"), node("mtp_logits_at", [0], rows=[0, 1, 2], k=2), node("argmax", [1])]
     prog = validate("m", nodes, DIMS)
     assert prog.specs[1].shape == (2, DIMS.vocab) and prog.rows == {0, 1, 2}
     with pytest.raises(PieError) as e:
@@ -133,11 +145,32 @@ def test_the_good_program_runs():
 
 # ---- fuzzing: the validator never crashes, and what it accepts runs with the shapes it inferred ------------
 
-_attr_values = st.one_of(st.integers(-3, 70), st.floats(-2, 2, allow_nan=False), st.booleans(),
-                         st.sampled_from(["int", "float", "bool", "int32", "float32", "x"]),
-                         st.lists(st.integers(-1, 5), max_size=4))
-_attr_names = st.sampled_from(["dim", "n", "rows", "k", "value", "dtype", "slot", "shape", "start", "stop",
-                               "index", "keepdim", "temperature", "top_k", "top_p"])
+_attr_values = st.one_of(
+    st.integers(-3, 70),
+    st.floats(-2, 2, allow_nan=False),
+    st.booleans(),
+    st.sampled_from(["int", "float", "bool", "int32", "float32", "x"]),
+    st.lists(st.integers(-1, 5), max_size=4),
+)
+_attr_names = st.sampled_from(
+    [
+        "dim",
+        "n",
+        "rows",
+        "k",
+        "value",
+        "dtype",
+        "slot",
+        "shape",
+        "start",
+        "stop",
+        "index",
+        "keepdim",
+        "temperature",
+        "top_k",
+        "top_p",
+    ]
+)
 
 
 _SOURCES = [
@@ -146,14 +179,26 @@ _SOURCES = [
     lambda d: node("mtp_logits", rows=[0, 1], k=d(st.integers(1, 3))),
     lambda d: node("tokens", n=3),
     lambda d: node("iota", n=d(st.integers(1, 4))),
-    lambda d: node("const", value=d(st.sampled_from([1, 2.5, True, [1, 2, 3], [[0.5], [1.5]]])),
-                   dtype=d(st.sampled_from(["int", "float", "bool"]))),
+    lambda d: node(
+        "const",
+        value=d(st.sampled_from([1, 2.5, True, [1, 2, 3], [[0.5], [1.5]]])),
+        dtype=d(st.sampled_from(["int", "float", "bool"])),
+    ),
     lambda d: node(d(st.sampled_from(["take", "read"])), slot=0, shape=[3], dtype="int32"),
 ]
-_ATTRS = {"dim": st.integers(-2, 1), "keepdim": st.booleans(), "start": st.integers(0, 3), "stop": st.integers(1, 4),
-          "index": st.integers(0, 3), "shape": st.sampled_from([[3], [1, 3], [3, 1], [], [50], [2, 2]]),
-          "dtype": st.sampled_from(["int", "float", "bool", "int32"]), "temperature": st.sampled_from([0.0, 0.8]),
-          "top_k": st.integers(0, 5), "top_p": st.sampled_from([0.5, 1.0]), "slot": st.just(0)}
+_ATTRS = {
+    "dim": st.integers(-2, 1),
+    "keepdim": st.booleans(),
+    "start": st.integers(0, 3),
+    "stop": st.integers(1, 4),
+    "index": st.integers(0, 3),
+    "shape": st.sampled_from([[3], [1, 3], [3, 1], [], [50], [2, 2]]),
+    "dtype": st.sampled_from(["int", "float", "bool", "int32"]),
+    "temperature": st.sampled_from([0.0, 0.8]),
+    "top_k": st.integers(0, 5),
+    "top_p": st.sampled_from([0.5, 1.0]),
+    "slot": st.just(0),
+}
 
 
 @st.composite
@@ -168,9 +213,33 @@ def programs(draw):
             continue
         arity = {"where": 3, "scatter": 3, "concat": draw(st.integers(1, 3))}.get(op)
         if arity is None:
-            arity = 2 if op in ("add", "sub", "mul", "div", "floordiv", "mod", "maximum", "minimum", "eq", "ne",
-                                "lt", "le", "gt", "ge", "and", "or", "xor", "masked_argmax", "sample",
-                                "gather") else 1
+            arity = (
+                2
+                if op
+                in (
+                    "add",
+                    "sub",
+                    "mul",
+                    "div",
+                    "floordiv",
+                    "mod",
+                    "maximum",
+                    "minimum",
+                    "eq",
+                    "ne",
+                    "lt",
+                    "le",
+                    "gt",
+                    "ge",
+                    "and",
+                    "or",
+                    "xor",
+                    "masked_argmax",
+                    "sample",
+                    "gather",
+                )
+                else 1
+            )
         arity = draw(st.sampled_from([arity, arity, arity, arity - 1, arity + 1]))
         inputs = [draw(st.integers(-1, i)) for _ in range(max(arity, 0))]
         attrs = {k: draw(v) for k, v in _ATTRS.items() if draw(st.booleans())}
@@ -259,8 +328,20 @@ def test_tracer_refuses_at_the_offending_line():
 
 def test_each_op_has_one_rule_and_one_kernel_or_intrinsic():
     """The op set, its rules, its arities and the interpreter's kernels name the same ops."""
-    intrinsics = {"logits", "hidden", "mtp_logits", "mtp_logits_at", "tokens", "const", "iota", "take", "read",
-                  "put", "set", "fold"}  # run_program runs these itself
+    intrinsics = {
+        "logits",
+        "hidden",
+        "mtp_logits",
+        "mtp_logits_at",
+        "tokens",
+        "const",
+        "iota",
+        "take",
+        "read",
+        "put",
+        "set",
+        "fold",
+    }  # run_program runs these itself
     assert set(RULES) == PROGRAM_OPS
     assert set(KERNELS) | intrinsics == PROGRAM_OPS and not set(KERNELS) & intrinsics
     assert set(ARITY) <= PROGRAM_OPS and PROGRAM_OPS - set(ARITY) == {"concat"}  # concat takes 1..MAX_NODES

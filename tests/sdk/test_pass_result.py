@@ -21,7 +21,8 @@ def test_same_shaped_rows_join_in_readout_order():
 
 
 def test_differently_shaped_rows_name_the_readouts():
-    res = PassResult([ReadoutResult("argmax", tokens=np.array([1, 2])),
-                      ReadoutResult("mtp", tokens=np.array([[1, 2], [3, 4]]))])
+    res = PassResult(
+        [ReadoutResult("argmax", tokens=np.array([1, 2])), ReadoutResult("mtp", tokens=np.array([[1, 2], [3, 4]]))]
+    )
     with pytest.raises(ValueError, match=r"readouts\[0\] \(argmax\).*readouts\[1\] \(mtp\)"):
         _ = res.tokens

@@ -290,12 +290,8 @@ def test_filter_top_k():
 def test_filter_top_p_keeps_smallest_prefix_reaching_mass():
     logits = np.log(np.array([0.1, 0.5, 0.3, 0.05, 0.05]))
     np.testing.assert_allclose(filter_distribution(logits, 1.0, top_p=0.5), [0, 1, 0, 0, 0])
-    np.testing.assert_allclose(
-        filter_distribution(logits, 1.0, top_p=0.6), [0, 0.5 / 0.8, 0.3 / 0.8, 0, 0]
-    )
-    np.testing.assert_allclose(
-        filter_distribution(logits, 1.0, top_p=0.85), [0.1 / 0.9, 0.5 / 0.9, 0.3 / 0.9, 0, 0]
-    )
+    np.testing.assert_allclose(filter_distribution(logits, 1.0, top_p=0.6), [0, 0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    np.testing.assert_allclose(filter_distribution(logits, 1.0, top_p=0.85), [0.1 / 0.9, 0.5 / 0.9, 0.3 / 0.9, 0, 0])
 
 
 def test_filter_top_p_applies_to_the_top_k_renormalized_mass():
@@ -310,9 +306,7 @@ def test_filter_top_p_always_keeps_one_token():
 
 
 def test_filter_top_p_tie_broken_by_lower_index():
-    np.testing.assert_allclose(
-        filter_distribution(np.zeros(4), 1.0, top_p=0.5), [0.5, 0.5, 0, 0]
-    )
+    np.testing.assert_allclose(filter_distribution(np.zeros(4), 1.0, top_p=0.5), [0.5, 0.5, 0, 0])
 
 
 def test_filter_mask():

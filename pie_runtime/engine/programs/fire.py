@@ -13,8 +13,13 @@ from ...protocol import messages as m
 class FireIntrinsics:
     """Lazily computes the readout intrinsics of one fire from the final hidden states of its rows."""
 
-    def __init__(self, runner, hidden: dict[int, torch.Tensor], tokens: list[int],
-                 logits: dict[tuple[int, ...], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        runner,
+        hidden: dict[int, torch.Tensor],
+        tokens: list[int],
+        logits: dict[tuple[int, ...], torch.Tensor] | None = None,
+    ):
         self.runner = runner
         self._hidden = hidden  # window row → (H,)
         self._tokens = tokens

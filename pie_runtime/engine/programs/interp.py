@@ -38,8 +38,9 @@ def _generator(rng: torch.Tensor, salt: int) -> torch.Generator:
 def _sample(logits: torch.Tensor, rng: torch.Tensor, a: dict) -> torch.Tensor:
     """Gumbel-max over the filtered distribution (temperature → top-k → top-p, the readouts' order)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    probs = sampling.filtered_probs(flat, float(a.get("temperature", 1.0)), int(a.get("top_k", 0)),
-                                    float(a.get("top_p", 1.0)))
+    probs = sampling.filtered_probs(
+        flat, float(a.get("temperature", 1.0)), int(a.get("top_k", 0)), float(a.get("top_p", 1.0))
+    )
     noise = torch.rand(probs.shape, generator=_generator(rng, 1), device=probs.device).clamp_min(1e-20)
     gumbel = -torch.log(-torch.log(noise))
     return (torch.log(probs) + gumbel).argmax(dim=-1).reshape(logits.shape[:-1])
@@ -65,15 +66,28 @@ def _where(c: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 KERNELS: dict[str, Callable] = {  # op → its torch function; the intrinsics and effects are run_program's
-    "add": _float2(torch.add), "sub": _float2(torch.sub), "mul": _float2(torch.mul),
+    "add": _float2(torch.add),
+    "sub": _float2(torch.sub),
+    "mul": _float2(torch.mul),
     "div": lambda x, y, a: torch.true_divide(x.float(), y.float()),
     "floordiv": _float2(lambda x, y: torch.div(x, y, rounding_mode="floor")),
-    "mod": _float2(torch.remainder), "maximum": _float2(torch.maximum), "minimum": _float2(torch.minimum),
-    "eq": lambda x, y, a: x == y, "ne": lambda x, y, a: x != y, "lt": lambda x, y, a: x < y,
-    "le": lambda x, y, a: x <= y, "gt": lambda x, y, a: x > y, "ge": lambda x, y, a: x >= y,
-    "and": lambda x, y, a: x & y, "or": lambda x, y, a: x | y, "xor": lambda x, y, a: x ^ y,
-    "neg": lambda x, a: -x, "abs": lambda x, a: x.abs(), "exp": lambda x, a: x.float().exp(),
-    "log": lambda x, a: x.float().log(), "not": lambda x, a: ~x,
+    "mod": _float2(torch.remainder),
+    "maximum": _float2(torch.maximum),
+    "minimum": _float2(torch.minimum),
+    "eq": lambda x, y, a: x == y,
+    "ne": lambda x, y, a: x != y,
+    "lt": lambda x, y, a: x < y,
+    "le": lambda x, y, a: x <= y,
+    "gt": lambda x, y, a: x > y,
+    "ge": lambda x, y, a: x >= y,
+    "and": lambda x, y, a: x & y,
+    "or": lambda x, y, a: x | y,
+    "xor": lambda x, y, a: x ^ y,
+    "neg": lambda x, a: -x,
+    "abs": lambda x, a: x.abs(),
+    "exp": lambda x, a: x.float().exp(),
+    "log": lambda x, a: x.float().log(),
+    "not": lambda x, a: ~x,
     "sum": lambda x, a: x.sum(_dim(a), keepdim=a.get("keepdim", False), dtype=_acc(x)),
     "max": lambda x, a: x.amax(_dim(a), keepdim=a.get("keepdim", False)),
     "min": lambda x, a: x.amin(_dim(a), keepdim=a.get("keepdim", False)),
@@ -116,8 +130,10 @@ def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device)
                 out = fire.mtp_logits(a["rows"], a["k"])
             elif op == "mtp_logits_at":
                 if not 0 <= int(ins[0]) < len(a["rows"]):
-                    raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} (mtp_logits_at): index {int(ins[0])} "
-                                                             f"outside its {len(a['rows'])} rows")
+                    raise PieError(
+                        ErrorCode.PROGRAM_FAILED,
+                        f"node {i} (mtp_logits_at): index {int(ins[0])} outside its {len(a['rows'])} rows",
+                    )
                 out = fire.mtp_logits_at(a["rows"], a["k"], ins[0])
             elif op == "tokens":
                 out = fire.tokens()

@@ -29,9 +29,15 @@ class ProgramRequests:
         self.programs: dict[bytes, dict[str, Program]] = {}  # client → hash → program
 
     def ops(self) -> dict[str, Handler]:
-        return {"program_register": self.register, "channel_open": self.open, "channel_put": self.put,
-                "channel_set": self.set, "channel_take": self.take, "channel_read": self.read,
-                "channel_close": self.close}
+        return {
+            "program_register": self.register,
+            "channel_open": self.open,
+            "channel_put": self.put,
+            "channel_set": self.set,
+            "channel_take": self.take,
+            "channel_read": self.read,
+            "channel_close": self.close,
+        }
 
     def count(self) -> int:
         return sum(len(p) for p in self.programs.values())
@@ -71,8 +77,9 @@ class ProgramRequests:
         program.check_fire(w, bindings)
         return program, bindings
 
-    def check_run_ahead(self, client: bytes, req: m.Fire, program: Program | None, bindings: list[Channel],
-                        source: Channel | None) -> RunState | None:
+    def check_run_ahead(
+        self, client: bytes, req: m.Fire, program: Program | None, bindings: list[Channel], source: Channel | None
+    ) -> RunState | None:
         ra = req.run_ahead
         if ra is None:
             return None

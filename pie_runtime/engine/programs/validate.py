@@ -26,18 +26,23 @@ class Program:
     def check_fire(self, w: int, bound: list) -> None:
         """Refuses a fire whose window or bound channels do not fit this program."""
         if self.window is not None and self.window != w:
-            raise PieError(ErrorCode.INVALID_ARGUMENT,
-                           f"the program reads a window of {self.window} tokens, the fire has {w}")
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT, f"the program reads a window of {self.window} tokens, the fire has {w}"
+            )
         if any(r >= w for r in self.rows):
             raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"the program reads rows past the fire's window [0, {w})")
         if len(bound) != len(self.slots) or sorted(self.slots) != list(range(len(self.slots))):
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"the program has {len(self.slots)} channel slots, "
-                                                       f"the fire binds {len(bound)}")
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"the program has {len(self.slots)} channel slots, the fire binds {len(bound)}",
+            )
         for slot, (shape, dtype) in self.slots.items():
             ch = bound[slot]
             if (ch.shape, ch.dtype) != (shape, dtype):
-                raise PieError(ErrorCode.INVALID_ARGUMENT, f"slot {slot} wants {list(shape)} {dtype}, channel "
-                                                           f"{ch.id} holds {list(ch.shape)} {ch.dtype}")
+                raise PieError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"slot {slot} wants {list(shape)} {dtype}, channel {ch.id} holds {list(ch.shape)} {ch.dtype}",
+                )
 
 
 def validate(model: str, nodes: list[dict], dims: ModelDims) -> Program:
@@ -61,5 +66,16 @@ def validate(model: str, nodes: list[dict], dims: ModelDims) -> Program:
             window = a["n"]
     if sorted(slots) != list(range(len(slots))):
         raise PieError(ErrorCode.INVALID_PROGRAM, f"channel slots must be 0..n-1, got {sorted(slots)}")
-    return Program(program_hash(model, nodes), model, nodes, specs, slots, frozenset(writes), puts, takes,
-                   frozenset(rows), window, any(n["op"] == "fold" for n in nodes))
+    return Program(
+        program_hash(model, nodes),
+        model,
+        nodes,
+        specs,
+        slots,
+        frozenset(writes),
+        puts,
+        takes,
+        frozenset(rows),
+        window,
+        any(n["op"] == "fold" for n in nodes),
+    )

@@ -26,13 +26,40 @@ SCAN = ("cumsum", "cumprod", "softmax", "log_softmax")
 SOURCES = ("logits", "hidden", "mtp_logits", "tokens", "const", "iota", "take", "read")
 EFFECTS = ("put", "set", "fold")
 CHANNEL_OPS = ("take", "read", "put", "set")  # the sources and effects that name a channel slot
-OTHER = ("where", "cast", "masked_argmax", "sample", "uniform", "gather", "scatter", "slice", "index", "concat",
-         "reshape", "mtp_logits_at")
+OTHER = (
+    "where",
+    "cast",
+    "masked_argmax",
+    "sample",
+    "uniform",
+    "gather",
+    "scatter",
+    "slice",
+    "index",
+    "concat",
+    "reshape",
+    "mtp_logits_at",
+)
 PROGRAM_OPS = frozenset(SOURCES + EFFECTS + BINARY_ARITH + BINARY_CMP + BINARY_BOOL + UNARY + REDUCE + SCAN + OTHER)
-ARITY = {**{op: 2 for op in BINARY_ARITH + BINARY_CMP + BINARY_BOOL}, **{op: 1 for op in UNARY + REDUCE + SCAN},
-         **{op: 0 for op in SOURCES}, "put": 1, "set": 1, "fold": 1, "where": 3, "cast": 1, "masked_argmax": 2,
-         "sample": 2, "uniform": 1, "gather": 2, "scatter": 3, "slice": 1, "index": 1, "reshape": 1,
-         "mtp_logits_at": 1}  # concat takes 1..MAX_NODES inputs (its rule checks)
+ARITY = {
+    **{op: 2 for op in BINARY_ARITH + BINARY_CMP + BINARY_BOOL},
+    **{op: 1 for op in UNARY + REDUCE + SCAN},
+    **{op: 0 for op in SOURCES},
+    "put": 1,
+    "set": 1,
+    "fold": 1,
+    "where": 3,
+    "cast": 1,
+    "masked_argmax": 2,
+    "sample": 2,
+    "uniform": 1,
+    "gather": 2,
+    "scatter": 3,
+    "slice": 1,
+    "index": 1,
+    "reshape": 1,
+    "mtp_logits_at": 1,
+}  # concat takes 1..MAX_NODES inputs (its rule checks)
 
 
 @dataclass(frozen=True)
