@@ -29,6 +29,8 @@ class ErrorCode(str, Enum):
     CHANNEL_FULL = "channel_full"  # a put past the channel's capacity
     CHANNEL_POISONED = "channel_poisoned"  # a fire that writes the channel failed; the message says why
     PROGRAM_FAILED = "program_failed"  # an epilogue failed at run time (e.g. a gather index out of range)
+    LIMIT_EXCEEDED = "limit_exceeded"  # a request past one of the engine's limits; the message names the limit
+    EMPTY_MASK = "empty_mask"  # a readout row whose allowed-token mask allows no token
     INTERNAL = "internal"
 
 
