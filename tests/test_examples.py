@@ -28,3 +28,29 @@ def test_best_of_n_forks_share_the_prompt(engine):
     scores = [c["mean_logprob"] for c in result["candidates"]]
     assert len(scores) == 3 and scores == sorted(scores, reverse=True)
     assert result["best"] == result["candidates"][0]["text"]
+
+
+def test_fuzz_engine_imports_without_running_and_its_cases_are_seeded():
+    """examples/fuzz_engine.py is a module (tests/engine/test_fuzz.py runs it): importing it starts nothing,
+    and a seed fixes every hostile message it builds."""
+    import random
+
+    import zmq
+
+    from examples import fuzz_engine as fz
+
+    handles = fz.Handles("m", 49152, [1, 2, 3], [4, 5], "0" * 32, foreign_ws=9, foreign_channel=10)
+
+    def build(seed: int) -> list[bytes]:
+        ctx = zmq.Context()
+        conn = fz.Conn(ctx, "ipc:///nonexistent-fuzz.sock", lambda: True)
+        rng = random.Random(seed)
+        try:
+            return [m.payload for kind in sorted(fz.KINDS) for m in fz.KINDS[kind][0](conn, handles, rng)]
+        finally:
+            conn.close()
+            ctx.term()
+
+    assert build(3) == build(3) and build(3) != build(4)
+    assert {"random_bytes", "wrong_types", "huge_numbers", "foreign_handles", "lying_arrays"} <= set(fz.KINDS)
+    assert {"deep_program", "huge_program", "sampler_extremes", "huge_readout", "flood"} <= set(fz.KINDS)
