@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from ..protocol.programs import PROGRAM_MEMORY
+
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -16,6 +18,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--program-memory",
+        type=int,
+        default=PROGRAM_MEMORY >> 20,
+        help=f"MiB a program's values may peak at; a program over it is refused (default {PROGRAM_MEMORY >> 20})",
+    )
     p.add_argument(
         "--pass-cost-rows",
         type=int,
@@ -69,7 +77,8 @@ def run_engine(args) -> int:
             )
             for n in names
         ]
-        server = EngineServer(EngineCore(served, args.max_batch_tokens), args.listen, args.token)
+        core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20)
+        server = EngineServer(core, args.listen, args.token)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

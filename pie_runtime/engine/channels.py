@@ -3,15 +3,23 @@
 The host puts, sets (replaces the front cell), takes (consumes) and reads (copies); an epilogue does the same
 through a :class:`Txn`, whose writes land only when the whole fire succeeds. A fire that fails poisons the
 channels it writes: the error is kept and surfaces at the next take or read, until the channel is closed.
+
+Limits, checked when a channel opens (``limit_exceeded``, naming the limit): a cell holds at most
+``MAX_CELL_ELEMENTS`` elements and a channel at most ``MAX_CHANNEL_ELEMENTS`` (cell elements times capacity).
+A host put or set must match the channel's dtype and shape exactly (no cast: ``invalid_argument``); an
+epilogue's writes are checked by the program's rules before it runs. A host take whose ``min`` (at most its
+``max``) exceeds the channel's capacity could never be served and is refused (``invalid_argument``).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..protocol import ErrorCode, PieError
@@ -19,6 +27,8 @@ from ..protocol.arrays import encode_array
 from ..protocol.dtypes import CHANNEL_DTYPES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CHANNEL_DTYPES}
+MAX_CELL_ELEMENTS = 1 << 20  # elements of one cell
+MAX_CHANNEL_ELEMENTS = 1 << 24  # elements of a channel: a cell's times its capacity
 
 
 @dataclass(eq=False)
@@ -52,6 +62,15 @@ class Channel:
                 f"channel {self.id} holds cells of shape {list(self.shape)}, got {list(value.shape)}",
             )
         return value.to(device=self.device, dtype=TORCH_DTYPES[self.dtype]).clone()
+
+    def check_host_value(self, value: np.ndarray) -> None:
+        """A host's put or set: the data must have the channel's dtype and shape exactly (nothing is cast)."""
+        if value.dtype.name != self.dtype or tuple(value.shape) != self.shape:
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"channel {self.id} holds {self.dtype} cells of shape {list(self.shape)}, "
+                f"got {value.dtype.name} of shape {list(value.shape)}",
+            )
 
     def put(self, value: torch.Tensor) -> None:
         self.check_live()
@@ -152,6 +171,18 @@ class ChannelTable:
     ) -> Channel:
         if any(d < 1 for d in shape):
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"channel dims must be >= 1, got {shape}")
+        cell = math.prod(shape)
+        if cell > MAX_CELL_ELEMENTS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"a channel cell holds at most MAX_CELL_ELEMENTS={MAX_CELL_ELEMENTS} elements, got {cell}",
+            )
+        if cell * capacity > MAX_CHANNEL_ELEMENTS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"a channel holds at most MAX_CHANNEL_ELEMENTS={MAX_CHANNEL_ELEMENTS} elements "
+                f"(cell elements x capacity), got {cell} x {capacity}",
+            )
         ch = Channel(next(self._ids), owner, model, tuple(shape), dtype, capacity, device)
         self.channels[ch.id] = ch
         return ch

@@ -17,27 +17,28 @@ from typing import Any
 
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
+from ..protocol.programs import PROGRAM_MEMORY
 from .channels import ChannelTable
 from .fire_requests import FireRequests
 from .jobs import Handler, Reply, StepStats
 from .programs.requests import ProgramRequests
 from .served import ServedModel, ServedModels
-from .spec_totals import SpecTotals
+from .spec_totals import SpecTotals, totals_for
 from .step import Step
 from .working_set import WorkingSetTable
 from .ws_requests import WorkingSetRequests
 
 
 class EngineCore:
-    def __init__(self, models: list[ServedModel], max_batch_tokens: int = 256):
+    def __init__(self, models: list[ServedModel], max_batch_tokens: int = 256, program_memory: int = PROGRAM_MEMORY):
         self.models = ServedModels(models)
         self.sets = WorkingSetTable()
         self.channels = ChannelTable()
         self.stats = StepStats()
         self.outbox: list[Reply] = []  # replies owed outside the request being handled (waiting takes)
         self.spec_totals: dict[str, dict[str, SpecTotals]] = {}  # model → inferlet → summed run counters
-        self.working_sets = WorkingSetRequests(self.models, self.sets, self.outbox)
-        self.programs = ProgramRequests(self.models, self.channels, self.outbox)
+        self.working_sets = WorkingSetRequests(self.models, self.sets, self.outbox, self.channels)
+        self.programs = ProgramRequests(self.models, self.channels, self.outbox, program_memory)
         self.fires = FireRequests(self.models, self.sets, self.programs)
         self._step = Step(self.models, self.channels, self.stats, max_batch_tokens)
         own: dict[str, Handler] = {
@@ -97,8 +98,7 @@ class EngineCore:
 
     def _spec_report(self, client: bytes, req: m.SpecReport) -> dict:
         sm = self.models.get(req.model)
-        by_inferlet = self.spec_totals.setdefault(sm.name, {})
-        by_inferlet.setdefault(req.inferlet, SpecTotals()).add(req)
+        totals_for(self.spec_totals.setdefault(sm.name, {}), req.inferlet).add(req)
         return {}
 
     def _stats(self, client: bytes, req: m.Stats) -> dict:

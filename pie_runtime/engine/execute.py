@@ -4,6 +4,7 @@ outcomes go to commit (step.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -18,52 +19,77 @@ from .runner import ReadoutRequest
 from .scheduler import Chunk
 from .served import ServedModel
 
+log = logging.getLogger("pie.engine")
+
 
 def execute(sm: ServedModel, chunks: list[Chunk[FireJob]], stats: StepStats) -> list[FireOutcome]:
-    """Runs the chunks; returns the outcome of every fire whose last rows ran."""
+    """Runs the chunks; returns the outcome of every fire whose last rows ran, and of every fire that failed.
+
+    Faults are contained per fire: when the batched forward or the batched readouts raise, they are run again
+    one fire at a time, so that only the guilty fire fails (``error`` set; commit answers it and releases what
+    it reserved) and the others go on; an epilogue that raises fails its own fire only. An exception that is
+    not a :class:`PieError` becomes one (``internal``, or ``program_failed`` in an epilogue) that names its
+    type, and is logged once."""
     t0 = time.perf_counter()
-    finished = _forward(sm, chunks)
-    requests = [
-        ReadoutRequest(
-            r,
-            torch.stack([j.hidden[row] for row in r.rows]),
-            mask,
-            [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows] if r.at_accepted else None,
-        )
-        for j in finished
-        for r, mask in zip(j.readouts, j.masks)
-        if r.rows
-    ]
-    results, raw = sm.runner.readouts(requests) if requests else ([], [])
+    finished, failed = _forward(sm, chunks, stats)
+    finished, failed_readouts = _readouts(sm, finished)
+    failed += failed_readouts
     t1 = time.perf_counter()
     stats.forward_s += t1 - t0
-    stats.rows += sum(c.rows for c in chunks)
-    it = iter(zip(results, raw))
-    outcomes = []
-    for j in finished:
-        answered, logits = [], {}
-        for r in j.readouts:
-            res, lg = next(it) if r.rows else ({}, None)
-            answered.append(res)
-            if lg is not None:
-                logits[tuple(r.rows)] = lg
-        outcome = _epilogue(sm, j, logits)
+    outcomes = failed
+    for j, answered, logits in finished:
+        try:
+            outcome = _epilogue(sm, j, logits)
+        except Exception as e:  # noqa: BLE001 - contained: costs this fire only
+            outcome = FireOutcome(j, error=contained(e, "epilogue", ErrorCode.PROGRAM_FAILED))
         outcome.results = answered
         outcomes.append(outcome)
     stats.epilogue_s += time.perf_counter() - t1
     return outcomes
 
 
-def _forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> list[FireJob]:
-    """One forward over every chunk; keeps the hidden states of the rows a readout or program reads and
-    returns the fires that ran their last rows."""
+def contained(e: Exception, where: str, code: ErrorCode = ErrorCode.INTERNAL) -> PieError:
+    """The typed error a fire fails with when ``where`` raised ``e``; anything but a PieError is logged."""
+    if isinstance(e, PieError):
+        return e.with_traceback(None)
+    log.exception("a fire's %s raised; failing that fire only", where)
+    return PieError(code, f"the fire's {where} failed: {type(e).__name__}: {e}"[:1000])
+
+
+def _forward(
+    sm: ServedModel, chunks: list[Chunk[FireJob]], stats: StepStats
+) -> tuple[list[FireJob], list[FireOutcome]]:
+    """One forward over every chunk; keeps the hidden states of the rows a readout or program reads. Returns
+    the fires that ran their last rows, and the failures. A batch that raises is run again chunk by chunk
+    (rewriting the same unfrozen KV rows); a fire's ``done`` and ``hidden`` move only after its rows ran."""
+    try:
+        hidden = _run_forward(sm, chunks)
+    except Exception as e:  # noqa: BLE001 - contained below
+        if len(chunks) == 1:
+            return [], [FireOutcome(chunks[0].job, error=contained(e, "forward"))]
+        finished: list[FireJob] = []
+        failed: list[FireOutcome] = []
+        for c in chunks:
+            f, x = _forward(sm, [c], stats)
+            finished += f
+            failed += x
+        return finished, failed
+    stats.rows += sum(c.rows for c in chunks)
+    return _advance(chunks, hidden), []
+
+
+def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
     segments, tokens, positions = [], [], []
     for c in chunks:
         j = c.job
         segments.append(Segment(j.ws.pages, j.start + j.done, c.rows))
         tokens.extend(j.tokens[j.done : j.done + c.rows])
         positions.extend(j.positions[j.done : j.done + c.rows])
-    hidden = sm.runner.forward(segments, tokens, positions)
+    return sm.runner.forward(segments, tokens, positions)
+
+
+def _advance(chunks: list[Chunk[FireJob]], hidden: torch.Tensor) -> list[FireJob]:
+    """After a successful forward: keeps the wanted hidden rows, moves ``done``; returns the finished fires."""
     offset = 0
     finished: list[FireJob] = []
     for c in chunks:
@@ -79,6 +105,54 @@ def _forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> list[FireJob]:
     return finished
 
 
+Logits = dict[tuple[int, ...], torch.Tensor]  # readout rows → raw logits, reused by the epilogue
+
+
+def _readouts(
+    sm: ServedModel, jobs: list[FireJob]
+) -> tuple[list[tuple[FireJob, list[dict], Logits]], list[FireOutcome]]:
+    """The readouts of the finished fires, batched in one lm head; when the batch raises, fire by fire.
+    Returns (fire, its results, its logits) per fire that read out, and the failures."""
+    try:
+        return _read(sm, jobs), []
+    except Exception as e:  # noqa: BLE001 - contained below
+        if len(jobs) == 1:
+            return [], [FireOutcome(jobs[0], error=contained(e, "readouts"))]
+    done: list[tuple[FireJob, list[dict], Logits]] = []
+    failed: list[FireOutcome] = []
+    for j in jobs:
+        d, f = _readouts(sm, [j])
+        done += d
+        failed += f
+    return done, failed
+
+
+def _read(sm: ServedModel, jobs: list[FireJob]) -> list[tuple[FireJob, list[dict], Logits]]:
+    requests = [
+        ReadoutRequest(
+            r,
+            torch.stack([j.hidden[row] for row in r.rows]),
+            mask,
+            [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows] if r.at_accepted else None,
+        )
+        for j in jobs
+        for r, mask in zip(j.readouts, j.masks)
+        if r.rows
+    ]
+    results, raw = sm.runner.readouts(requests) if requests else ([], [])
+    it = iter(zip(results, raw))
+    out = []
+    for j in jobs:
+        answered, logits = [], {}
+        for r in j.readouts:
+            res, lg = next(it) if r.rows else ({}, None)
+            answered.append(res)
+            if lg is not None:
+                logits[tuple(r.rows)] = lg
+        out.append((j, answered, logits))
+    return out
+
+
 def _epilogue(sm: ServedModel, j: FireJob, logits: dict[tuple[int, ...], torch.Tensor]) -> FireOutcome:
     """Runs the fire's program; ``logits`` (readout rows → raw logits) spares it a second lm head."""
     if j.program is None:
@@ -91,5 +165,5 @@ def _epilogue(sm: ServedModel, j: FireJob, logits: dict[tuple[int, ...], torch.T
             raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}, outside [0, {len(j.tokens)}]")
         txn.commit()
     except PieError as e:
-        return FireOutcome(j, error=e)
+        return FireOutcome(j, error=e.with_traceback(None))  # its frames would keep the fire's tensors alive
     return FireOutcome(j, device_fold=fold, txn=txn)

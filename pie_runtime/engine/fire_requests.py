@@ -4,6 +4,13 @@ Every check runs before anything changes, so a refused fire leaves no trace; its
 it is accepted, so running out of pages is an immediate typed error, never a stall. A fire may settle its
 working set's deferred fold (``settle``), carry an epilogue program over bound channels, take its window
 from a channel, and stay with the engine as a run-ahead (docs/architecture.md, "Programs and channels").
+
+Readouts are bounded before any work, so a small message cannot make the lm head allocate without limit:
+each readout reads at most ``max(w, MIN_READOUT_ROWS)`` rows (``w`` the fire's window; a row may repeat
+within that count, so a short window may still draw several samples of one row) and all the readouts of
+one fire at most ``MAX_READOUT_ROWS`` rows (``limit_exceeded``). Every row of a readout's
+allowed-token mask must allow at least one token of the vocabulary (``empty_mask``), so no sampler ever
+sees a row with nothing to choose.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from .jobs import FireJob, Handler
 from .programs.requests import ProgramRequests
 from .served import ServedModel, ServedModels
 from .working_set import WorkingSetTable
+
+MAX_READOUT_ROWS = 4096  # readout rows of one fire, all its readouts together (duplicates count)
+MIN_READOUT_ROWS = 64  # one readout reads at most max(window, this) rows: e.g. 16 samples of a prompt's last row
 
 
 class FireRequests:
@@ -39,6 +49,7 @@ class FireRequests:
         w = source.shape[0] if source is not None else len(req.tokens or [])
         start = ws.committed + req.settle if req.settle is not None else sm.queue.planned_length(ws)
         positions = self._check_window(sm, req, start, w)
+        self._check_readout_rows(req, w)
         masks = [self._check_readout(r, w, sm) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
@@ -99,6 +110,25 @@ class FireRequests:
         return fold
 
     @staticmethod
+    def _check_readout_rows(req: m.Fire, w: int) -> None:
+        """Bounds the rows the fire's readouts read: each at most max(w, MIN_READOUT_ROWS), all together
+        MAX_READOUT_ROWS."""
+        most = max(w, MIN_READOUT_ROWS)
+        for r in req.readouts:
+            if len(r.rows) > most:
+                raise PieError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"a readout reads at most max(window {w}, MIN_READOUT_ROWS={MIN_READOUT_ROWS}) rows, "
+                    f"got {len(r.rows)}",
+                )
+        total = sum(len(r.rows) for r in req.readouts)
+        if total > MAX_READOUT_ROWS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the readouts of one fire read at most MAX_READOUT_ROWS={MAX_READOUT_ROWS} rows, got {total}",
+            )
+
+    @staticmethod
     def _check_readout(r: m.Readout, w: int, sm: ServedModel) -> np.ndarray | None:
         """Checks one readout against the window and the model; returns its mask, if it has one."""
         if any(not 0 <= row < w for row in r.rows):
@@ -117,4 +147,14 @@ class FireRequests:
         mask = r.mask.to_numpy()
         if mask.dtype not in (np.int32, np.uint32) or mask.shape != (len(r.rows), words):
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"mask must be int32 of shape ({len(r.rows)}, {words})")
+        vocab = sm.info.vocab_size
+        allowed = mask.view(np.uint32)
+        if vocab % 32:  # bits past the vocabulary allow nothing
+            allowed = allowed.copy()
+            allowed[:, -1] &= np.uint32((1 << (vocab % 32)) - 1)
+        empty = np.flatnonzero(~allowed.any(axis=1))
+        if empty.size:
+            raise PieError(
+                ErrorCode.EMPTY_MASK, f"readout mask row {int(empty[0])} allows no token of the vocabulary [0, {vocab})"
+            )
         return mask

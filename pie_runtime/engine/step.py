@@ -4,6 +4,11 @@ Schedule picks the chunks of the ready fires (scheduler.py); execute runs one fo
 readouts and epilogues of the fires it finished (execute.py); commit applies their folds, answers them and
 re-queues run-aheads. Before scheduling, the step stops flagged run-aheads and hands channel-fed fires their
 windows; after it, the host takes that the step's channel writes can answer are answered.
+
+Faults are contained per fire: execute turns what a fire raises into its error outcome, and a fault past that
+fails the fires of that model's step, never the engine. A failed fire is answered with its error, poisons the
+channels it writes, and returns the pages its unfolded rows took; when its rows did not all run, the later
+fires queued on its working set (which count on its fold) fail with it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from ..protocol import ErrorCode, PieError
 from ..protocol.arrays import encode_array
 from .channels import ChannelTable, poison
-from .execute import execute
+from .execute import contained, execute
 from .jobs import FireJob, FireOutcome, Reply, StepStats
 from .programs.fire import RunState
 from .scheduler import schedule
@@ -40,7 +45,11 @@ class Step:
             if not runnable:
                 continue
             chunks = schedule(runnable, self.max_batch_tokens)
-            outcomes = execute(sm, chunks, self.stats)
+            try:
+                outcomes = execute(sm, chunks, self.stats)
+            except Exception as e:  # noqa: BLE001 - past execute's own containment: this step's fires fail
+                err = contained(e, "step")
+                outcomes = [FireOutcome(c.job, error=err) for c in chunks]
             replies.extend(self._commit(sm, outcomes))
         replies.extend(self.channels.serve(self.models.writes))
         self.stats.steps += 1
@@ -86,7 +95,7 @@ class Step:
                         raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"channel token {bad} outside the vocab")
                     j.tokens = tokens
                 except PieError as e:
-                    replies.append(self._fail(sm, j, e))
+                    replies.extend(self._fail(sm, j, e))
         return replies
 
     def _flagged(self, run: RunState) -> bool:
@@ -100,7 +109,7 @@ class Step:
         for o in outcomes:
             j, ws = o.job, o.job.ws
             if o.error is not None:
-                replies.append(self._fail(sm, j, o.error))
+                replies.extend(self._fail(sm, j, o.error))
                 continue
             fold = j.fold if j.fold is not None else o.device_fold
             if fold is not None:
@@ -187,11 +196,21 @@ class Step:
         self._unqueue(sm, j)
         return (j.client, reply)
 
-    def _fail(self, sm: ServedModel, j: FireJob, err: PieError) -> Reply:
+    def _fail(self, sm: ServedModel, j: FireJob, err: PieError) -> list[Reply]:
         """A failed fire: its channel writes are dropped and those channels poisoned. A deferred (device)
-        fold folds nothing; a fold the host fixed still applies, since later queued fires count on it."""
+        fold folds nothing; a fold the host fixed still applies when all its rows ran, since later queued
+        fires count on it. When they did not all run (the forward failed, or the window never came), those
+        later fires of its working set fail too: their rows would sit past rows never written."""
         poison(j.writes, err)
-        if j.fold is not None and j.done:
+        ran = bool(j.tokens) and j.remaining == 0
+        if j.fold is not None and ran:
             j.ws.committed = j.start + j.fold
-        reply = {"id": j.req_id, "ok": False, "error": err.to_wire()}
-        return self._finish(sm, j, reply)
+        replies = [self._finish(sm, j, {"id": j.req_id, "ok": False, "error": err.to_wire()})]
+        if j.fold is not None and not ran:
+            after = PieError(
+                err.code, f"an earlier fire on working set {j.ws.id} failed before its rows ran: {err.message}"
+            )
+            for k in [k for k in sm.queue if k.ws is j.ws]:
+                poison(k.writes, after)
+                replies.append(self._finish(sm, k, {"id": k.req_id, "ok": False, "error": after.to_wire()}))
+        return replies

@@ -1,20 +1,30 @@
 """The working-set requests: ``ws_open``, ``ws_fork``, ``ws_release``, ``ws_fold``, ``ws_truncate``, and the
-release of a departed client's working sets. Each checks everything before it changes anything."""
+release of a departed client's working sets. Each checks everything before it changes anything.
+
+A client holds at most ``MAX_WORKING_SETS`` working sets at once (open and fork refuse more with
+``limit_exceeded``), so one client cannot grow the engine's tables without bound."""
 
 from __future__ import annotations
 
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
+from .channels import ChannelTable
 from .jobs import Handler, Reply
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
 
+MAX_WORKING_SETS = 4096  # per client
+
 
 class WorkingSetRequests:
-    def __init__(self, models: ServedModels, sets: WorkingSetTable, outbox: list[Reply]):
+    def __init__(
+        self, models: ServedModels, sets: WorkingSetTable, outbox: list[Reply], channels: ChannelTable | None = None
+    ):
         self.models = models
         self.sets = sets
-        self.outbox = outbox  # replies owed to the fires a release drops
+        self.outbox = outbox  # replies owed to the fires a release drops, and to the takes it settles
+        self.channels = channels
+        self._held: dict[bytes, int] = {}  # client → working sets it holds
 
     def ops(self) -> dict[str, Handler]:
         return {
@@ -27,14 +37,25 @@ class WorkingSetRequests:
 
     def open(self, client: bytes, req: m.WsOpen) -> dict:
         sm = self.models.get(req.model)
+        self._check_room(client)
         ws = self.sets.open(client, sm.name)
+        self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": sm.name, "committed": 0}
 
     def fork(self, client: bytes, req: m.WsFork) -> dict:
         parent = self.sets.idle(client, req.ws)
+        self._check_room(client)
         pages = self.models[parent.model].pages.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
+        self._held[client] = self._held.get(client, 0) + 1
         return {"ws": child.id, "committed": child.committed}
+
+    def _check_room(self, client: bytes) -> None:
+        if self._held.get(client, 0) >= MAX_WORKING_SETS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"MAX_WORKING_SETS: a client holds at most {MAX_WORKING_SETS} working sets; release one first",
+            )
 
     def release_request(self, client: bytes, req: m.WsRelease) -> dict:
         self.release(self.sets.get(client, req.ws))
@@ -58,14 +79,22 @@ class WorkingSetRequests:
 
     def release(self, ws: WorkingSet, notify: bool = True) -> None:
         """Returns ``ws``'s pages; its queued fires are dropped (a run-ahead stops) and, with ``notify``,
-        answered with an error."""
+        answered with an error. Host takes that waited on a dropped fire's channel writes are answered at
+        once (with what the channel holds, or ``channel_empty``): no fire will write for them any more."""
         sm = self.models[ws.model]
         self.sets.remove(ws)
+        held = self._held.get(ws.owner, 0) - 1
+        if held > 0:
+            self._held[ws.owner] = held
+        else:
+            self._held.pop(ws.owner, None)
         dropped = sm.queue.drop(ws)
         if notify and dropped:
             err = PieError(ErrorCode.UNKNOWN_WORKING_SET, f"working set {ws.id} was released in flight")
             self.outbox.extend((j.client, {"id": j.req_id, "ok": False, "error": err.to_wire()}) for j in dropped)
         sm.pages.release(ws)
+        if dropped and self.channels is not None:
+            self.outbox.extend(self.channels.serve(self.models.writes))
 
     def drop_client(self, client: bytes) -> int:
         """Releases every working set of a departed client; returns how many it had."""

@@ -29,6 +29,8 @@ def parse_request(data: bytes) -> tuple[int | None, Any]:
         raise PieError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         obj = unpack(data)
+    except msgpack.StackError:  # msgpack's own bound on nesting (about 1,000 levels): no recursion past it
+        raise PieError(ErrorCode.BAD_MESSAGE, "not msgpack: nested too deep") from None
     except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
         raise PieError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(e).__name__}") from None
     if not isinstance(obj, dict):

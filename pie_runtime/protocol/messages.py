@@ -34,6 +34,13 @@ class WireArray(_Msg):
 
 ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp"]
 
+# The sampler's ranges, shared by the engine's sampler and the SDK's filter_distribution: a temperature
+# below MIN_TEMPERATURE (0 included) is greedy (one-hot at the argmax), one above MAX_TEMPERATURE is
+# refused on the wire (and treated as MAX_TEMPERATURE by the samplers); top_p in (0, 1] always keeps the
+# most probable token, so a tiny top_p is greedy too.
+MIN_TEMPERATURE: Final = 1e-4
+MAX_TEMPERATURE: Final = 1e4
+
 
 class Readout(_Msg):
     """What to read at some rows of a fire's window. ``mask`` is an optional packed allowed-token bitmask
@@ -41,9 +48,9 @@ class Readout(_Msg):
 
     rows: list[int]
     kind: ReadoutKind
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
     k: int = Field(default=1, ge=1, le=16)  # MTP draft depth
     with_probs: bool = False  # MTP: also return the draft distribution at each step
@@ -206,22 +213,27 @@ class Ping(_Req):
     op: Literal["ping"]
 
 
+_SPEC_COUNT = Annotated[int, Field(ge=0, le=2**53 - 1)]  # exact in a double; summed saturating (spec_totals.py)
+_SPEC_SPAN = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
+
+
 class SpecReport(_Req):
-    """A finished speculative run's counters, which the engine sums per model and inferlet (``stats``)."""
+    """A finished speculative run's counters, which the engine sums per model and inferlet (``stats``). Every
+    count is an integer in ``[0, 2**53)`` and every duration a finite float in ``[0, 1e12]``."""
 
     op: Literal["spec_report"]
     model: str | None = None
     inferlet: str = Field(default="", max_length=128)
-    rounds: int = Field(ge=0)
-    proposed: int = Field(ge=0)
-    accepted: int = Field(ge=0)
-    proposed_per_position: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=64)
-    accepted_per_position: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=64)
-    rounds_with_rejection: int = Field(ge=0)
-    skipped: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0)]] = Field(default={}, max_length=32)
-    decode_tokens: int = Field(default=0, ge=0)
-    decode_s: float = Field(default=0.0, ge=0.0)
-    prefill_ms: float = Field(default=0.0, ge=0.0)
+    rounds: _SPEC_COUNT
+    proposed: _SPEC_COUNT
+    accepted: _SPEC_COUNT
+    proposed_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
+    accepted_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
+    rounds_with_rejection: _SPEC_COUNT
+    skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
+    decode_tokens: _SPEC_COUNT = 0
+    decode_s: _SPEC_SPAN = 0.0
+    prefill_ms: _SPEC_SPAN = 0.0
 
     @model_validator(mode="after")
     def _consistent(self) -> SpecReport:

@@ -1,11 +1,21 @@
 """The counters of speculative decoding and the figures derived from them, one definition for both sides:
 a run keeps them in its ``stats`` (SDK) and reports them when it ends (``spec_report``); the engine sums the
 reports per model and inferlet. Same names, same meanings: `accepted` counts drafts kept, not tokens
-returned; acceptance is drafts kept over drafts proposed."""
+returned; acceptance is drafts kept over drafts proposed.
+
+Sums saturate at ``MAX_TOTAL`` (the largest msgpack int64), so summed reports can never make a ``stats``
+reply unencodable; each report's counts are below 2**53 (``messages.SpecReport``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+MAX_TOTAL = 2**63 - 1
+
+
+def add_capped(a: int, b: int) -> int:
+    """``a + b``, saturating at ``MAX_TOTAL``."""
+    return min(a + b, MAX_TOTAL)
 
 
 @dataclass
@@ -29,17 +39,17 @@ class SpecCounters:
             self.proposed_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
         for i, (p, a) in enumerate(zip(proposed, accepted)):
-            self.proposed_per_position[i] += p
-            self.accepted_per_position[i] += a
+            self.proposed_per_position[i] = add_capped(self.proposed_per_position[i], p)
+            self.accepted_per_position[i] = add_capped(self.accepted_per_position[i], a)
 
     def merge(self, other: SpecCounters) -> None:
-        self.rounds += other.rounds
-        self.proposed += other.proposed
-        self.accepted += other.accepted
+        self.rounds = add_capped(self.rounds, other.rounds)
+        self.proposed = add_capped(self.proposed, other.proposed)
+        self.accepted = add_capped(self.accepted, other.accepted)
         self.add_positions(other.proposed_per_position, other.accepted_per_position)
-        self.rounds_with_rejection += other.rounds_with_rejection
+        self.rounds_with_rejection = add_capped(self.rounds_with_rejection, other.rounds_with_rejection)
         for reason, n in other.skipped.items():
-            self.skipped[reason] = self.skipped.get(reason, 0) + n
+            self.skipped[reason] = add_capped(self.skipped.get(reason, 0), n)
 
     def figures(self) -> dict:
         """The counters and what dashboards read from them."""

@@ -25,7 +25,8 @@ back to p_i. Greedy decoding (temperature 0) is
 the special case where every p_i is one-hot, which `verify_greedy` does without probabilities.
 
 p and q must come from the same `filter_distribution` (same temperature, top-k, top-p, mask); that
-function is the reference the engine's torch sampler implements.
+function is the reference the engine's torch sampler implements (`pie_runtime/engine/sampling.py`), with
+the same guards: whatever the logits (NaN, +-inf), every row is finite, non-negative and sums to 1.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pie_runtime.protocol.messages import MAX_TEMPERATURE, MIN_TEMPERATURE
 from pie_runtime.protocol.spec_counters import SpecCounters
 
 
@@ -48,41 +50,55 @@ def filter_distribution(
     """Logits (..., V) -> float64 probabilities (..., V), each row summing to 1.
 
     Steps, in order, per row:
-      1. mask: tokens where `mask` is False get probability 0 (mask broadcasts against logits);
-      2. temperature 0: one-hot at the argmax of the masked logits, ties to the lowest index;
-         otherwise divide the logits by the temperature;
-      3. top-k (k > 0): keep every token whose logit is >= the k-th largest, so ties at the
+      1. a NaN logit counts as -inf; mask: tokens where `mask` is False get probability 0 (mask
+         broadcasts against logits; a row allowing no token is refused);
+      2. shift the row so its largest logit is 0; a row with +inf logits is uniform over them, a row
+         with no finite allowed logit uniform over its allowed tokens;
+      3. temperature below MIN_TEMPERATURE (1e-4; 0 included): one-hot at the argmax, ties to the
+         lowest index; otherwise divide by the temperature (at most MAX_TEMPERATURE);
+      4. top-k (k > 0): keep every token whose logit is >= the k-th largest, so ties at the
          boundary are all kept;
-      4. softmax over the kept tokens;
-      5. top-p (< 1): sort by probability descending, ties by lower index first (a stable sort),
-         and keep the shortest prefix whose mass is >= top_p; the first token is always kept;
-      6. renormalize.
+      5. softmax over the kept tokens;
+      6. top-p (< 1): sort by probability descending, ties by lower index first (a stable sort),
+         and keep the shortest prefix whose mass is >= top_p; the first token is always kept, so a
+         tiny top_p is greedy;
+      7. renormalize.
     """
     x = np.array(logits, dtype=np.float64)
     if x.ndim == 0:
         raise ValueError("logits must have a vocabulary axis")
-    if temperature < 0:
+    if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    allowed = np.ones(x.shape, dtype=bool)
     if mask is not None:
         allowed = np.broadcast_to(np.asarray(mask, dtype=bool), x.shape)
         if not allowed.any(axis=-1).all():
             raise ValueError("mask allows no token in some row")
-        x = np.where(allowed, x, -np.inf)
+    x = np.where(allowed & ~np.isnan(x), x, -np.inf)
+    top = x.max(axis=-1, keepdims=True)
+    finite = np.isfinite(top)
+    with np.errstate(over="ignore"):  # a finite difference may overflow to -inf, which is fine
+        shifted = x - np.where(finite, top, 0.0)  # no inf - inf
+    x = np.where(
+        top == np.inf,
+        np.where(x == np.inf, 0.0, -np.inf),
+        np.where(top == -np.inf, np.where(allowed, 0.0, -np.inf), shifted),
+    )
 
-    if temperature == 0:
+    if not temperature >= MIN_TEMPERATURE:
         return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
 
-    x = x / temperature
+    with np.errstate(over="ignore"):  # a large negative logit may become -inf
+        x = x / min(temperature, MAX_TEMPERATURE)  # still <= 0, the largest still 0
     if 0 < top_k < x.shape[-1]:
         kth = -np.partition(-x, top_k - 1, axis=-1)[..., top_k - 1 : top_k]  # (..., 1)
         x = np.where(x >= kth, x, -np.inf)
 
-    x = x - x.max(axis=-1, keepdims=True)
-    probs = np.exp(x)
+    probs = np.exp(x)  # exp(0) = 1 in every row: the sum is >= 1
     probs /= probs.sum(axis=-1, keepdims=True)
 
     if top_p < 1.0:

@@ -45,3 +45,16 @@ async def test_inconsistent_reports_are_refused(tiny, bad):
         await tiny.client.request("spec_report", **fields)
     assert e.value.code == ErrorCode.BAD_MESSAGE
     assert await totals(tiny) == before
+
+
+async def test_reports_at_the_limit_never_break_stats_and_past_it_are_refused(tiny):
+    top = 2**53 - 1
+    fields = {"model": TINY, "inferlet": "at-the-limit", "rounds_with_rejection": 0}
+    for too_big in ({"rounds": 2**64 - 1}, {"rounds": 2**53}, {"decode_s": float("inf")}):
+        with pytest.raises(PieError) as e:
+            await tiny.client.request("spec_report", **{**fields, "rounds": 1, "proposed": 1, "accepted": 0, **too_big})
+        assert e.value.code == ErrorCode.BAD_MESSAGE
+    for _ in range(2):
+        await tiny.client.request("spec_report", **fields, rounds=top, proposed=top, accepted=top)
+    t = (await tiny.client.request("stats"))["speculation"][TINY]["at-the-limit"]
+    assert t["runs"] >= 2 and t["rounds"] >= 2 * top and t["acceptance"] == 1.0

@@ -4,6 +4,8 @@ inferred, and the SDK's tracer builds what the engine accepts."""
 
 from __future__ import annotations
 
+import argparse
+import weakref
 from typing import Any, cast
 
 import numpy as np
@@ -13,11 +15,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferlet.programs import Builder, Program, concat, sample, where
+from pie_runtime.cli.engine import add_engine_options
 from pie_runtime.engine.channels import TORCH_DTYPES, Channel, Txn
 from pie_runtime.engine.programs import run_program, validate
 from pie_runtime.engine.programs.interp import KERNELS
 from pie_runtime.protocol import ErrorCode, PieError
-from pie_runtime.protocol.programs import ARITY, MAX_NODES, PROGRAM_OPS, RULES, ModelDims
+from pie_runtime.protocol.codec import pack, parse_request
+from pie_runtime.protocol.programs import (
+    ARITY,
+    MAX_ATTR_ITEMS,
+    MAX_CONST_ELEMENTS,
+    MAX_NODES,
+    PROGRAM_MEMORY,
+    PROGRAM_OPS,
+    RULES,
+    ModelDims,
+    Spec,
+    peak_bytes,
+)
 
 DIMS = ModelDims(vocab=50, hidden=8, mtp_depth=2)
 CPU = torch.device("cpu")
@@ -345,3 +360,176 @@ def test_each_op_has_one_rule_and_one_kernel_or_intrinsic():
     assert set(RULES) == PROGRAM_OPS
     assert set(KERNELS) | intrinsics == PROGRAM_OPS and not set(KERNELS) & intrinsics
     assert set(ARITY) <= PROGRAM_OPS and PROGRAM_OPS - set(ARITY) == {"concat"}  # concat takes 1..MAX_NODES
+
+
+# ---- hardening: nesting, size and memory limits checked at validation; values freed after a run ---------
+
+
+def _nested(depth: int, leaf: Any = 1) -> Any:
+    v = leaf
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("depth", [5, 600, 1000, 100_000])
+def test_a_deep_const_is_refused_without_recursion(depth):
+    for attr in ("value", "other"):  # the const's value, and an attribute no rule reads (it is hashed too)
+        nodes = [node("const", dtype="int", **{"value": 1, attr: _nested(depth)})]
+        with pytest.raises(PieError) as e:
+            validate("m", nodes, DIMS)
+        assert e.value.code == ErrorCode.INVALID_PROGRAM and "nested deeper than 4" in e.value.message
+
+
+def _register_bytes(depth: int) -> bytes:
+    """A program_register whose const nests ``depth`` lists deep, encoded by hand: msgpack's own packer stops
+    near 1,000 levels."""
+    msg = pack({"id": 7, "op": "program_register", "model": "m", "nodes": [node("const", value="@@", dtype="int")]})
+    return msg.replace(pack("@@"), b"\x91" * depth + b"\x01")
+
+
+@pytest.mark.parametrize("depth", [600, 1000, 100_000])
+def test_a_deep_const_on_the_wire_gets_a_typed_refusal(depth):
+    try:
+        _, req = parse_request(_register_bytes(depth))
+        validate("m", [n.model_dump() for n in req.nodes], DIMS)
+    except PieError as e:
+        assert e.code in (ErrorCode.BAD_MESSAGE, ErrorCode.INVALID_PROGRAM) and e.request_id in (7, None)
+        assert "deep" in e.message
+    else:
+        raise AssertionError("accepted")
+
+
+def test_consts_up_to_rank_four_validate_and_the_walk_still_refuses_ragged_and_huge():
+    prog = validate("m", [node("const", value=_nested(3, [1, 2]), dtype="int")], DIMS)
+    assert prog.specs[0] == Spec((1, 1, 1, 2), "int")
+    for value in ([[1], [[2]]], [[1, 2], 3], [[]], [[[[[1]]]]], _nested(2, [0] * (MAX_CONST_ELEMENTS + 1)), "x"):
+        with pytest.raises(PieError) as e:
+            validate("m", [node("const", value=value, dtype="int")], DIMS)
+        assert e.value.code == ErrorCode.INVALID_PROGRAM, value
+    for attrs in ({"big": list(range(MAX_ATTR_ITEMS + 1))}, {"s": "x" * 1000}, {"deep": {"a": _nested(5)}}):
+        with pytest.raises(PieError) as e:
+            validate("m", [node("iota", n=3, **attrs)], DIMS)
+        assert e.value.code == ErrorCode.INVALID_PROGRAM, attrs
+
+
+def _wide(n: int) -> list[dict]:
+    """A [4096, 4096] uniform (64 MiB of float32) and ``n`` exps of it, all alive until a chain of adds."""
+    adds = [node("add", [2, 3])] + [node("add", [n + 1 + k, 3 + k]) for k in range(1, n - 1)]
+    return [
+        node("const", value=[7, 0], dtype="int"),
+        node("uniform", [0], shape=[4096, 4096]),
+        *[node("exp", [1]) for _ in range(n)],
+        *adds,
+        node("sum", [2 * n]),
+        node("sum", [2 * n + 1]),
+    ]
+
+
+def test_a_program_over_the_memory_budget_is_refused_at_validation():
+    prog = validate("m", _wide(2), DIMS)
+    assert peak_bytes(_wide(2), prog.specs) == 3 * (64 << 20)  # the uniform and two exps, or two exps and a sum
+    with pytest.raises(PieError) as e:
+        validate("m", _wide(4), DIMS)  # four exps and their first add: 320 MiB
+    assert e.value.code == ErrorCode.LIMIT_EXCEEDED and str(PROGRAM_MEMORY) in e.value.message
+    assert "--program-memory" in e.value.message
+    specs = validate("m", _wide(4), DIMS, memory=1 << 40).specs
+    peak = peak_bytes(_wide(4), specs)
+    assert peak == 5 * (64 << 20)
+    validate("m", _wide(4), DIMS, memory=peak)  # just at the budget
+    with pytest.raises(PieError) as e:
+        validate("m", _wide(4), DIMS, memory=peak - 1)
+    assert e.value.code == ErrorCode.LIMIT_EXCEEDED
+
+
+def test_the_issue_s_500_node_program_is_refused_and_a_long_chain_is_not():
+    """16M-element values all alive until a chain of adds reads them: ~16 GiB if run. A chain of the same
+    length holds two values at a time (each dropped after its last use) and fits."""
+    many = _wide(250)
+    assert len(many) <= MAX_NODES
+    with pytest.raises(PieError) as e:
+        validate("m", many, DIMS)
+    assert e.value.code == ErrorCode.LIMIT_EXCEEDED
+    chain = [node("iota", n=1 << 20)] + [node("exp", [i]) for i in range(511)]
+    prog = validate("m", chain, DIMS)
+    assert peak_bytes(chain, prog.specs) == (8 << 20) + (4 << 20)
+
+
+def test_the_engine_flag_sets_the_budget():
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    assert p.parse_args([]).program_memory << 20 == PROGRAM_MEMORY
+    assert p.parse_args(["--program-memory", "1024"]).program_memory == 1024
+
+
+class _Watch:
+    """Wraps the interpreter's kernels to keep a weak reference to every value they make."""
+
+    def __init__(self, monkeypatch):
+        self.refs: list[weakref.ref] = []
+        for op, fn in list(KERNELS.items()):
+            monkeypatch.setitem(KERNELS, op, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def kernel(*args):
+            out = fn(*args)
+            self.refs.append(weakref.ref(out))
+            return out
+
+        return kernel
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+
+def test_a_failed_epilogue_leaves_no_value_alive(monkeypatch):
+    """The issue's leak: a big uniform and exps ending in a failing gather. Nothing may hold them after the
+    error, not even the error's traceback or chained cause."""
+    watch = _Watch(monkeypatch)
+    nodes = [
+        node("const", value=[7, 0], dtype="int"),
+        node("uniform", [0], shape=[256, 256]),
+        *[node("exp", [i + 1]) for i in range(5)],
+        node("const", value=[[1000]], dtype="int"),
+        node("gather", [6, 7], dim=1),
+        node("sum", [8]),
+        node("sum", [9]),
+    ]
+    with pytest.raises(PieError) as e:
+        run(validate("m", nodes, DIMS))
+    assert e.value.code == ErrorCode.PROGRAM_FAILED and "node 8 (gather)" in e.value.message
+    assert e.value.__context__ is None and e.value.__cause__ is None
+    assert len(watch.refs) == 6 and watch.alive() == 0
+
+
+def test_values_are_dropped_after_their_last_use_and_at_the_end(monkeypatch):
+    watch = _Watch(monkeypatch)
+    seen: list[int] = []
+    exp = KERNELS["exp"]
+
+    def spy(x, a):
+        seen.append(watch.alive())  # values alive as this node runs, besides its input
+        return exp(x, a)
+
+    monkeypatch.setitem(KERNELS, "exp", spy)
+    nodes = [
+        node("const", value=[7, 0], dtype="int"),
+        node("uniform", [0], shape=[64, 64]),
+        node("slice", [1], dim=0, start=0, stop=1),  # a copy: the uniform goes after this node
+        *[node("exp", [i + 2]) for i in range(4)],
+        node("sum", [6]),
+        node("sum", [7]),
+    ]
+    fold, _ = run(validate("m", nodes, DIMS))
+    assert fold is None and seen == [1, 1, 1, 1]  # only the input: the uniform and older exps are gone
+    assert watch.alive() == 0
+
+
+def test_any_exception_in_a_kernel_fails_the_fire(monkeypatch):
+    def boom(x, a):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setitem(KERNELS, "exp", boom)
+    with pytest.raises(PieError) as e:
+        run(validate("m", [node("iota", n=3), node("exp", [0])], DIMS))
+    assert e.value.code == ErrorCode.PROGRAM_FAILED and "node 1 (exp): out of memory" in e.value.message

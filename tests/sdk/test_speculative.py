@@ -343,6 +343,61 @@ def test_filter_rejects_bad_arguments(kwargs):
         filter_distribution(LOGITS, **kwargs)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-9, 9.9e-5])
+def test_filter_tiny_temperature_is_greedy(temperature):
+    np.testing.assert_array_equal(filter_distribution(LOGITS, temperature), [0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(filter_distribution(LOGITS, temperature, top_p=1e-300), [0, 1, 0, 0, 0])
+
+
+def test_filter_tiny_top_p_keeps_the_top_token():
+    np.testing.assert_array_equal(filter_distribution(LOGITS, 1.0, top_p=1e-300), [0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(filter_distribution(LOGITS, 1e4, top_p=1e-300, top_k=10**9), [0, 1, 0, 0, 0])
+
+
+def test_filter_huge_temperature_is_near_uniform_and_capped():
+    got = filter_distribution(LOGITS, 1e4)
+    np.testing.assert_allclose(got, np.full(5, 0.2), atol=1e-3)
+    np.testing.assert_array_equal(filter_distribution(LOGITS, 1e300), got)  # counts as MAX_TEMPERATURE
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-4, 0.5, 1.0, 1e4, 1e300])
+@pytest.mark.parametrize("top_p", [1e-300, 0.5, 1.0])
+@pytest.mark.parametrize("top_k", [0, 1, 3, 10**9])
+def test_filter_is_finite_for_any_logits(temperature, top_p, top_k):
+    inf, nan = np.inf, np.nan
+    logits = np.array(
+        [
+            [1.0, 3, 2, 3, -1],
+            [nan] * 5,
+            [inf, 1, inf, 2, 3],
+            [-inf] * 5,
+            [1e308, -1e308, 0, 1, 2],
+            [nan, 1, -inf, inf, 0],
+        ]
+    )
+    with np.errstate(invalid="raise", divide="raise"):  # no inf - inf, 0 / 0 or x / 0 on the way
+        got = filter_distribution(logits, temperature, top_k, top_p)
+    assert np.isfinite(got).all() and (got >= 0).all()
+    np.testing.assert_allclose(got.sum(-1), 1.0)
+    assert got[1].argmax() == 0 and got[3].argmax() == 0  # nothing finite: the first token leads
+    assert got[2][[1, 3, 4]].sum() == 0 and got[5][3] == 1.0  # +inf logits take the whole row
+
+
+def test_filter_nan_logits_never_win():
+    logits = np.array([np.nan, 1.0, np.nan, 0.0])
+    np.testing.assert_array_equal(filter_distribution(logits, 0.0), [0, 1, 0, 0])
+    assert filter_distribution(logits, 1.0)[[0, 2]].sum() == 0
+    # a mask whose allowed tokens are all NaN or -inf leaves them uniform
+    mask = np.array([True, False, True, False])
+    np.testing.assert_allclose(filter_distribution(logits, 1.0, mask=mask), [0.5, 0, 0.5, 0])
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": np.nan}, {"temperature": 1.0, "top_p": np.nan}])
+def test_filter_rejects_nan_arguments(kwargs):
+    with pytest.raises(ValueError):
+        filter_distribution(LOGITS, **kwargs)
+
+
 # ---- stats -----------------------------------------------------------------------------------
 
 

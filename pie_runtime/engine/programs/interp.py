@@ -1,7 +1,9 @@
 """The epilogue interpreter: each op of the closed set mapped to a torch function, run on the engine's device.
 
 Programs run once per fire (a per-fire loop; fires of one step are not yet batched by program). Values are
-float32, int64 or bool tensors; channel cells are cast to and from their channel's dtype at the boundary.
+float32, int64 or bool tensors (``protocol.programs.DTYPE_BYTES``); channel cells are cast to and from their
+channel's dtype at the boundary. Each value is dropped after its last use (``Program.frees``) and slices are
+copies, so the live values never exceed the peak the validator bounded (``protocol.programs.peak_bytes``).
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ KERNELS: dict[str, Callable] = {  # op → its torch function; the intrinsics an
     "uniform": lambda rng, a: torch.rand(tuple(a["shape"]), generator=_generator(rng, 2), device=rng.device),
     "gather": lambda x, i, a: torch.gather(x, _dim(a), i),
     "scatter": lambda x, i, v, a: x.scatter(_dim(a), i, v),
-    "slice": lambda x, a: x.narrow(_dim(a), a["start"], a["stop"] - a["start"]),
-    "index": lambda x, a: x.select(_dim(a), a["index"]),
+    # a copy, not a view: a view would keep its whole input alive past the input's last use
+    "slice": lambda x, a: x.narrow(_dim(a), a["start"], a["stop"] - a["start"]).clone(),
+    "index": lambda x, a: x.select(_dim(a), a["index"]).clone(),
     "concat": lambda *xs: torch.cat(xs[:-1], dim=_dim(xs[-1])),
     "reshape": lambda x, a: x.reshape(tuple(a["shape"])),
 }
@@ -114,8 +117,28 @@ KERNELS: dict[str, Callable] = {  # op → its torch function; the intrinsics an
 
 @torch.inference_mode()
 def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device) -> int | None:
-    """Runs ``prog`` for one fire; channel effects go to ``txn``. Returns the fold count it set, if any."""
+    """Runs ``prog`` for one fire; channel effects go to ``txn``. Returns the fold count it set, if any.
+
+    Any failure is a PROGRAM_FAILED (or the PieError a channel raised) carrying no traceback or chained
+    exception, so that nothing refers to the program's values once it returns or raises: each value is dropped
+    after its last use and the rest when the program ends, on success and on failure alike."""
     values: list[torch.Tensor | None] = []
+    err: PieError | None = None
+    try:
+        return _run(prog, fire, txn, device, values)
+    except PieError as e:
+        err = e
+    finally:
+        values.clear()
+    assert err is not None
+    err.__context__ = err.__cause__ = None  # the cause's frames would hold the failing node's inputs
+    try:
+        raise err.with_traceback(None)
+    finally:
+        del err  # no cycle error → traceback → this frame → error
+
+
+def _run(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device, values: list) -> int | None:
     fold = None
     for i, node in enumerate(prog.nodes):
         op, a = node["op"], node.get("attrs", {})
@@ -151,12 +174,16 @@ def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device)
                 out = None
             else:
                 out = KERNELS[op](*ins, a)
+            if out is not None:
+                assert spec is not None  # the validator gave every value node a spec
+                out = out.to(DTYPE[spec.kind])
         except PieError:
             raise
-        except (RuntimeError, IndexError, ValueError) as e:
-            raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} ({op}): {str(e).splitlines()[0]}") from None
-        if out is not None:
-            assert spec is not None  # the validator gave every value node a spec
-            out = out.to(DTYPE[spec.kind])
+        except Exception as e:  # noqa: BLE001 - any kernel failure (index out of range, out of memory) fails the fire
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PieError(ErrorCode.PROGRAM_FAILED, f"node {i} ({op}): {first}") from None
         values.append(out)
+        del ins, out
+        for j in prog.frees[i]:
+            values[j] = None
     return fold

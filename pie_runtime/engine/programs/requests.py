@@ -9,7 +9,7 @@ import torch
 from ...protocol import ErrorCode, PieError
 from ...protocol import messages as m
 from ...protocol.dtypes import CHANNEL_DTYPES
-from ...protocol.programs import ModelDims
+from ...protocol.programs import PROGRAM_MEMORY, ModelDims
 from ..channels import Channel, ChannelTable
 from ..jobs import Handler, Reply
 from ..served import ServedModels
@@ -22,8 +22,11 @@ MAX_CHANNELS = 256  # per client
 
 
 class ProgramRequests:
-    def __init__(self, models: ServedModels, channels: ChannelTable, outbox: list[Reply]):
+    def __init__(
+        self, models: ServedModels, channels: ChannelTable, outbox: list[Reply], program_memory: int = PROGRAM_MEMORY
+    ):
         self.models = models
+        self.program_memory = program_memory  # bytes: a program whose values peak above it is refused
         self.channels = channels
         self.outbox = outbox  # replies owed to waiting takes that a host put or close answers
         self.programs: dict[bytes, dict[str, Program]] = {}  # client → hash → program
@@ -99,7 +102,7 @@ class ProgramRequests:
     def register(self, client: bytes, req: m.ProgramRegister) -> dict:
         sm = self.models.get(req.model)
         dims = ModelDims(sm.info.vocab_size, sm.info.hidden_size, sm.info.mtp_depth)
-        program = validate(sm.name, [n.model_dump() for n in req.nodes], dims)
+        program = validate(sm.name, [n.model_dump() for n in req.nodes], dims, self.program_memory)
         mine = self.programs.setdefault(client, {})
         if program.hash not in mine and len(mine) >= MAX_PROGRAMS:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_PROGRAMS} programs")
@@ -115,18 +118,27 @@ class ProgramRequests:
 
     def put(self, client: bytes, req: m.ChannelPut) -> dict:
         ch = self.channels.get(client, req.channel)
-        ch.put(torch.from_numpy(req.value.to_numpy().copy()))
+        value = req.value.to_numpy()
+        ch.check_host_value(value)
+        ch.put(torch.from_numpy(value.copy()))
         self.outbox.extend(self.channels.serve(self.models.writes))
         return {"size": len(ch.cells)}
 
     def set(self, client: bytes, req: m.ChannelSet) -> dict:
         ch = self.channels.get(client, req.channel)
-        ch.set(torch.from_numpy(req.value.to_numpy().copy()))
+        value = req.value.to_numpy()
+        ch.check_host_value(value)
+        ch.set(torch.from_numpy(value.copy()))
         self.outbox.extend(self.channels.serve(self.models.writes))
         return {"size": len(ch.cells)}
 
     def take(self, client: bytes, req: m.ChannelTake) -> dict | None:
         ch = self.channels.get(client, req.channel)
+        if min(req.min, req.max) > ch.capacity:  # it would wait for more cells than the channel can hold
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"a take waits for at most channel {ch.id}'s capacity of {ch.capacity} cells, got min={req.min}",
+            )
         return self.channels.take(client, req.id, ch, req.max, True, self.models.writes, req.min)
 
     def read(self, client: bytes, req: m.ChannelRead) -> dict | None:

@@ -1,12 +1,14 @@
-"""Checks a program before it can ever run: known ops, arity, attribute types, dtypes, static shapes, size
-limits, acyclic order (``protocol.programs.check_program``), and records what a fire must bind to run it."""
+"""Checks a program before it can ever run: known ops, arity, attribute types, size and nesting, dtypes, static
+shapes, size limits, acyclic order and peak memory against the engine's budget
+(``protocol.programs.check_program``), and records what a fire must bind to run it and when the interpreter
+may drop each value."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ...protocol import ErrorCode, PieError
-from ...protocol.programs import CHANNEL_OPS, ModelDims, Spec, check_program, program_hash
+from ...protocol.programs import CHANNEL_OPS, PROGRAM_MEMORY, ModelDims, Spec, check_program, last_uses, program_hash
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Program:
     rows: frozenset[int]  # window rows the readout intrinsics read
     window: int | None  # the window size a ``tokens`` intrinsic fixes
     folds: bool
+    frees: tuple[tuple[int, ...], ...]  # node → the values the interpreter drops once it has run (last use)
 
     def check_fire(self, w: int, bound: list) -> None:
         """Refuses a fire whose window or bound channels do not fit this program."""
@@ -45,8 +48,9 @@ class Program:
                 )
 
 
-def validate(model: str, nodes: list[dict], dims: ModelDims) -> Program:
-    specs = check_program(nodes, dims)
+def validate(model: str, nodes: list[dict], dims: ModelDims, memory: int = PROGRAM_MEMORY) -> Program:
+    """The checked program, or INVALID_PROGRAM (LIMIT_EXCEEDED when its peak bytes exceed ``memory``)."""
+    specs = check_program(nodes, dims, memory)
     slots, writes, puts, takes, rows, window = {}, set(), {}, {}, set(), None
     for node in nodes:
         op, a = node["op"], node.get("attrs", {})
@@ -78,4 +82,13 @@ def validate(model: str, nodes: list[dict], dims: ModelDims) -> Program:
         frozenset(rows),
         window,
         any(n["op"] == "fold" for n in nodes),
+        _frees(nodes),
     )
+
+
+def _frees(nodes: list[dict]) -> tuple[tuple[int, ...], ...]:
+    frees: list[list[int]] = [[] for _ in nodes]
+    for j, last in enumerate(last_uses(nodes)):
+        if last < len(nodes):  # a value handed to a channel stays until the program ends
+            frees[last].append(j)
+    return tuple(tuple(f) for f in frees)

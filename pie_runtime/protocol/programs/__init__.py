@@ -10,10 +10,14 @@ a program the SDK builds is checked by the same rules the engine enforces. Pure 
 ``check_program`` and ``program_hash``.
 """
 
-from .check import check_program, infer, program_hash
+from .check import check_attrs, check_program, infer, last_uses, peak_bytes, program_hash
 from .ops import (
     ARITY,
     CHANNEL_OPS,
+    DTYPE_BYTES,
+    MAX_ATTR_DEPTH,
+    MAX_ATTR_ITEMS,
+    MAX_ATTR_STR,
     MAX_CONST_ELEMENTS,
     MAX_DIM,
     MAX_ELEMENTS,
@@ -21,6 +25,7 @@ from .ops import (
     MAX_RANK,
     MAX_ROWS,
     MAX_SLOTS,
+    PROGRAM_MEMORY,
     PROGRAM_OPS,
     ModelDims,
     Spec,
@@ -31,6 +36,10 @@ from .rules import RULES
 __all__ = [
     "ARITY",
     "CHANNEL_OPS",
+    "DTYPE_BYTES",
+    "MAX_ATTR_DEPTH",
+    "MAX_ATTR_ITEMS",
+    "MAX_ATTR_STR",
     "MAX_CONST_ELEMENTS",
     "MAX_DIM",
     "MAX_ELEMENTS",
@@ -38,12 +47,16 @@ __all__ = [
     "MAX_RANK",
     "MAX_ROWS",
     "MAX_SLOTS",
+    "PROGRAM_MEMORY",
     "PROGRAM_OPS",
     "RULES",
     "ModelDims",
     "Spec",
     "bad",
+    "check_attrs",
     "check_program",
     "infer",
+    "last_uses",
+    "peak_bytes",
     "program_hash",
 ]

@@ -1,6 +1,12 @@
 """The vocabulary of epilogue programs: the closed op set by group and each op's arity, the limits, what a
 value is (``Spec``: a static shape and a dtype kind) and what the readout intrinsics' shapes depend on
-(``ModelDims``)."""
+(``ModelDims``).
+
+Limits: at most ``MAX_NODES`` nodes; every value of rank <= ``MAX_RANK`` and <= ``MAX_ELEMENTS`` elements; a
+constant of <= ``MAX_CONST_ELEMENTS`` numbers; every attribute nested <= ``MAX_ATTR_DEPTH`` lists deep (checked
+without recursion), <= ``MAX_ATTR_ITEMS`` items per node and strings of <= ``MAX_ATTR_STR``; and a peak of live
+value bytes (``check.peak_bytes``) within a budget, ``PROGRAM_MEMORY`` unless the engine is started with
+another (``--program-memory``): the SDK cannot know the engine's flag, so only the engine checks the budget."""
 
 from __future__ import annotations
 
@@ -13,9 +19,14 @@ MAX_NODES = 512
 MAX_RANK = 4
 MAX_ELEMENTS = 1 << 24  # per value: (rows, k, vocab) MTP logits of a 17-row window stay well under
 MAX_CONST_ELEMENTS = 4096
+MAX_ATTR_DEPTH = MAX_RANK  # lists in an attribute nest at most this deep (a const's nesting is its rank)
+MAX_ATTR_ITEMS = 2 * MAX_CONST_ELEMENTS  # numbers, strings and lists in one node's attributes, all told
+MAX_ATTR_STR = 256  # characters (or bytes) of one string attribute
 MAX_ROWS = 64
 MAX_SLOTS = 16
 MAX_DIM = 1 << 20
+DTYPE_BYTES = {"float": 4, "int": 8, "bool": 1}  # what the interpreter materialises: float32, int64, bool
+PROGRAM_MEMORY = 256 << 20  # default budget of a program's peak live bytes (the engine's --program-memory)
 
 BINARY_ARITH = ("add", "sub", "mul", "div", "floordiv", "mod", "maximum", "minimum")
 BINARY_CMP = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -72,6 +83,11 @@ class Spec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor the engine's interpreter holds for this value."""
+        return self.numel * DTYPE_BYTES[self.kind]
 
 
 @dataclass(frozen=True)

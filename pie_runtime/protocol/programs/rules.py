@@ -83,15 +83,27 @@ def _channel(i: int, attrs: dict) -> tuple[int, tuple[int, ...], str]:
 
 
 def const_shape(i: int, value) -> tuple[int, ...]:
-    """Shape of a nested-list constant; refuses ragged lists and non-numbers."""
-    if isinstance(value, (bool, int, float)):
-        return ()
-    if not isinstance(value, list) or not value:
-        raise bad(i, "a constant is a number or a non-empty nested list of numbers")
-    inner = [const_shape(i, v) for v in value]
-    if any(s != inner[0] for s in inner):
-        raise bad(i, "a ragged constant")
-    return (len(value), *inner[0])
+    """Shape of a nested-list constant, walked level by level (no recursion, so no nesting can exhaust the
+    stack); refuses ragged lists, non-numbers, nesting deeper than ``MAX_RANK`` and more than
+    ``MAX_CONST_ELEMENTS`` numbers before looking further."""
+    shape: list[int] = []
+    level = [value]
+    while True:
+        if all(isinstance(v, (bool, int, float)) for v in level):
+            return tuple(shape)
+        if not all(isinstance(v, list) and v for v in level):
+            if any(isinstance(v, (bool, int, float)) for v in level):
+                raise bad(i, "a ragged constant")
+            raise bad(i, "a constant is a number or a non-empty nested list of numbers")
+        if len(shape) == MAX_RANK:
+            raise bad(i, f"a constant nested deeper than {MAX_RANK} levels (the limit on rank)")
+        n = len(level[0])
+        if any(len(v) != n for v in level):
+            raise bad(i, "a ragged constant")
+        shape.append(n)
+        if math.prod(shape) > MAX_CONST_ELEMENTS:
+            raise bad(i, f"constant larger than {MAX_CONST_ELEMENTS} elements")
+        level = [x for v in level for x in v]
 
 
 def broadcast(i: int, *shapes: tuple[int, ...]) -> tuple[int, ...]:
