@@ -21,10 +21,10 @@ from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from .jobs import FireJob, Handler
 from .programs.requests import ProgramRequests
+from .scheduler import MAX_READOUT_ROWS  # one fire's readout rows, all its readouts together (duplicates count)
 from .served import ServedModel, ServedModels
 from .working_set import WorkingSetTable
 
-MAX_READOUT_ROWS = 4096  # readout rows of one fire, all its readouts together (duplicates count)
 MIN_READOUT_ROWS = 64  # one readout reads at most max(window, this) rows: e.g. 16 samples of a prompt's last row
 
 

@@ -47,6 +47,10 @@ class FireJob:
     def remaining(self) -> int:
         return len(self.tokens) - self.done
 
+    @property
+    def readout_rows(self) -> int:
+        return sum(len(r.rows) for r in self.readouts)
+
 
 @dataclass
 class FireOutcome:

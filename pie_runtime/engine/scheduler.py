@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 SHORT_FIRE_ROWS = 8
+MAX_READOUT_ROWS = 1024  # readout rows of one fire, and of the fires one step finishes (bounds the lm head's logits)
 
 
 class Schedulable(Protocol):
@@ -20,6 +21,9 @@ class Schedulable(Protocol):
 
     @property
     def remaining(self) -> int: ...
+
+    @property
+    def readout_rows(self) -> int: ...
 
 
 J = TypeVar("J", bound=Schedulable)
@@ -42,16 +46,22 @@ def heads(queue: Iterable[J]) -> list[J]:
     return out
 
 
-def schedule(queue: Iterable[J], max_batch_tokens: int) -> list[Chunk[J]]:
-    """Chunks of the heads of ``queue`` that fill at most ``max_batch_tokens`` rows, short fires first."""
+def schedule(queue: Iterable[J], max_batch_tokens: int, max_readout_rows: int = MAX_READOUT_ROWS) -> list[Chunk[J]]:
+    """Chunks of the heads of ``queue`` that fill at most ``max_batch_tokens`` rows, short fires first. The fires
+    the step finishes read out at most ``max_readout_rows`` rows together; a fire past that waits for the next
+    step (the first chunk always runs, so every step makes progress)."""
     ready = heads(queue)
     ordered = [j for j in ready if j.remaining <= SHORT_FIRE_ROWS] + [j for j in ready if j.remaining > SHORT_FIRE_ROWS]
     chunks: list[Chunk[J]] = []
-    budget = max_batch_tokens
+    budget, readouts = max_batch_tokens, 0
     for job in ordered:
         if budget <= 0:
             break
         rows = min(job.remaining, budget)
+        if rows == job.remaining:  # the fire finishes in this step and reads out
+            if chunks and readouts + job.readout_rows > max_readout_rows:
+                continue
+            readouts += job.readout_rows
         chunks.append(Chunk(job, rows))
         budget -= rows
     return chunks

@@ -14,7 +14,7 @@ from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol.arrays import decode_array
 from pie_runtime.protocol.messages import MAX_TEMPERATURE, MIN_TEMPERATURE
 
-from .test_core import PROMPT, VOCAB, A, Core, logits_of
+from .test_core import PROMPT, VOCAB, A, B, Core, logits_of
 
 WORDS = (VOCAB + 31) // 32
 
@@ -311,3 +311,12 @@ def test_a_take_waiting_for_more_than_the_capacity_is_refused():
     assert reply["count"] == 1
     c.call(A, "channel_put", channel=ch, value=wire(np.array([10], np.int32)))
     assert c.call(A, "channel_take", channel=ch, max=4096)["count"] == 1
+
+
+def test_a_step_finishes_fires_of_at_most_max_readout_rows_together():
+    c = Core()
+    per_fire = MAX_READOUT_ROWS // (2 * MIN_READOUT_ROWS) + 1  # readouts of MIN_READOUT_ROWS rows: two fires
+    readouts = [{"rows": [0] * MIN_READOUT_ROWS, "kind": "argmax"}] * per_fire  # exceed one step's budget
+    reqs = [c.fire(client, c.call(client, "ws_open")["ws"], [1], readouts=readouts) for client in (A, B, A)]
+    assert [set(c.step()) for _ in reqs] == [{r} for r in reqs]  # one fire a step, in order
+    assert not c.core.has_work()

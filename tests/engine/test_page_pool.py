@@ -35,6 +35,7 @@ def test_alloc_is_all_or_nothing():
 class Job:
     ws: object
     remaining: int
+    readout_rows: int = 0
 
 
 def job(ws, remaining):
