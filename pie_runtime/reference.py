@@ -15,8 +15,9 @@ from .models.config import ModelConfig
 
 
 def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
-    """transformers' LlamaForCausalLM over the very weights file a store entry holds (linked into
-    ``scratch`` beside a config.json written from ``c``)."""
+    """transformers' LlamaForCausalLM over the weights a store entry holds, in float32: the weights file is
+    linked into ``scratch`` beside a config.json written from ``c``, or, when the store keeps quantized blocks
+    (a GGUF import), their float32 dequantization is written there (what the fp32 engine serves, bit for bit)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -38,7 +39,19 @@ def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "config.json").write_text(json.dumps(config.to_dict()))
     if not (scratch / "model.safetensors").exists():
-        os.symlink(store_dir / "model.safetensors", scratch / "model.safetensors")
+        manifest = json.loads((store_dir / "manifest.json").read_text())
+        if manifest.get("quantized"):
+            from safetensors.torch import save_file
+
+            from .store import ModelStore, load_model
+
+            loaded = load_model(store_dir.name, store=ModelStore(store_dir.parent), keep_quantized=False)
+            state = loaded.model.state_dict()
+            if c.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            save_file({k: v.contiguous() for k, v in state.items()}, scratch / "model.safetensors")
+        else:
+            os.symlink(store_dir / "model.safetensors", scratch / "model.safetensors")
     return transformers.LlamaForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
 
 

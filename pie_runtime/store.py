@@ -2,12 +2,20 @@
 with Hugging Face tensor names, tokenizer.json), the import that fills it, and ``load_model``, which checks
 every file against the manifest's sha256 digests before building the model.
 
+Weights a GGUF held as Q4_0, Q4_1 or Q8_0 blocks are stored as they are (format version 2): tensor ``NAME``
+becomes ``NAME.q`` (4-bit: two values a uint8, low nibble first, (N, K/2); 8-bit: int8 (N, K)), ``NAME.d`` and
+``NAME.m`` (float16, exact: GGUF's scales are float16), and the manifest's ``quantized`` maps NAME to its
+block type. ``load_model`` builds the float model from their dequantization and hands the blocks over as
+``LoadedModel.quantized`` for int4/int8 layers. Stores written before version 2 hold only float tensors and
+load as they did.
+
 An import converts in memory, writes into ``models/.tmp-<name>-<random>/`` and renames that folder into
 place, so a refused or failed import leaves the store as it was.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -16,7 +24,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -27,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .models.checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes, count_parameters
 from .models.config import ModelConfig, UnsupportedModelError
 from .models.llama import LlamaForCausalLM
+from .models.quant import GGUF_KINDS, GroupQuant, QuantError
 from .models.rope import Rotary
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -37,6 +46,12 @@ PACKAGED: dict[str, tuple[str, str]] = {
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights kept as blocks (NAME.q, NAME.d, NAME.m)
+FORMAT_VERSION = 2
+_QUANT_PARTS = (".q", ".d", ".m")
+QuantKind = Literal["q4_0", "q4_1", "q8_0"]
+_BITS: dict[QuantKind, int] = {"q4_0": 4, "q4_1": 4, "q8_0": 8}
+_GROUP = 32  # every GGUF kind kept here has blocks of 32 weights
 # size + mtime of files already hashed, so a load does not re-hash unchanged weights
 VERIFIED_CACHE = ".verified.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
@@ -80,6 +95,13 @@ class Manifest(BaseModel):
     parameters: int
     tokenizer: TokenizerInfo
     drafters: list[DrafterEntry] = Field(default_factory=list)
+    format_version: int = 1  # manifests written before versioning are version 1
+    quantized: dict[str, QuantKind] = Field(default_factory=dict)  # tensor name → GGUF block type
+
+    def quantized_summary(self) -> str:
+        """e.g. "210 q4_1, 1 q8_0", or "none"."""
+        counts = {k: sum(1 for v in self.quantized.values() if v == k) for k in GGUF_KINDS}
+        return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
 
 
 @dataclass
@@ -176,11 +198,17 @@ class ModelStore:
         return manifest
 
     def add(
-        self, converted: Converted, name: str, *, force: bool = False, check: Callable[[Manifest], None] | None = None
+        self,
+        converted: Converted,
+        name: str,
+        *,
+        force: bool = False,
+        check: Callable[[Manifest], None] | None = None,
+        keep_drafters: bool = False,
     ) -> ImportResult:
         """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename). ``check``
         sees the new manifest before the rename; whatever it raises leaves the store as it was, even a model
-        that ``force`` would have replaced."""
+        that ``force`` would have replaced. ``keep_drafters`` carries the replaced model's drafters over."""
         if self.exists(name) and not force:
             return ImportResult(self.get(name), imported=False)
         from safetensors.torch import save_file
@@ -189,9 +217,14 @@ class ModelStore:
         tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            save_file(converted.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(_stored_tensors(converted), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             (tmp / TOKENIZER_FILE).write_text(converted.tokenizer_json)
             files = {f: sha256_file(tmp / f) for f in (WEIGHTS_FILE, TOKENIZER_FILE)}
+            drafters: list[DrafterEntry] = []
+            if keep_drafters and self.exists(name):
+                drafters = self.get(name).drafters
+                if (self.path(name) / "drafters").is_dir():
+                    shutil.copytree(self.path(name) / "drafters", tmp / "drafters")
             manifest = Manifest(
                 name=name,
                 family=converted.family,
@@ -200,8 +233,11 @@ class ModelStore:
                 source=converted.source,
                 imported_at=datetime.now(UTC).isoformat(timespec="seconds"),
                 dtype="float32",
-                parameters=count_parameters(converted.tensors),
+                parameters=count_parameters(converted.tensors, converted.quantized),
                 tokenizer=converted.tokenizer,
+                drafters=drafters,
+                format_version=FORMAT_VERSION,
+                quantized={n: _kind(n, g) for n, g in converted.quantized.items()},
             )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
             _write_cache(tmp / VERIFIED_CACHE, {f: _stamp(tmp / f, d) for f, d in files.items()})
@@ -232,6 +268,25 @@ class ModelStore:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return True
+
+
+def _kind(name: str, gq: GroupQuant) -> QuantKind:
+    for kind, bits in _BITS.items():
+        if (gq.kind, gq.bits, gq.group) == (kind, bits, _GROUP):
+            return kind
+    raise ImportRefused(f"tensor {name}: only GGUF {', '.join(GGUF_KINDS)} blocks can be stored quantized")
+
+
+def _stored_tensors(converted: Converted) -> dict[str, torch.Tensor]:
+    """The safetensors content: float tensors as they are, quantized ones as NAME.q/.d/.m."""
+    out = dict(converted.tensors)
+    for name, gq in converted.quantized.items():
+        _kind(name, gq)
+        d, m = gq.d.to(torch.float16), gq.m.to(torch.float16)
+        if not (torch.equal(d.float(), gq.d) and torch.equal(m.float(), gq.m)):
+            raise ImportRefused(f"tensor {name}: its block scales do not fit float16 exactly")
+        out.update({f"{name}.q": gq.packed_q().contiguous(), f"{name}.d": d, f"{name}.m": m})
+    return out
 
 
 def _stamp(path: Path, digest: str) -> list:
@@ -270,9 +325,11 @@ def import_model(
     store: ModelStore | None = None,
     progress: bool = True,
     check: Callable[[Manifest], None] | None = None,
+    keep_drafters: bool = False,
 ) -> ImportResult:
     """Import a packaged alias, a ``.gguf`` file or a Hugging Face checkpoint folder as model ``name``.
-    ``check`` (e.g. of drafters to attach) runs on the new manifest before it enters the store."""
+    ``check`` (e.g. of drafters to attach) runs on the new manifest before it enters the store;
+    ``keep_drafters`` carries a forced-over model's drafters to the new one."""
     from .models.gguf_import import convert_gguf
     from .models.hf_import import convert_hf
 
@@ -299,15 +356,28 @@ def import_model(
         raise ImportRefused(str(e)) from e
     except OSError as e:
         raise ImportRefused(f"cannot read {source}: {e}") from e
-    return store.add(converted, name, force=force, check=check)
+    return store.add(converted, name, force=force, check=check, keep_drafters=keep_drafters)
 
 
 def ensure_default_model(store: ModelStore | None = None) -> Manifest:
-    """The default model's manifest, importing it from its packaged GGUF on first use."""
+    """The default model's manifest, importing it from its packaged GGUF on first use, and again (drafters
+    kept) when the stored copy was written by an older store format. Concurrent callers take turns."""
     store = store or ModelStore()
-    if store.exists(DEFAULT_MODEL):
+    if store.exists(DEFAULT_MODEL) and _current(store.get(DEFAULT_MODEL)):
         return store.get(DEFAULT_MODEL)
-    return import_model(DEFAULT_MODEL, store=store, progress=False).manifest
+    store.root.mkdir(parents=True, exist_ok=True)
+    with open(store.root / f".import-{DEFAULT_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if store.exists(DEFAULT_MODEL):
+            manifest = store.get(DEFAULT_MODEL)
+            if _current(manifest):
+                return manifest  # another process did it while this one waited
+            return import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True).manifest
+        return import_model(DEFAULT_MODEL, store=store, progress=False).manifest
+
+
+def _current(manifest: Manifest) -> bool:
+    return manifest.format_version >= FORMAT_VERSION
 
 
 @dataclass
@@ -315,6 +385,9 @@ class LoadedModel:
     manifest: Manifest
     model: LlamaForCausalLM  # eval mode, on the requested device and dtype
     tokenizer_path: Path
+    # the stored quantized weights (Hugging Face names, q/k rows already in Hugging Face order), on the CPU,
+    # for building int4/int8 layers without requantizing; empty for float-only stores
+    quantized: dict[str, GroupQuant] = field(default_factory=dict)
 
     @property
     def config(self) -> ModelConfig:
@@ -341,16 +414,41 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     store: ModelStore | None = None,
+    keep_quantized: bool = True,
 ) -> LoadedModel:
-    """Verify a stored model's digests, then build it on ``device`` in ``dtype``."""
-    from safetensors.torch import load_file
-
+    """Verify a stored model's digests, then build it on ``device`` in ``dtype``; a quantized weight's float
+    value is its dequantization (float32, then ``dtype``). ``keep_quantized=False`` drops the blocks once
+    dequantized (``LoadedModel.quantized`` stays empty) for callers that run the float model only."""
     store = store or ModelStore()
     manifest = store.verify(name, use_cache=True)
     folder = store.path(name)
-    state = load_file(str(folder / WEIGHTS_FILE), device="cpu")
     try:
+        state, quantized = _read_weights(folder / WEIGHTS_FILE, manifest, dtype, keep_quantized)
         model = build_model(manifest.config, state, dtype, device)
-    except CheckpointError as e:
+    except (CheckpointError, QuantError) as e:
         raise StoreIntegrityError(f"weights of model {name!r} do not fit its config: {e}") from e
-    return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE)
+    return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE, quantized=quantized)
+
+
+def _read_weights(
+    path: Path, manifest: Manifest, dtype: torch.dtype, keep_quantized: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, GroupQuant]]:
+    """Float state (already in ``dtype``, one tensor converted at a time) and the quantized blocks."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, GroupQuant] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        for name, kind in manifest.quantized.items():
+            parts = [f"{name}{p}" for p in _QUANT_PARTS]
+            if not keys.issuperset(parts):
+                raise CheckpointError(f"missing tensor {name}.q/.d/.m")
+            keys.difference_update(parts)
+            gq = GroupQuant.from_packed(*(f.get_tensor(p) for p in parts), bits=_BITS[kind], group=_GROUP, kind=kind)
+            state[name] = gq.dequantize(dtype)
+            if keep_quantized:
+                quantized[name] = gq
+        for name in sorted(keys):
+            state[name] = f.get_tensor(name).to(dtype)
+    return state, quantized

@@ -206,3 +206,199 @@ def test_errors_are_typed(home):
     with pytest.raises(ImportRefused):
         import_model("/definitely/not/here", store=store)
     assert issubclass(ModelNotFoundError, StoreError) and issubclass(ImportRefused, StoreError)
+
+
+# ---- GGUF blocks kept as they are (store format 2) --------------------------------------------------------
+
+TINY_GGUF_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_1",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_1",
+    "ffn_down": "F16",
+}
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A 2-layer llama GGUF holding Q4_0, Q4_1, Q8_0 (the embedding), F16 and F32 tensors."""
+    import gguf
+    import numpy as np
+
+    hidden, ffn, heads, kv_heads, head_dim = 64, 96, 4, 2, 16
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    writer.add_token_list(sorted(ByteLevel.alphabet()))
+    writer.add_token_types([1] * 256)
+    writer.add_eos_token_id(0)
+
+    def add(name: str, shape: tuple[int, ...], kind: str) -> None:
+        w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        if kind == "F32":
+            writer.add_tensor(name, w)
+        elif kind == "F16":
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (256, hidden), "Q8_0")
+    add("output_norm.weight", (hidden,), "F32")
+    shapes = {
+        "attn_q": (heads * head_dim, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, heads * head_dim),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
+    for i in range(2):
+        add(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), "F32")
+        for part, shape in shapes.items():
+            add(f"blk.{i}.{part}.weight", shape, TINY_GGUF_TYPES[part])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def dequantized_import(path: Path) -> dict[str, torch.Tensor]:
+    """What the store's GGUF import produced before format 2: every tensor through gguf's own dequantize,
+    q and k rows unpermuted, float32."""
+    import gguf
+    import numpy as np
+
+    from pie_runtime.models.gguf_import import hf_name, unpermute
+
+    reader = gguf.GGUFReader(str(path))
+    heads = {
+        "attn_q": int(reader.fields["llama.attention.head_count"].contents()),
+        "attn_k": int(reader.fields["llama.attention.head_count_kv"].contents()),
+    }
+    out = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if part in heads:
+            w = unpermute(w, heads[part])
+        out[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return out
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def make_old_format(store: ModelStore, name: str) -> None:
+    """Rewrite a stored manifest as the code before format 2 wrote it (no version, no quantized field)."""
+    path = store.path(name) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["format_version"], manifest["quantized"]
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+def test_gguf_import_keeps_quantized_blocks(home, tmp_path, capsys):
+    from safetensors import safe_open
+
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert pie(["model", "import", str(gguf_path), "--name", "tq"]) == 0
+    store = ModelStore()
+    manifest = store.get("tq")
+    assert manifest.format_version == 2
+    assert manifest.quantized["model.embed_tokens.weight"] == "q8_0"
+    assert manifest.quantized["model.layers.1.self_attn.q_proj.weight"] == "q4_0"
+    assert manifest.quantized["model.layers.0.mlp.up_proj.weight"] == "q4_1"
+    assert len(manifest.quantized) == 1 + 2 * 6  # the F16 down_proj and F32 norms stay float
+    with safe_open(str(store.path("tq") / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight.q")
+        assert q.dtype == torch.uint8 and tuple(q.shape) == (64, 32)  # two 4-bit values a byte
+        assert f.get_tensor("model.embed_tokens.weight.q").dtype == torch.int8
+        assert f.get_tensor("model.layers.0.self_attn.k_proj.weight.d").dtype == torch.float16
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.float32
+    assert "model.layers.0.self_attn.q_proj.weight" not in keys
+    assert manifest.parameters == sum(t.numel() for t in dequantized_import(gguf_path).values())
+
+    want = dequantized_import(gguf_path)
+    loaded = load_model("tq", store=store)
+    state = loaded.model.state_dict()
+    for name, w in want.items():
+        assert bitwise_equal(state[name], w), name  # the float model is the old import, bit for bit
+    assert set(loaded.quantized) == set(manifest.quantized)
+    for name, gq in loaded.quantized.items():
+        assert gq.kind == manifest.quantized[name]
+        assert torch.equal(gq.dequantize(), want[name]), name  # blocks already in Hugging Face row order
+
+    bf16 = load_model("tq", store=store, dtype=torch.bfloat16, keep_quantized=False)
+    assert bf16.quantized == {}
+    assert torch.equal(
+        bf16.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
+        want["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16),
+    )
+
+    capsys.readouterr()
+    assert pie(["model", "info", "tq"]) == 0
+    assert "quantized   4 q4_0, 6 q4_1, 3 q8_0" in capsys.readouterr().out
+
+
+def test_old_format_store_still_loads(home, tmp_path):
+    from pie_runtime.models.gguf_import import convert_gguf
+
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    store = ModelStore()
+    old = convert_gguf(gguf_path, progress=False)
+    old.tensors, old.quantized = dequantized_import(gguf_path), {}  # float32 only, as format 1 stored it
+    store.add(old, "old")
+    make_old_format(store, "old")
+    manifest = store.get("old")
+    assert manifest.format_version == 1 and manifest.quantized == {}
+    loaded = load_model("old", store=store)
+    assert loaded.quantized == {}
+    state = loaded.model.state_dict()
+    for name, w in old.tensors.items():
+        assert bitwise_equal(state[name], w), name
+
+
+def test_default_model_is_reimported_from_an_old_format_store(home, checkpoint):
+    """An old-format default model is replaced by a fresh import (its drafters kept); the real packaged
+    GGUF's float model equals gguf's own dequantization bit for bit."""
+    from pie_runtime.store import DEFAULT_MODEL, DrafterEntry, ensure_default_model, packaged_path
+
+    store = ModelStore()
+    import_model(str(checkpoint), name=DEFAULT_MODEL, store=store, progress=False)  # any old-format model
+    make_old_format(store, DEFAULT_MODEL)
+    old = store.get(DEFAULT_MODEL)
+    (store.path(DEFAULT_MODEL) / "drafters" / "head").mkdir(parents=True)
+    (store.path(DEFAULT_MODEL) / "drafters" / "head" / "mtp.json").write_text("{}")
+    store.write_manifest(
+        old.model_copy(update={"drafters": [DrafterEntry(kind="mtp", name="head", path="drafters/head/")]})
+    )
+
+    manifest = ensure_default_model(store)
+    assert manifest.format_version == 2 and manifest.quantized_summary() == "210 q4_1, 1 q8_0"
+    assert manifest.source == str(packaged_path(DEFAULT_MODEL))
+    assert [d.name for d in manifest.drafters] == ["head"]
+    assert (store.path(DEFAULT_MODEL) / "drafters" / "head" / "mtp.json").read_text() == "{}"
+    assert ensure_default_model(store).imported_at == manifest.imported_at  # current now: no second import
+
+    want = dequantized_import(packaged_path(DEFAULT_MODEL))
+    loaded = load_model(DEFAULT_MODEL, store=store)
+    state = loaded.model.state_dict()
+    for name, w in want.items():
+        assert bitwise_equal(state[name], w), name
+    assert len(loaded.quantized) == 211

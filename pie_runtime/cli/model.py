@@ -153,6 +153,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  family      {m.family}")
     print(f"  parameters  {m.parameters:,}")
     print(f"  dtype       {m.dtype}")
+    print(f"  quantized   {m.quantized_summary()}  (store format {m.format_version})")
     print(f"  vocab       {c.vocab_size:,}")
     print(f"  context     {c.max_position_embeddings:,}")
     print(

@@ -1,5 +1,6 @@
-"""What an importer hands to the store: a converted checkpoint (config, Hugging Face-named tensors,
-tokenizer.json text, tokenizer facts), and the shape check every importer runs before reading weights.
+"""What an importer hands to the store: a converted checkpoint (config, Hugging Face-named tensors, float or
+kept quantized as the source's blocks, tokenizer.json text, tokenizer facts), and the shape check every
+importer runs before reading weights.
 
 Importers raise :class:`CheckpointError` (or the config's ``UnsupportedModelError``); the store turns
 both into its own ``ImportRefused`` so that callers see one error family.
@@ -7,13 +8,14 @@ both into its own ``ImportRefused`` so that callers see one error family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .quant import GroupQuant
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,6 +44,9 @@ class Converted:
     tokenizer_json: str
     tokenizer: TokenizerInfo
     source: str
+    # weights kept as the source's quantized blocks (GGUF Q4_0/Q4_1/Q8_0), by Hugging Face name; a name is
+    # either here or in ``tensors``, never both
+    quantized: dict[str, GroupQuant] = field(default_factory=dict)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -77,5 +82,5 @@ def drop_ignored(names: list[str], cfg: ModelConfig) -> list[str]:
     return out
 
 
-def count_parameters(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors.values())
+def count_parameters(tensors: dict[str, torch.Tensor], quantized: dict[str, GroupQuant] | None = None) -> int:
+    return sum(t.numel() for t in tensors.values()) + sum(g.q.numel() for g in (quantized or {}).values())

@@ -1,6 +1,7 @@
-"""Convert a llama.cpp GGUF file (architecture ``llama``) into the store's layout: dequantized float32
-tensors under Hugging Face names, a ModelConfig from the GGUF metadata, and a tokenizer.json rebuilt from
-the embedded GPT-2 byte-level BPE vocabulary.
+"""Convert a llama.cpp GGUF file (architecture ``llama``) into the store's layout: tensors under Hugging Face
+names, a ModelConfig from the GGUF metadata, and a tokenizer.json rebuilt from the embedded GPT-2 byte-level
+BPE vocabulary. Q4_0, Q4_1 and Q8_0 weights are kept as their blocks (``Converted.quantized``, a
+:class:`~.quant.GroupQuant` each, never requantized); every other type is dequantized to float32.
 
 Two traps: GGUF stores dims reversed (the reader already hands back row-major arrays in Hugging Face
 order), and llama.cpp's converter permuted the q and k rows for its rope layout, which :func:`unpermute`
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from .checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes
 from .config import ModelConfig, UnsupportedModelError
+from .quant import GroupQuant, QuantError, from_gguf, ggml_kind
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_start|>
@@ -157,7 +159,8 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[str, TokenizerInfo]:
 
 
 def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
-    """Read, check and dequantize a GGUF file; refuses before reading weights if names or shapes differ."""
+    """Read and check a GGUF file, keep its Q4_0/Q4_1/Q8_0 blocks and dequantize the rest; refuses before
+    reading weights if names or shapes differ."""
     import gguf
 
     try:
@@ -178,13 +181,26 @@ def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
     check_shapes(cfg, {names[g]: tuple(int(d) for d in reversed(t.shape)) for g, t in by_name.items()})
 
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, GroupQuant] = {}
     for gname, t in tqdm(by_name.items(), desc="tensors", unit="t", disable=not progress, leave=False):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        shape = tuple(int(d) for d in reversed(t.shape))
+        heads = None
         if gname.startswith("blk.") and ".attn_q." in gname:
-            w = unpermute(w, cfg.num_attention_heads)
+            heads = cfg.num_attention_heads
         elif gname.startswith("blk.") and ".attn_k." in gname:
-            w = unpermute(w, cfg.num_key_value_heads)
+            heads = cfg.num_key_value_heads
+        if ggml_kind(t.tensor_type) is not None and len(shape) == 2:
+            try:
+                gq = from_gguf(t.data, t.tensor_type, shape)
+            except QuantError as e:
+                raise CheckpointError(f"GGUF tensor {gname}: {e}") from e
+            if heads is not None:  # the permutation moves whole rows, blocks included
+                gq = gq.permute_rows(unpermute(np.arange(shape[0]), heads))
+            quantized[names[gname]] = gq
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if heads is not None:
+            w = unpermute(w, heads)
         tensors[names[gname]] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owned, writable
     return Converted(
         family=cfg.family,
@@ -193,4 +209,5 @@ def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
         tokenizer_json=tokenizer_json,
         tokenizer=tok_info,
         source=str(path),
+        quantized=quantized,
     )

@@ -24,16 +24,17 @@ INFERLETS = REPO / "inferlets"
 
 
 def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
-    """A Hugging Face folder holding the first ``layers`` layers of the model in ``source`` (a store folder)."""
-    from safetensors import safe_open
+    """A Hugging Face folder holding the first ``layers`` layers of the model in ``source`` (a store folder),
+    in float32 (a store may keep weights as quantized blocks: they are dequantized)."""
     from safetensors.torch import save_file
+
+    from pie_runtime.store import load_model
 
     cfg = json.loads((source / "manifest.json").read_text())["config"]
     folder.mkdir(parents=True)
     keep = ("model.embed_tokens.", "model.norm.") + tuple(f"model.layers.{i}." for i in range(layers))
-    with safe_open(source / "model.safetensors", "pt") as f:
-        tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k.startswith(keep)}  # noqa: SIM118
-    save_file(tensors, folder / "model.safetensors")
+    state = load_model(source.name, store=ModelStore(source.parent), keep_quantized=False).model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items() if k.startswith(keep)}, folder / "model.safetensors")
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
