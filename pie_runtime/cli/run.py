@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .engine import add_engine_options
+from .engine import add_engine_options, weight_format
 
 
 def register(sub) -> None:
@@ -25,8 +25,8 @@ def engine_args(args) -> list[str]:
     out = [
         "--device",
         args.device,
-        "--dtype",
-        args.dtype,
+        "--weights",
+        weight_format(args),
         "--page-size",
         str(args.page_size),
         "--max-batch-tokens",
@@ -35,6 +35,7 @@ def engine_args(args) -> list[str]:
     out += ["--kv-pages", str(args.kv_pages)] if args.kv_pages else ["--kv-memory", str(args.kv_memory)]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    out += ["--compile" if args.compile else "--no-compile"]
     return out
 
 

@@ -2,38 +2,45 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..drafters import check_attached, load_mtp_head
 from ..models.kv_cache import KVCache
+from ..models.compiled import compile_layers
 from ..models.linear import prepack
+from ..models.weights import ACTIVATION_DTYPE, linear_bytes, load_dtype, prepare_for_serving
 from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
 from .kv_pages import KVPages
 from .page_pool import PagePool
-from .pass_costs import measure_mtp_step_ms, measure_pass_costs
+from .pass_costs import measure_mtp_step_ms, measure_pass_costs, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_served_model(
     name: str,
     *,
     device: str = "cpu",
-    dtype: str = "float32",
+    weights: str = "fp32",
     page_size: int = 16,
     kv_pages: int | None = None,
     kv_bytes: int = 1 << 30,
     store: ModelStore | None = None,
     prepack_lm_head: bool = True,
     pass_cost_rows: int = 0,
+    compiled: bool = False,
 ) -> ServedModel:
-    """``prepack_lm_head``: a oneDNN-prepacked copy of the lm head for multi-row readouts (CPU float32 only;
-    see models/linear.py); ``pass_cost_rows``: measure pass costs up to this many rows (0: don't)."""
-    torch_dtype = DTYPES[dtype]
-    loaded = load_model(name, dtype=torch_dtype, device=device, store=store)
+    """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
+    lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
+    costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
+    compile them here, before anyone is served."""
+    torch_dtype = ACTIVATION_DTYPE[weights]
+    quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
+    loaded = load_model(name, dtype=load_dtype(weights), device=device, store=store, keep_quantized=quantized)
+    prepare_for_serving(loaded.model, weights, loaded.quantized)
     # The lm head is where the prepacked copy pays: 3.7 ms vs 2.7 ms at 1 row but 5.4 vs 13.2 at 9 rows
     # (SmolLM2, 2 cores); the layers' matmuls gained too little in a whole pass to be worth their memory.
     packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head else 0
@@ -56,9 +63,16 @@ def build_served_model(
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
         prepacked_bytes=packed_bytes,
+        weights=weights,
+        weight_bytes=linear_bytes(loaded.model),
     )
     runner = ModelRunner(loaded.model, kv, torch.device(device))
     runner.mtp = mtp
+    if compiled:
+        t0 = time.perf_counter()
+        compile_layers(loaded.model)
+        warm_up(runner, kv_pages)
+        info.compile_s = round(time.perf_counter() - t0, 1)
     if pass_cost_rows:
         info.pass_cost_ms = measure_pass_costs(runner, kv_pages, pass_cost_rows)
         info.mtp_step_ms = measure_mtp_step_ms(runner)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,17 +43,7 @@ def measure_pass_costs(
     context = min(context, num_pages * ps - max_rows)
     if max_rows < 1 or context < 1:
         return []
-    table = list(range((context + max_rows + ps - 1) // ps))
-    vocab = runner.vocab
-
-    def tokens(n: int) -> list[int]:
-        return [(i * 7919) % vocab for i in range(n)]
-
-    def one_pass(start: int, rows: int) -> None:
-        hidden = runner.forward([Segment(table, start, rows)], tokens(rows), list(range(start, start + rows)))
-        with torch.inference_mode():
-            runner.model.logits(hidden).argmax(-1)
-
+    one_pass = _pass_on(runner, context + max_rows)
     one_pass(0, context)  # the cached context the windows attend to
     widths = measured_widths(max_rows)
     for rows in widths:
@@ -69,6 +60,32 @@ def measure_pass_costs(
     costs = isotonic([statistics.median(times[w]) for w in widths])
     dense = np.interp(np.arange(1, max_rows + 1), widths, costs)
     return [round(float(c), 3) for c in dense]
+
+
+def _pass_on(runner: ModelRunner, rows: int) -> Callable[[int, int], None]:
+    """A function running one sequence's pass of ``rows`` rows from sequence index ``start`` on the pool's first
+    pages (lm head and argmax included), for ``rows`` up to the given count."""
+    ps = runner.kv.page_size
+    table = list(range((rows + ps - 1) // ps))
+    vocab = runner.vocab
+
+    def one_pass(start: int, rows: int) -> None:
+        tokens = [(i * 7919) % vocab for i in range(rows)]
+        hidden = runner.forward([Segment(table, start, rows)], tokens, list(range(start, start + rows)))
+        with torch.inference_mode():
+            runner.model.logits(hidden).argmax(-1)
+
+    return one_pass
+
+
+def warm_up(runner: ModelRunner, num_pages: int) -> None:
+    """Passes of the shapes a step runs (a prefill chunk, one row, a verify window), so that a compiled
+    model compiles its graphs now and not in a client's first step."""
+    rows = min(64, num_pages * runner.kv.page_size)
+    one_pass = _pass_on(runner, rows)
+    for start, n in ((0, rows // 2), (rows // 2, 1), (rows // 2, 5), (rows // 2 + 5, 2)):
+        if start + n <= rows:
+            one_pass(start, n)
 
 
 def isotonic(values: list[float]) -> list[float]:

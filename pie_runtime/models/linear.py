@@ -25,8 +25,13 @@ class Linear(nn.Linear):
     oneDNN-prepacked copy of its weight."""
 
     packed: torch.Tensor | None = None
+    # bf16 batch invariance: oneDNN's 1-row kernel sums some shapes (K = 1536) in another order than its
+    # kernel for 2..64 rows, so a single row is computed as the first of two
+    pad_single_row = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:
+            return F.linear(torch.cat([x, torch.zeros_like(x)]), self.weight, self.bias)[:1]
         packed = self.packed
         if packed is None or x.dim() != 2 or x.shape[0] < 2 or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)

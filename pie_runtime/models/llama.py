@@ -19,6 +19,11 @@ from .linear import Linear
 from .rope import Rotary, apply_rotary
 
 
+# Attention calls of up to this many query rows per sequence (any verify window) run attend_invariant when the
+# model is batch-invariant; longer ones (prefill chunks, whose rows no 1-row pass recomputes) run SDPA.
+INVARIANT_MAX_ROWS = 64
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,6 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:  # torch's kernel accumulates a bf16 input in float32 by itself
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -43,40 +50,77 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, once prepared for serving
+        self.batch_invariant = False  # attend windows with batch-invariant matmuls (attend_invariant)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # (N, h, D)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # (N, kvh, D)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(N, H) normed input → q (N, h, D), k and v (N, kvh, D), q and k rotated."""
+        n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
+            if not self.qk_norm:  # one rotation over q's and k's heads together
+                qk = apply_rotary(qkv[:, : h + kvh], cos, sin)
+                return qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
+            q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+        else:
+            q = self.q_proj(x).view(n, h, d)
+            k = self.k_proj(x).view(n, kvh, d)
+            v = self.v_proj(x).view(n, kvh, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
+        """Writes k and v into the cache, attends each row over its sequence's pages → (N, h * D)."""
+        n, h, kvh, d = q.shape[0], self.heads, self.kv_heads, self.head_dim
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (slots, kvh, D)
         k_cache.index_copy_(0, ctx.write_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.write_slots, v.to(v_cache.dtype))
         ps = kv.page_size
-        k_pages = k_cache.view(-1, ps, self.kv_heads, self.head_dim)  # (pages, ps, kvh, D)
-        v_pages = v_cache.view(-1, ps, self.kv_heads, self.head_dim)
+        k_pages = k_cache.view(-1, ps, kvh, d)  # (pages, ps, kvh, D)
+        v_pages = v_cache.view(-1, ps, kvh, d)
 
-        out = torch.empty(n, self.heads, self.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
         for g in ctx.groups:
             b, p = g.key_pages.shape
             # whole pages are gathered (contiguous blocks), far cheaper than gathering slot by slot
-            kg = k_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, self.kv_heads, self.head_dim)
-            vg = v_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, self.kv_heads, self.head_dim)
+            kg = k_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, kvh, d).transpose(1, 2)
+            vg = v_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, kvh, d).transpose(1, 2)
             qg = q[g.query_rows].transpose(1, 2)  # (B, h, Q, D)
-            og = F.scaled_dot_product_attention(
-                qg,
-                kg.transpose(1, 2).to(q.dtype),
-                vg.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            if self.batch_invariant and qg.shape[2] <= INVARIANT_MAX_ROWS:
+                og = attend_invariant(qg, kg.to(q.dtype), vg.to(q.dtype), g.mask, self.scale)
+            else:
+                og = F.scaled_dot_product_attention(
+                    qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=True
+                )
             out[g.valid_rows] = og.transpose(1, 2)[g.query_valid]  # (B, Q, h, D) → valid rows
-        return self.o_proj(out.reshape(n, -1))
+        return out.view(n, h * d)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.project(x, cos, sin), ctx, kv))
+
+
+def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention whose result for a query row does not depend on the other rows of the call nor on how many
+    masked keys pad its sequence: q (B, h, Q, D), k/v (B, kvh, K, D), mask (B, 1, Q, K) → (B, h, Q, D).
+
+    A verify window of 1 + k rows must give each row the bits a 1-row decode pass gives it, or greedy
+    speculation could part from plain decoding on a near tie. In bfloat16, SDPA's result moves with the
+    padded key length; oneDNN's bf16 matmuls do not (each output accumulates its own dot product in float32
+    in a fixed order, and padded keys add exact zeros). So the scores, and the weighted sum of V together
+    with its normaliser (a column of ones beside V), are matmuls; max and exp are exact elementwise ops.
+    Query heads that share a key head are stacked as extra query rows of that head (grouped-query attention)."""
+    b, h, nq, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qs = q.reshape(b, kvh, g * nq, d)  # head i uses key head i // g: heads of a group are adjacent
+    scores = torch.matmul(qs, k.transpose(-1, -2)).float() * scale  # (B, kvh, g*Q, K)
+    scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)
+    ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)
+    summed = torch.matmul(weights, torch.cat([v, ones], dim=-1)).float()  # (B, kvh, g*Q, D + 1)
+    out = summed[..., :d] / summed[..., d:]
+    return out.to(q.dtype).reshape(b, h, nq, d)
 
 
 class MLP(nn.Module):
@@ -85,8 +129,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one matmul, once prepared for serving
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -99,7 +147,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, kv)
+        attn = self.self_attn
+        a = attn.attend(*attn.project(self.input_layernorm(x), cos, sin), ctx, kv)
+        x = x + attn.o_proj(a)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -1,0 +1,122 @@
+"""Prepares a loaded model for serving in one weight format: q/k/v and gate/up fused into one matmul each,
+every projection turned into the format's linear layer, and batch-invariant attention wherever the
+activations are bfloat16. fp32 is the reference and stays as loaded (unfused: fusing changes MKL's
+float32 sums in the last bits, and fp32 is the format that matches transformers op for op).
+
+    format  projections                         lm head                 activations, KV cache
+    fp32    float32 (MKL), unfused              float32 (+ prepacked)   float32
+    bf16    bfloat16 (oneDNN, AMX)              bfloat16                bfloat16
+    int8    int8 weight-only, per channel       int8, per channel       bfloat16
+    int4    int4 weight-only, groups of 32      int8, per channel       bfloat16
+
+Norms accumulate and logits come out in float32 in every format. A GGUF's own blocks (Q4_0, Q4_1, Q8_0, kept
+by the store) become the int4/int8 layers as they are; a float checkpoint is quantized here, at load.
+
+The lm head stays 8-bit in int4: it decides every token, 4-bit costs it top-1 agreement, and at 1 row its
+int8 matmul is already about a tenth of the bf16 one. Batch invariance is what keeps greedy speculation
+exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
+``attend_invariant``); the int and bf16 matmuls are invariant by themselves, fp32's MKL ones are not (fp32's
+differences are ~1e-7, and stay below what flips an argmax in practice).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from .linear import Linear
+from .llama import LlamaForCausalLM
+from .quant import GroupQuant, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+
+WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+# activations and KV cache of each format
+ACTIVATION_DTYPE: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.bfloat16,
+    "int4": torch.bfloat16,
+}
+
+
+def load_dtype(fmt: str) -> torch.dtype:
+    """The dtype to load the float model in before :func:`prepare_for_serving`: quantized formats start from
+    float32, so that what is quantized at load is the checkpoint's own values, not a bf16 rounding of them."""
+    return torch.float32 if fmt in ("int8", "int4") else ACTIVATION_DTYPE[fmt]
+
+
+def prepare_for_serving(
+    model: LlamaForCausalLM, fmt: str, quantized: dict[str, GroupQuant] | None = None
+) -> LlamaForCausalLM:
+    """Fuses and converts ``model`` in place (inference only: it no longer loads a Hugging Face state dict).
+    ``quantized``: the checkpoint's own quantized tensors by Hugging Face name (a GGUF's blocks)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "fp32":
+        return model  # the reference format stays as loaded: transformers' float32 math, op for op
+    blocks = quantized or {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        at = f"model.layers.{i}."
+        attn.qkv_proj = _layer(
+            fmt,
+            [attn.q_proj, attn.k_proj, attn.v_proj],
+            [f"{at}self_attn.{p}_proj.weight" for p in "qkv"],
+            blocks,
+        )
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        attn.o_proj = _layer(fmt, [attn.o_proj], [f"{at}self_attn.o_proj.weight"], blocks)
+        mlp.gate_up_proj = _layer(
+            fmt, [mlp.gate_proj, mlp.up_proj], [f"{at}mlp.gate_proj.weight", f"{at}mlp.up_proj.weight"], blocks
+        )
+        del mlp.gate_proj, mlp.up_proj
+        mlp.down_proj = _layer(fmt, [mlp.down_proj], [f"{at}mlp.down_proj.weight"], blocks)
+        attn.batch_invariant = True
+    if fmt in ("int8", "int4"):
+        head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+        gq = blocks.get(head)
+        if gq is None or gq.bits != 8:
+            gq = quantize_int8(model.lm_head.weight.detach().float())
+        model.lm_head = Int8Linear(gq, None, model.lm_head.weight.device)  # type: ignore[assignment]  # the untied head's float copy goes with it
+    elif fmt == "bf16":
+        model.lm_head.pad_single_row = True
+    model.to(ACTIVATION_DTYPE[fmt])  # what is left in float: the embedding table, norms, biases
+    return model
+
+
+def _layer(fmt: str, parts: list[nn.Module], names: list[str], blocks: dict[str, GroupQuant]) -> nn.Module:
+    """One layer computing ``parts`` side by side (their output rows concatenated) in format ``fmt``."""
+    weights = [p.weight.detach() for p in parts]  # type: ignore[union-attr]
+    biases = [p.bias for p in parts]  # type: ignore[union-attr]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+    if fmt == "bf16":
+        fused = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=bias is not None)
+        fused.weight = nn.Parameter(torch.cat(weights).to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias.to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
+        fused.pad_single_row = True
+        return fused
+    bits = 4 if fmt == "int4" else 8
+    own = [blocks.get(n) for n in names]
+    if all(g is not None and g.bits == bits for g in own):
+        gq = GroupQuant.cat([g for g in own if g is not None])
+    else:
+        w = torch.cat(weights).float()
+        gq = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16)
+    device = weights[0].device
+    return Int4Linear(gq, bias, device) if bits == 4 else Int8Linear(gq, bias, device)
+
+
+def linear_bytes(model: nn.Module) -> int:
+    """Bytes of the projection and lm head weights as served (a tied float lm head counts with the embedding)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int4Linear | Int8Linear):
+            total += m.weight_bytes
+        elif isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
