@@ -8,10 +8,33 @@ import sys
 
 from ..protocol.programs import PROGRAM_MEMORY
 
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # models/weights.py (not imported here: it needs torch)
+DEFAULT_WEIGHTS = "fp32"
+DEFAULT_COMPILE = False
+LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def weight_format(args) -> str:
+    """--weights, or what the older --dtype flag names."""
+    return LEGACY_DTYPES[args.dtype] if getattr(args, "dtype", None) else args.weights
+
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--weights",
+        default=DEFAULT_WEIGHTS,
+        choices=list(WEIGHT_FORMATS),
+        help=f"weight format (default {DEFAULT_WEIGHTS}); the projections of the default model take fp32 538 MB, "
+        "bf16 269, int8 ~140, int4 ~80 (a GGUF's Q4/Q8 blocks run as they are); activations are bf16 outside fp32",
+    )
+    p.add_argument("--dtype", choices=list(LEGACY_DTYPES), help=argparse.SUPPRESS)  # the older name of --weights
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_COMPILE,
+        help="torch.compile the layers at start (fewer, fused ops a step; costs start-up time, printed)",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
@@ -29,6 +52,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=32,
         help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)",
+    )
+    p.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
     )
     p.add_argument(
         "--no-prepack",
@@ -68,7 +94,8 @@ def run_engine(args) -> int:
             build_served_model(
                 n,
                 device=args.device,
-                dtype=args.dtype,
+                weights=weight_format(args),
+                compiled=args.compile,
                 page_size=args.page_size,
                 kv_pages=args.kv_pages,
                 kv_bytes=args.kv_memory << 20,
@@ -77,7 +104,7 @@ def run_engine(args) -> int:
             )
             for n in names
         ]
-        core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20)
+        core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
         server = EngineServer(core, args.listen, args.token)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -88,6 +115,12 @@ def run_engine(args) -> int:
         if costs:
             shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
             print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
+        print(
+            f"{s.name}: weights {s.info.weights} ({s.info.weight_bytes >> 20} MiB of projections and lm head)"
+            + (f", layers compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         if s.info.prepacked_bytes:
             print(
                 f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",

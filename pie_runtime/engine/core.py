@@ -1,6 +1,7 @@
 """The engine core: the parts an engine is made of, and the request each op goes to.
 
-    models      ServedModels: per model, its runner, KV pages (kv_pages.py) and fire queue (served.py)
+    models      ServedModels: per model, its runner, KV pages (kv_pages.py, with its prefix cache unless
+                ``prefix_cache=False``: prefix_cache.py) and fire queue (served.py)
     sets        WorkingSetTable: every client's working sets (working_set.py)
     channels    ChannelTable: device channels and the host takes waiting on them (channels.py)
     requests    working sets (ws_requests.py), fires (fire_requests.py), programs and channels
@@ -30,7 +31,14 @@ from .ws_requests import WorkingSetRequests
 
 
 class EngineCore:
-    def __init__(self, models: list[ServedModel], max_batch_tokens: int = 256, program_memory: int = PROGRAM_MEMORY):
+    def __init__(
+        self,
+        models: list[ServedModel],
+        max_batch_tokens: int = 256,
+        program_memory: int = PROGRAM_MEMORY,
+        prefix_cache: bool = True,
+    ):
+        """``prefix_cache``: name full committed KV pages and let new working sets reuse them (prefix_cache.py)."""
         self.models = ServedModels(models)
         self.sets = WorkingSetTable()
         self.channels = ChannelTable()
@@ -50,6 +58,8 @@ class EngineCore:
         }
         self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(), **self.programs.ops()}
         for sm in self.models:
+            if prefix_cache:
+                sm.pages.enable_prefix_cache(sm.name)
             if not sm.info.hidden_size:
                 sm.info.hidden_size = sm.runner.model.config.hidden_size
 
@@ -115,11 +125,45 @@ class EngineCore:
             "programs": self.programs.count(),
             "run_ahead": sum(j.run is not None for j in self.models.jobs()),
             "models": {
-                sm.name: {"pages_total": sm.pages.total, "pages_free": sm.pages.free, "queued": len(sm.queue)}
+                sm.name: {
+                    "pages_total": sm.pages.total,
+                    "pages_free": sm.pages.free,
+                    "queued": len(sm.queue),
+                    "prefix_cache": self._prefix_stats(sm).model_dump(),
+                    "kv": m.KVStats(pages_used=sm.pages.used, pages_total=sm.pages.total).model_dump(),
+                }
                 for sm in self.models
             },
+            "prefix_cache": self._prefix_totals().model_dump(),
+            "kv": m.KVStats(
+                pages_used=sum(sm.pages.used for sm in self.models),
+                pages_total=sum(sm.pages.total for sm in self.models),
+            ).model_dump(),
             "speculation": {
                 name: {inferlet: t.as_dict() for inferlet, t in by_inferlet.items()}
                 for name, by_inferlet in self.spec_totals.items()
             },
         }
+
+    @staticmethod
+    def _prefix_stats(sm: ServedModel) -> m.PrefixCacheStats:
+        cache = sm.pages.cache
+        if cache is None:
+            return m.PrefixCacheStats(enabled=False)
+        s = cache.stats
+        return m.PrefixCacheStats(
+            enabled=True,
+            queries=s.queries,
+            hits=s.hits,
+            query_tokens=s.query_tokens,
+            hit_tokens=s.hit_tokens,
+            cached_pages=cache.cached_pages,
+            evictions=sm.pages.pool.evictions,
+        )
+
+    def _prefix_totals(self) -> m.PrefixCacheStats:
+        """The prefix caches of every served model, summed."""
+        per_model = [self._prefix_stats(sm) for sm in self.models]
+        fields = [f for f in m.PrefixCacheStats.model_fields if f != "enabled"]
+        sums = {f: sum(getattr(s, f) for s in per_model) for f in fields}
+        return m.PrefixCacheStats(enabled=any(s.enabled for s in per_model), **sums)

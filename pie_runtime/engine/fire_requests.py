@@ -20,10 +20,11 @@ import numpy as np
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from .jobs import FireJob, Handler
+from .programs import Program
 from .programs.requests import ProgramRequests
 from .scheduler import MAX_READOUT_ROWS  # one fire's readout rows, all its readouts together (duplicates count)
 from .served import ServedModel, ServedModels
-from .working_set import WorkingSetTable
+from .working_set import WorkingSet, WorkingSetTable
 
 MIN_READOUT_ROWS = 64  # one readout reads at most max(window, this) rows: e.g. 16 samples of a prompt's last row
 
@@ -57,12 +58,20 @@ class FireRequests:
         pending = ws.pending_fold
         if req.settle is not None:
             ws.committed, ws.pending_fold = start, None
+        cached = 0
         try:
-            sm.pages.reserve(ws, start, w)
+            if self._may_reuse(ws, req, start):
+                assert req.tokens is not None  # _may_reuse asks for token ids
+                cached = sm.pages.map_prefix(ws, req.tokens, self._reusable_rows(req, program, w))
+            sm.pages.reserve(ws, start + cached, w - cached)
         except PieError:
+            if cached:  # the mapped prefix goes back to the cache
+                sm.pages.release(ws)
             if req.settle is not None:  # a refused fire leaves no trace, its settle included
                 ws.committed, ws.pending_fold = start - req.settle, pending
             raise
+        if req.settle is not None:
+            sm.pages.commit(ws)  # the settle may have filled pages
         sm.queue.push(
             FireJob(
                 client=client,
@@ -74,12 +83,34 @@ class FireRequests:
                 masks=masks,
                 fold=fold,
                 start=start,
+                done=cached,
+                cached_rows=cached,
                 program=program,
                 bindings=bindings,
                 source=source,
                 run=run,
             )
         )
+
+    @staticmethod
+    def _may_reuse(ws: WorkingSet, req: m.Fire, start: int) -> bool:
+        """Whether the fire may map a cached prefix: the first fire of a fresh working set, embedding token ids
+        from sequence index 0 at their default positions."""
+        return (
+            start == 0
+            and not ws.pages
+            and not ws.in_flight
+            and req.tokens is not None
+            and req.settle is None
+            and (req.positions is None or req.positions == list(range(len(req.tokens))))
+        )
+
+    @staticmethod
+    def _reusable_rows(req: m.Fire, program: Program | None, w: int) -> int:
+        """Rows a cached prefix may cover: it stops before the window's last row (always computed) and before
+        the first row a readout or the epilogue reads the hidden state of."""
+        needed = [row for r in req.readouts for row in r.rows] + (list(program.rows) if program is not None else [])
+        return min([w - 1, *needed])
 
     @staticmethod
     def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int) -> list[int]:

@@ -33,6 +33,7 @@ class FireJob:
     fold: int | None  # None: deferred
     start: int  # sequence index of the first row
     done: int = 0  # rows already run
+    cached_rows: int = 0  # leading rows mapped from the prefix cache instead of run (counted in done)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # window row → final hidden state
     program: Program | None = None
     bindings: list[Channel] = field(default_factory=list)

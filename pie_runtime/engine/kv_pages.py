@@ -1,16 +1,19 @@
 """The page tables of working sets over one model's page pool (docs/architecture.md, "The working set").
 
 A working set's pages cover its rows ``0 .. committed-1`` and whatever unfolded rows a fire has written past
-them. Full pages may be shared between working sets after a fork; a page is copied (copy-on-write) the first
-time a fire writes into it while shared. This module knows page handles and row counts, never tensors: the
-copy itself is the ``copy_pages`` callback (the model runner's).
+them. Full pages may be shared between working sets after a fork, or through the prefix cache
+(prefix_cache.py), which names full committed pages by their content so that a later working set maps them
+instead of computing them again. A page is copied (copy-on-write) the first time a fire writes into it while
+it is shared or named. This module knows page handles and row counts, never tensors: the copy itself is the
+``copy_pages`` callback (the model runner's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .page_pool import PagePool
+from .prefix_cache import PageChain, PrefixCache
 from .working_set import WorkingSet
 
 CopyPages = Callable[[list[int], list[int]], None]  # (source pages, destination pages)
@@ -21,6 +24,12 @@ class KVPages:
         self.pool = pool
         self.page_size = page_size
         self.copy_pages = copy_pages
+        self.cache: PrefixCache | None = None
+
+    def enable_prefix_cache(self, model: str) -> None:
+        """Names full committed pages from now on, and lets a first fire reuse them (``map_prefix``)."""
+        if self.cache is None:
+            self.cache = PrefixCache(self.pool, self.page_size, model)
 
     @property
     def total(self) -> int:
@@ -28,19 +37,26 @@ class KVPages:
 
     @property
     def free(self) -> int:
+        """Pages a reserve may take, idle cached pages included (they are evicted on demand)."""
         return self.pool.free_pages
+
+    @property
+    def used(self) -> int:
+        return self.pool.used_pages
 
     def pages_for(self, rows: int) -> int:
         return (rows + self.page_size - 1) // self.page_size
 
+    def _frozen(self, page: int) -> bool:
+        """A page another holder reads, or one the prefix cache names: never written in place."""
+        return self.pool.refcount(page) > 1 or (self.cache is not None and self.cache.holds(page))
+
     def reserve(self, ws: WorkingSet, start: int, rows: int) -> None:
         """Makes rows ``start .. start+rows-1`` of ``ws`` writable: new pages past its table, and a private copy
-        of every shared page those rows land in. All or nothing: OUT_OF_PAGES leaves ``ws`` as it was."""
+        of every shared or named page those rows land in. All or nothing: OUT_OF_PAGES leaves ``ws`` as it was."""
         need = self.pages_for(start + rows)
         grow = max(0, need - len(ws.pages))
-        shared = [
-            i for i in range(start // self.page_size, min(need, len(ws.pages))) if self.pool.refcount(ws.pages[i]) > 1
-        ]
+        shared = [i for i in range(start // self.page_size, min(need, len(ws.pages))) if self._frozen(ws.pages[i])]
         fresh = self.pool.alloc(grow + len(shared))
         if shared:
             src = [ws.pages[i] for i in shared]
@@ -50,6 +66,28 @@ class KVPages:
             for i, p in zip(shared, dst):
                 ws.pages[i] = p
         ws.pages.extend(fresh[:grow])
+
+    def map_prefix(self, ws: WorkingSet, tokens: Sequence[int], max_rows: int) -> int:
+        """Maps the longest cached chain over ``tokens`` (at most ``max_rows`` rows) into the empty page table of
+        ``ws``, shared; returns the rows it covers (a multiple of the page size; 0 without a cache)."""
+        if self.cache is None or ws.pages or ws.committed:
+            return 0
+        keys, pages = self.cache.lookup(tokens, max_rows)
+        self.pool.share(pages)
+        ws.pages = list(pages)
+        rows = len(pages) * self.page_size
+        ws.chain = PageChain(list(tokens[:rows]), keys)
+        return rows
+
+    def wrote(self, ws: WorkingSet, start: int, tokens: Sequence[int] | None) -> None:
+        """Rows ``start ..`` of ``ws`` now hold ``tokens`` (None: rows the cache cannot name)."""
+        if self.cache is not None:
+            ws.chain.wrote(start, tokens, self.page_size)
+
+    def commit(self, ws: WorkingSet) -> None:
+        """Names the pages ``ws``'s committed length has just made full."""
+        if self.cache is not None:
+            self.cache.register(ws.chain, ws.pages, ws.committed)
 
     def fork(self, parent: WorkingSet) -> list[int]:
         """The page table of a fork of ``parent``: its committed pages, shared (the tail page too; the first
@@ -61,9 +99,17 @@ class KVPages:
     def trim(self, ws: WorkingSet) -> None:
         """Returns the pages past the committed length (they hold only unfolded rows)."""
         keep = self.pages_for(ws.committed)
-        self.pool.release(ws.pages[keep:])
+        self.pool.release(ws.pages[keep:][::-1])
         del ws.pages[keep:]
 
+    def truncate(self, ws: WorkingSet, rows: int) -> None:
+        """Drops the committed rows past ``rows``; the pages past it lose their names in ``ws``'s chain."""
+        ws.committed = rows
+        ws.chain.cut(rows, self.page_size)
+        self.trim(ws)
+
     def release(self, ws: WorkingSet) -> None:
-        self.pool.release(ws.pages)
+        # the tail first: of a released chain, its last pages become idle first and so are evicted first,
+        # which keeps the shared heads (system prompts) longest
+        self.pool.release(ws.pages[::-1])
         ws.pages = []

@@ -65,7 +65,7 @@ class Step:
 
     @staticmethod
     def _ready(j: FireJob) -> bool:
-        if j.done:
+        if j.done > j.cached_rows:  # started: its window and room were there when it began
             return True
         if j.source is not None and not j.tokens and not j.source.cells and j.source.poison is None:
             return False
@@ -81,7 +81,7 @@ class Step:
         """Before a step: stops flagged run-aheads, and takes the input window of channel-fed fires."""
         replies = []
         for j in sm.queue.heads():
-            if j.done or not self._ready(j):
+            if j.done > j.cached_rows or not self._ready(j):
                 continue
             if j.run is not None and self._flagged(j.run):
                 j.run.reason = "stop_channel"
@@ -112,10 +112,12 @@ class Step:
                 replies.extend(self._fail(sm, j, o.error))
                 continue
             fold = j.fold if j.fold is not None else o.device_fold
+            self._wrote(sm, j)
             if fold is not None:
                 ws.committed = j.start + fold
                 if j.fold is None:
                     ws.pending_fold = None  # settled on the device, as ws_fold would
+                sm.pages.commit(ws)
             self.stats.fires += 1
             self._unqueue(sm, j)
             if j.run is not None:
@@ -130,6 +132,7 @@ class Step:
                 "results": wire,
                 "committed": ws.committed,
                 "pending_fold": ws.pending_fold,
+                "cached_rows": j.cached_rows,
             }
             if o.device_fold is not None:
                 reply["fold"] = o.device_fold
@@ -143,6 +146,13 @@ class Step:
         if run.reason is None:
             run.reason = self._next_round(sm, j)
         return self._run_reply(j, run) if run.reason is not None else None
+
+    @staticmethod
+    def _wrote(sm: ServedModel, j: FireJob) -> None:
+        """Tells the prefix cache what the fire's rows now hold: token ids at their default positions can be
+        named; a channel-fed window or explicit positions cannot."""
+        default = j.positions == list(range(j.start, j.start + len(j.positions)))
+        sm.pages.wrote(j.ws, j.start, j.tokens if j.source is None and default else None)
 
     def _unqueue(self, sm: ServedModel, j: FireJob) -> None:
         sm.queue.pop(j)
@@ -204,7 +214,9 @@ class Step:
         poison(j.writes, err)
         ran = bool(j.tokens) and j.remaining == 0
         if j.fold is not None and ran:
+            self._wrote(sm, j)
             j.ws.committed = j.start + j.fold
+            sm.pages.commit(j.ws)
         replies = [self._finish(sm, j, {"id": j.req_id, "ok": False, "error": err.to_wire()})]
         if j.fold is not None and not ran:
             after = PieError(

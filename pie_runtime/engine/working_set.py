@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..protocol import ErrorCode, PieError
+from .prefix_cache import PageChain
 
 
 @dataclass
@@ -23,6 +24,7 @@ class WorkingSet:
     pending_fold: int | None = None  # window size of a fire whose fold is deferred and not yet settled
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
+    chain: PageChain = field(default_factory=PageChain)  # what the prefix cache can name of its rows
 
     def check_settle(self, n: int) -> None:
         """Refuses to settle the deferred fold with ``n`` rows unless that fold is answered and ``n`` fits it."""

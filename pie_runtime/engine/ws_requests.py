@@ -45,8 +45,10 @@ class WorkingSetRequests:
     def fork(self, client: bytes, req: m.WsFork) -> dict:
         parent = self.sets.idle(client, req.ws)
         self._check_room(client)
-        pages = self.models[parent.model].pages.fork(parent)
+        kv = self.models[parent.model].pages
+        pages = kv.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
+        child.chain = parent.chain.prefix(parent.committed, kv.page_size)
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": child.id, "committed": child.committed}
 
@@ -66,15 +68,16 @@ class WorkingSetRequests:
         ws.check_settle(req.n)
         ws.committed += req.n
         ws.pending_fold = None
-        self.models[ws.model].pages.trim(ws)
+        kv = self.models[ws.model].pages
+        kv.commit(ws)
+        kv.trim(ws)
         return {"committed": ws.committed}
 
     def truncate(self, client: bytes, req: m.WsTruncate) -> dict:
         ws = self.sets.idle(client, req.ws)
         if req.n > ws.committed:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"truncate to {req.n} past committed length {ws.committed}")
-        ws.committed = req.n
-        self.models[ws.model].pages.trim(ws)
+        self.models[ws.model].pages.truncate(ws, req.n)
         return {"committed": ws.committed}
 
     def release(self, ws: WorkingSet, notify: bool = True) -> None:

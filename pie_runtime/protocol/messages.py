@@ -295,3 +295,28 @@ class ModelInfo(BaseModel):
     pass_cost_ms: list[float] = []  # [w-1]: ms of one sequence's w-row pass + lm head, measured at start
     mtp_step_ms: float = 0.0  # ms of one more MTP(k) draft on a row, measured at start
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
+    weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
+    weight_bytes: int = 0  # bytes of the projections and lm head as served
+    compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
+
+
+class PrefixCacheStats(BaseModel):
+    """A model's prefix cache in ``stats``: first fires that looked it up (``queries``, their rows
+    ``query_tokens``), those that mapped cached pages (``hits``, the rows not computed ``hit_tokens``), the pages
+    named now (held or idle) and the idle ones evicted to make room. All zero with ``--no-prefix-cache``."""
+
+    enabled: bool
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    cached_pages: int = 0
+    evictions: int = 0
+
+
+class KVStats(BaseModel):
+    """A model's KV pool in ``stats``: pages working sets hold, of the pool's total (idle cached pages are not
+    used: a reserve evicts them)."""
+
+    pages_used: int
+    pages_total: int
