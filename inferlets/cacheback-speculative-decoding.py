@@ -9,13 +9,14 @@ Saxena 2023, "Prompt Lookup Decoding" (drafting); Leviathan et al. 2023 / Chen e
 
 With --device-verify (greedy) a round is one fire: its epilogue verifies and folds 1 + accepted on the
 device, and an Argmax readout on every row tells this inferlet what was kept (sdk/inferlet/device_rounds.py).
-Sampled runs use the host loop.
+Sampled runs, and n > 1 (forks of the prompt, inferlet.choices), use the host loop.
 """
 
 from __future__ import annotations
 
 import inferlet
 from inferlet.args import DecodeArgs
+from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.device_rounds import verify_rounds
 from inferlet.drafter import Drafter, Proposal
@@ -46,6 +47,6 @@ class LookupDrafter(Drafter):
 @inferlet.main
 async def main(args: Args) -> dict:
     model = inferlet.model()
-    if args.device_verify:
+    if args.device_verify and args.n == 1:
         return await verify_rounds(model, args, LookupDrafter(args), args.draft_length)
-    return await speculate(model, args, LookupDrafter(args), args.draft_length)
+    return await run_choices(model, args, lambda a, ws: speculate(model, a, LookupDrafter(a), a.draft_length, ws=ws))

@@ -17,6 +17,7 @@ import numpy as np
 
 import inferlet
 from inferlet.args import DecodeArgs
+from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.drafter import Drafter, Proposal
 from inferlet.grammar import Constraint, grammar_text
@@ -54,7 +55,11 @@ class GrammarDrafter(Drafter):
 async def main(args: Args) -> dict:
     model = inferlet.model()
     grammar = grammar_text(json_schema=args.json_schema, regex=args.regex, lark=args.grammar)
-    constraint = Constraint(model.tokenizer, model.vocab_size, grammar)
-    result = await speculate(model, args, GrammarDrafter(constraint, args), args.draft_length)
-    result["stats"]["grammar_accepting"] = constraint.is_accepting()
-    return result
+
+    async def choice(a: Args, ws: inferlet.WorkingSet) -> dict:
+        constraint = Constraint(model.tokenizer, model.vocab_size, grammar)
+        result = await speculate(model, a, GrammarDrafter(constraint, a), a.draft_length, ws=ws)
+        result["stats"]["grammar_accepting"] = constraint.is_accepting()
+        return result
+
+    return await run_choices(model, args, choice)

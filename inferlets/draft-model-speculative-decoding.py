@@ -21,6 +21,7 @@ import numpy as np
 
 import inferlet
 from inferlet.args import DecodeArgs
+from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.drafter import Drafter, Proposal
 from inferlet.sampler import Verifier, draw
@@ -70,5 +71,9 @@ async def main(args: Args) -> dict:
     target, draft = inferlet.model(), inferlet.model(args.draft)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft {draft.name} has vocab {draft.vocab_size}, target {target.vocab_size}")
-    verifier = Verifier(args)
-    return await speculate(target, args, ModelDrafter(draft, verifier), args.draft_length, verifier)
+
+    async def choice(a: Args, ws: inferlet.WorkingSet) -> dict:
+        verifier = Verifier(a)
+        return await speculate(target, a, ModelDrafter(draft, verifier), a.draft_length, verifier, ws)
+
+    return await run_choices(target, args, choice)

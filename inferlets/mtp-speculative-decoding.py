@@ -14,12 +14,14 @@ verifies (n = cumprod(drafts == target[:k]).sum()), folds n + 1, writes target[0
 and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/device_rounds.py); this
 inferlet only takes the output and replays the host loop's stats from it. Sampled runs use the host loop.
 Run-ahead drafts --draft-length every round: the adaptive schedule (inferlet.draft_length) is host-side.
+n > 1 (forks of the prompt, inferlet.choices) and ignore_eos (the engine loop stops at EOS) use the host loop.
 """
 
 from __future__ import annotations
 
 import inferlet
 from inferlet.args import DecodeArgs
+from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.device_rounds import mtp_run_ahead
 from inferlet.drafter import Drafter, Proposal
@@ -70,6 +72,10 @@ async def main(args: Args) -> dict:
     model = inferlet.model()
     if args.draft_length > model.mtp_depth:
         raise ValueError(f"--draft-length {args.draft_length} past the model's MTP depth {model.mtp_depth}")
-    if args.run_ahead:
+    if args.run_ahead and args.n == 1 and not args.ignore_eos:
         return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
-    return await speculate(model, args, MTPDrafter(args.draft_length, model.mtp_step_ms), args.draft_length)
+    return await run_choices(
+        model,
+        args,
+        lambda a, ws: speculate(model, a, MTPDrafter(a.draft_length, model.mtp_step_ms), a.draft_length, ws=ws),
+    )

@@ -4,10 +4,16 @@ policy is compared against.
     prefill the prompt, read the last row;  loop: embed the new token, read it, until EOS / stop / max_tokens
     (the tokens go through inferlet.output.Output, which cuts them there and at the model's capacity)
 
+Each step reads the engine's Argmax (greedy) or seeded Sample; with presence/frequency/repetition penalties or
+a logit bias it reads the step's Logits and picks on the host; with logprobs a Logits readout rides along
+(inferlet.sampler.StepSampler). ``n > 1`` decodes n forks of the prompt after one prefill (inferlet.choices;
+only choice 0 streams).
+
 With --run-ahead the loop stays in the engine (inferlet.run_ahead): an epilogue picks each token (argmax, or
 Gumbel sampling from a seeded rng state in a channel) and writes it to the input and output channels; the
 engine re-fires the pass with no round trip until EOS or the token budget, and this inferlet only takes the
-tokens.
+tokens. A run the engine loop cannot do (n > 1, ignore_eos, penalties, logit bias, logprobs) uses the host loop
+and says why in ``stats.device``.
 """
 
 from __future__ import annotations
@@ -16,61 +22,86 @@ import time
 
 import inferlet
 from inferlet.args import CompletionArgs
+from inferlet.choices import run_choices
 from inferlet.output import Output
 from inferlet.programs import Builder, Sym, sample
 from inferlet.run_ahead import RunAhead
+from inferlet.sampler import StepSampler
 
 
 class Args(CompletionArgs):
     run_ahead: bool = False
 
 
-def readout_kind(args: Args, step: int) -> inferlet.Argmax | inferlet.Sample:
-    if args.temperature == 0:
-        return inferlet.Argmax()
-    seed = None if args.seed is None else args.seed + step  # a seed per step: same seed, same tokens
-    return inferlet.Sample(args.temperature, args.top_k, args.top_p, seed)
+def host_loop_reason(args: Args) -> str | None:
+    """Why a --run-ahead run decodes on the host; None when the engine loop can run it."""
+    if args.n > 1:
+        return "n > 1"
+    if args.ignore_eos:
+        return "ignore_eos"  # the engine loop stops at EOS
+    reasons = args.fallback_reasons()  # the engine loop picks by argmax or sampling, without logits to the host
+    return reasons[0] if reasons else None
 
 
 @inferlet.main
 async def main(args: Args) -> dict:
     model = inferlet.model()
+    why = host_loop_reason(args) if args.run_ahead else None
+    result = await run_choices(model, args, lambda a, ws: complete(model, a, ws, run_ahead=args.run_ahead and not why))
+    if why:
+        result["stats"]["device"] = f"host loop: {why} runs are decoded on the host"
+    return result
+
+
+async def complete(model: inferlet.Model, args: Args, ws: inferlet.WorkingSet, run_ahead: bool = False) -> dict:
+    """One choice on ``ws`` (fresh, or a fork holding the prompt but its last token); returns its result."""
     prompt = args.prompt_ids(model.tokenizer)
     out = Output(model.tokenizer, args, len(prompt), model.max_positions)
-    ws = model.working_set()
+    sampler = StepSampler(args, prompt)
     try:
-        decode = run_ahead if args.run_ahead else host_loop
-        prefill_ms, decode_s = await decode(ws, prompt, args, out)
+        if run_ahead:
+            prefill_ms, decode_s = await engine_loop(ws, prompt, args, out)
+        else:
+            prefill_ms, decode_s = await host_loop(ws, prompt, sampler, out)
     finally:
         await ws.release()
     decoded = max(len(out.ids) - 1, 0)  # the first token came with the prefill
-    return {
-        "text": out.text(),
-        "token_ids": out.ids,
-        "finish_reason": out.finish or "length",
+    result = {
+        **out.result(),
         "stats": {
             "prompt_tokens": len(prompt),
             "generated_tokens": len(out.ids),
+            "cached_tokens": min(ws.cached_rows, len(prompt)),
             "prefill_ms": round(prefill_ms, 2),
             "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
         },
     }
+    if args.top_count is not None:
+        result["logprobs"] = sampler.logprobs
+    return result
 
 
-async def host_loop(ws: inferlet.WorkingSet, prompt: list[int], args: Args, out: Output) -> tuple[float, float]:
+async def host_loop(
+    ws: inferlet.WorkingSet, prompt: list[int], sampler: StepSampler, out: Output
+) -> tuple[float, float]:
     """One fire a token until ``out`` is done; returns (prefill ms, decode s)."""
     t0 = time.perf_counter()
-    fp = inferlet.ForwardPass(ws).embed(prompt).readout([len(prompt) - 1], readout_kind(args, 0))
-    out.push([int((await fp.submit()).tokens[0])])
+    window = prompt[ws.committed :]
+    fp = inferlet.ForwardPass(ws).embed(window)
+    for kind in sampler.readouts(0):
+        fp.readout([len(window) - 1], kind)
+    out.push([sampler.pick(await fp.submit(), out.ids)])
     prefill_ms = (time.perf_counter() - t0) * 1e3
     t_decode = time.perf_counter()
     while not out.done:
-        fp = inferlet.ForwardPass(ws).embed(out.ids[-1:]).readout([0], readout_kind(args, len(out.ids)))
-        out.push([int((await fp.submit()).tokens[0])])
+        fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
+        for kind in sampler.readouts(len(out.ids)):
+            fp.readout([0], kind)
+        out.push([sampler.pick(await fp.submit(), out.ids)])
     return prefill_ms, time.perf_counter() - t_decode
 
 
-async def run_ahead(ws: inferlet.WorkingSet, prompt: list[int], args: Args, out: Output) -> tuple[float, float]:
+async def engine_loop(ws: inferlet.WorkingSet, prompt: list[int], args: Args, out: Output) -> tuple[float, float]:
     """Sends the prefill and the run-ahead at once, then takes the tokens until ``out`` is done, the engine
     stopped the run (EOS, the token budget, capacity); returns (prefill ms, decode s)."""
     t0 = time.perf_counter()

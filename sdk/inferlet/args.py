@@ -1,6 +1,6 @@
 """Turns the words after ``--`` into an inferlet's arguments: its pydantic model's fields, or a dict; and
-``CompletionArgs``, the arguments every text-generating inferlet takes, and ``DecodeArgs``, those plus the
-sampler options of the speculative inferlets.
+``CompletionArgs``, the arguments every text-generating inferlet takes (OpenAI's and vLLM's request fields,
+with their meanings), and ``DecodeArgs``, those plus the options of the speculative inferlets.
 
 ``--max-tokens 8`` → ``max_tokens=8``; a bare ``--chat`` → ``chat=True``; a repeated flag gives a list.
 Values are typed by the pydantic model; in a dict, numbers become numbers and the rest stays text.
@@ -10,55 +10,93 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin
 
-from pydantic import BaseModel, field_validator
+import numpy as np
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
+MAX_CHOICES = 64  # n: forks of one prompt
+MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's default limit
+LOGIT_BIAS_RANGE = 100.0
+
 
 class CompletionArgs(BaseModel):
-    """text-completion's arguments; the speculative inferlets take them too (``DecodeArgs``)."""
+    """A completion request, as text-completion and every speculative inferlet take it. Same meanings as
+    OpenAI/vLLM: ``n`` choices (forks of the prompt's working set after one prefill, inferlet.choices);
+    ``stop`` strings and ``stop_token_ids`` end a choice with finish_reason "stop" (the text is cut before the
+    string; a stop token, like EOS, is not kept); ``ignore_eos`` keeps decoding past EOS (kept as a token);
+    presence/frequency penalties count the generated tokens only; ``logit_bias`` adds to token logits;
+    ``logprobs`` (a count, or true) records each token's logprob and ``top_logprobs`` (or the count) alternatives.
+    Penalties and the logit bias make the run sample on the host from each step's logits (inferlet.sampler)."""
 
     prompt: str
     max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # stored as seed mod 2**63 (numpy needs >= 0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # subtracted once from every generated token
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # subtracted per occurrence in the output
+    repetition_penalty: float = Field(default=1.0, ge=0.0)  # Hugging Face's: seen tokens (prompt too) / r or * r
+    logit_bias: dict[int, float] = {}  # token id → added to its logit; JSON text on the command line
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # bare flag or true: 0 alternatives
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs; overrides its count
     chat: bool = False
     stream: bool = True
-
-    def prompt_ids(self, tok: Tokenizer) -> list[int]:
-        """The prompt's token ids (rendered with the chat template first with ``--chat``)."""
-        text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
-        return tok.encode(text)
-
-
-class DecodeArgs(CompletionArgs):
-    """text-completion's arguments plus the sampler options that turn speculation off."""
-
-    presence_penalty: float = 0.0  # subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # Hugging Face's: logits of seen tokens (prompt too) / r if > 0 else * r
-    logit_bias: dict[int, float] = {}  # token id → added to its logit; JSON text on the command line
-    logprobs: int | None = None  # record each token's logprob and this many top alternatives (bare flag: 0)
-    timing: bool = False  # per-round times in stats
-    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
-    # at most the inferlet's draft length; fixed: always the draft length
-    draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
 
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _json_bias(cls, v: Any) -> Any:
         return json.loads(v) if isinstance(v, str) else v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {t: b for t, b in v.items() if t < 0 or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE}
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_non_negative(cls, v: int | None) -> int | None:
+        return None if v is None else v % 2**63
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _bare_logprobs(cls, v: Any) -> Any:
         return {True: 0, False: None}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> Self:
+        if self.top_logprobs and self.logprobs is None:  # OpenAI's rule; top_logprobs=0 alone asks nothing
+            raise ValueError("top_logprobs needs logprobs")
+        return self
+
+    def prompt_ids(self, tok: Tokenizer) -> list[int]:
+        """The prompt's token ids (rendered with the chat template first with ``--chat``)."""
+        text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
+        return tok.encode(text)
+
+    @property
+    def top_count(self) -> int | None:
+        """How many alternatives each logprobs entry lists; None when logprobs were not asked for."""
+        if self.logprobs is None:
+            return None
+        return self.top_logprobs if self.top_logprobs is not None else self.logprobs
+
+    def host_sampling(self) -> bool:
+        """Whether each token must be picked on the host from the step's logits (penalties, logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or (
+            self.repetition_penalty not in (0.0, 1.0)
+        )
 
     def fallback_reasons(self) -> list[str]:
         """Why this run may not speculate; [] when it may."""
@@ -70,6 +108,23 @@ class DecodeArgs(CompletionArgs):
         if self.logprobs is not None:
             reasons.append("logprobs")
         return reasons
+
+    def for_choice(self, i: int) -> Self:
+        """The arguments of choice ``i`` of ``n``: choice 0 is this run itself; the others stream nothing and
+        draw from a seed of their own (derived from ``seed``, so a seeded request is reproducible)."""
+        if i == 0:
+            return self
+        seed = None if self.seed is None else int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0])
+        return self.model_copy(update={"seed": seed, "stream": False})
+
+
+class DecodeArgs(CompletionArgs):
+    """The completion request plus the options of the speculative inferlets."""
+
+    timing: bool = False  # per-round times in stats
+    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
+    # at most the inferlet's draft length; fixed: always the draft length
+    draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
 
 
 def split_words(words: list[str]) -> dict[str, Any]:
@@ -119,14 +174,33 @@ def _wants_list(annotation) -> bool:
     return any(get_origin(a) in (list, tuple) for a in get_args(annotation))
 
 
-def parse_args(words: list[str], fn) -> Any:
-    """Parses ``words`` for ``fn(args)``: into its first parameter's pydantic model, or a dict."""
-    raw = split_words(words)
+def args_model(fn) -> type[BaseModel] | None:
+    """The pydantic model of ``fn``'s first parameter, or None when it takes a plain dict."""
     params = list(inspect.signature(fn).parameters.values())
     ann = params[0].annotation if params else inspect.Parameter.empty
     if isinstance(ann, str):
         ann = fn.__globals__.get(ann, inspect.Parameter.empty)
-    if inspect.isclass(ann) and issubclass(ann, BaseModel):
+    return ann if inspect.isclass(ann) and issubclass(ann, BaseModel) else None
+
+
+def parse_arg_dict(raw: dict[str, Any], fn) -> Any:
+    """The arguments for ``fn(args)`` from a JSON-like dict (an inferlet host's run request): validated by its
+    pydantic model, or the dict itself when ``fn`` takes a dict. A name the model does not know is refused
+    (``ValueError``) unless the model allows extra fields: a caller must learn that its option was not applied."""
+    model = args_model(fn)
+    if model is None:
+        return dict(raw)
+    unknown = sorted(set(raw) - set(model.model_fields))
+    if unknown and model.model_config.get("extra") != "allow":
+        raise ValueError(f"unknown argument{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    return model.model_validate(raw)
+
+
+def parse_args(words: list[str], fn) -> Any:
+    """Parses ``words`` for ``fn(args)``: into its first parameter's pydantic model, or a dict."""
+    raw = split_words(words)
+    ann = args_model(fn)
+    if ann is not None:
         fields = ann.model_fields
         for key, value in list(raw.items()):
             if key in fields and _wants_list(fields[key].annotation) and not isinstance(value, list):

@@ -17,7 +17,11 @@ Terms:
     plain step    a round without drafts; its reason is counted in ``stats.skipped`` (``no_draft``: the
                   drafter had none; ``draft_cost``: the draft-length planner expected drafting to be slower);
     fallback      a run that never speculates because its sampler needs every step's logits
-                  (penalties, a logit bias, logprobs): it reads Logits and samples here.
+                  (penalties, a logit bias, logprobs): it reads Logits and samples here; every step counts
+                  the reason in ``stats.skipped`` (and the result's ``speculation.skipped``).
+
+A run may start on a working set that already holds the prompt but its last token (a fork, one choice of an
+n > 1 request: inferlet.choices): its prefill fire embeds only the rows the working set lacks.
 """
 
 from __future__ import annotations
@@ -62,12 +66,12 @@ class Run:
     logprobs: list[dict] | None = None
 
     @classmethod
-    def start(cls, model: Model, args: DecodeArgs) -> Run:
-        """A run of ``args``: its prompt tokenized, an empty Output cut at the model's capacity, a new working
-        set (opened in the engine by the prefill)."""
+    def start(cls, model: Model, args: DecodeArgs, ws: WorkingSet | None = None) -> Run:
+        """A run of ``args``: its prompt tokenized, an empty Output cut at the model's capacity, and ``ws`` or a
+        new working set (opened in the engine by the prefill)."""
         prompt = args.prompt_ids(model.tokenizer)
         out = Output(model.tokenizer, args, len(prompt), model.max_positions)
-        return cls(model, args, prompt, out, model.working_set())
+        return cls(model, args, prompt, out, ws if ws is not None else model.working_set())
 
     async def finish(self) -> dict:
         """Reports the run's counters to the engine (summed in its ``stats``), then returns the result."""
@@ -88,17 +92,13 @@ class Run:
         stats = {
             "prompt_tokens": len(self.prompt),
             "generated_tokens": len(self.out.ids),
+            "cached_tokens": min(self.ws.cached_rows, len(self.prompt)),
             **self.stats.as_dict(rate, round(self.prefill_ms, 2)),
         }
         if self.args.timing:
             stats["round_ms"] = [round(t, 3) for t in self.round_ms]
             stats["draft_ms"] = [round(t, 3) for t in self.draft_ms]
-        res = {
-            "text": self.out.text(),
-            "token_ids": self.out.ids,
-            "finish_reason": self.out.finish or "length",
-            "stats": stats,
-        }
+        res = {**self.out.result(), "stats": stats, "speculation": self.stats.summary()}
         if self.logprobs is not None:
             res["logprobs"] = self.logprobs
         return res
@@ -117,10 +117,11 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
     seq = list(prompt)
     try:
         t0 = time.perf_counter()
+        window = prompt[ws.committed :]  # a fork holds all but the prompt's last token already
         if fallback:
-            new = await step(prompt, [], None)
+            new = await step(window, [], None)
         else:
-            new, _ = await asyncio.gather(step(prompt, [], None), drafter.prefill(prompt))
+            new, _ = await asyncio.gather(step(window, [], None), drafter.prefill(prompt))
         run.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.round_ms.clear()
         t_decode = time.perf_counter()
@@ -154,10 +155,18 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
         await ws.release()
 
 
-async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int, verifier: Verifier | None = None) -> dict:
+async def speculate(
+    model: Model,
+    args: DecodeArgs,
+    drafter: Drafter,
+    k: int,
+    verifier: Verifier | None = None,
+    ws: WorkingSet | None = None,
+) -> dict:
     """Runs the round loop (module docstring) with up to ``k`` drafts a round; returns the inferlet result.
-    Pass ``verifier`` when the drafter samples too, so both draw from one seeded generator."""
-    run = Run.start(model, args)
+    Pass ``verifier`` when the drafter samples too, so both draw from one seeded generator, and ``ws`` to start
+    on a working set holding the prompt's head (a choice's fork)."""
+    run = Run.start(model, args, ws)
     out, stats, ws = run.out, run.stats, run.ws
     verifier = verifier or Verifier(args)
     fallback = args.fallback_reasons()
@@ -186,6 +195,6 @@ async def speculate(model: Model, args: DecodeArgs, drafter: Drafter, k: int, ve
         return v.tokens
 
     await drive_rounds(run, drafter, k, step, fallback)
-    if plain is not None and args.logprobs is not None:
+    if plain is not None and args.top_count is not None:
         run.logprobs = plain.logprobs
     return await run.finish()

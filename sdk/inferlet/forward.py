@@ -37,6 +37,7 @@ class PassResult:
     committed: int = 0
     fold: int | None = None  # the fold count the epilogue chose, when it folds
     run: dict | None = None  # a run-ahead's {rounds, tokens, reason}
+    cached_rows: int = 0  # window rows the engine took from its prefix cache instead of computing them
 
     def _cat(self, name: str) -> np.ndarray | None:
         with_it = [(i, r) for i, r in enumerate(self.readouts) if getattr(r, name) is not None]
@@ -179,8 +180,10 @@ class ForwardPass:
         reply = await self.ws.model.client.request("fire", **fields)
         self.ws.committed = reply["committed"]
         self.ws.pending_fold = reply.get("pending_fold") is not None
+        cached = int(reply.get("cached_rows") or 0)  # absent from engines without a prefix cache
+        self.ws.cached_rows += cached
         results = [
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})
             for spec, res in zip(self._readouts, reply["results"])
         ]
-        return PassResult(results, reply["committed"], reply.get("fold"), reply.get("run"))
+        return PassResult(results, reply["committed"], reply.get("fold"), reply.get("run"), cached)

@@ -1,26 +1,35 @@
-"""The tokens a run returns, cut where text-completion stops: the first EOS, a stop string, ``max_tokens``, or
-the model's capacity. Every text-generating inferlet pushes what it decodes through an ``Output``, one token a
-step or a round's worth at a time, so all of them end (and stream) a run the same way."""
+"""The tokens a run returns, cut where text-completion stops: the first EOS (unless ``ignore_eos``), a stop
+token id, a stop string, ``max_tokens``, or the model's capacity. Every text-generating inferlet pushes what it
+decodes through an ``Output``, one token a step or a round's worth at a time, so all of them end (and stream) a
+run the same way."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from .args import CompletionArgs
 from .runtime import emit
 from .tokenizer import StreamDecoder, Tokenizer
 
+FinishReason = Literal["stop", "length"]
+
 
 class Output:
-    """The tokens a run returns, cut exactly where text-completion stops: at the first EOS (not kept), a
-    stop string (the token that completes it is kept, the text is cut before it), max_tokens, or when the
-    sequence reaches the model's capacity. Streams each token's text when ``args.stream``."""
+    """The tokens a run returns, cut exactly where text-completion stops, with OpenAI's finish reasons:
+    "stop" at the first EOS or stop token id (neither kept; ``ignore_eos`` keeps EOS as a token and goes on) or a
+    stop string (the token that completes it is kept, the text is cut before it); "length" at max_tokens or when
+    the sequence reaches the model's capacity. ``stop_reason`` says which stop: the string, the token id, or
+    None for EOS (vLLM's field). Streams each token's text when ``args.stream``."""
 
     def __init__(self, tok: Tokenizer, args: CompletionArgs, prompt_len: int, max_positions: int):
         self.args = args
-        self.eos = set(tok.eos_token_ids)
+        self.eos = set() if args.ignore_eos else set(tok.eos_token_ids)
+        self.stop_ids = set(args.stop_token_ids)
         self.stream = StreamDecoder(tok)
         self.capacity = max_positions - prompt_len  # text-completion stops when prompt + out reaches it
         self.ids: list[int] = []
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
+        self.stop_reason: str | int | None = None
 
     @property
     def done(self) -> bool:
@@ -32,16 +41,19 @@ class Output:
         return self.args.max_tokens - len(self.ids)
 
     def push(self, tokens: list[int]) -> int:
-        """Appends tokens until the output ends; returns how many it took (EOS counts as taken)."""
+        """Appends tokens until the output ends; returns how many it took (EOS and a stop id count as taken)."""
         for n, t in enumerate(tokens, 1):
             t = int(t)
-            if t in self.eos:
-                self.finish = "eos"
+            if t in self.stop_ids or t in self.eos:
+                self.finish = "stop"
+                self.stop_reason = t if t in self.stop_ids else None
                 return n
             self.ids.append(t)
             delta = self.stream.push([t])
-            if self.args.stop and any(s in self.stream.text for s in self.args.stop):
+            matched = [s for s in self.args.stop if s in self.stream.text]
+            if matched:
                 self.finish = "stop"
+                self.stop_reason = min(matched, key=self.stream.text.find)
                 return n
             if self.args.stream and delta:
                 emit(delta)
@@ -52,6 +64,15 @@ class Output:
 
     def text(self) -> str:
         text = self.stream.tokenizer.decode(self.ids)
-        if self.finish == "stop":
+        if isinstance(self.stop_reason, str):
             text = text[: min(text.find(s) for s in self.args.stop if s in text)]
         return text
+
+    def result(self) -> dict:
+        """The result fields of this output: text, token_ids, finish_reason, stop_reason."""
+        return {
+            "text": self.text(),
+            "token_ids": self.ids,
+            "finish_reason": self.finish or "length",
+            "stop_reason": self.stop_reason,
+        }

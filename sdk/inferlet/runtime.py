@@ -1,13 +1,27 @@
-"""Runs one inferlet file in this process: connect to the engine, learn its models, parse the arguments,
-await ``main(args)``, and write the result as JSON where the launcher asked."""
+"""The SDK's runtime: the ``@inferlet.main`` marker, sessions (one engine connection, its models and their
+tokenizers) and the per-run context that lets many runs share one process.
+
+A run's context (a ``contextvars`` variable, so each asyncio task of an inferlet host has its own) names its
+session, where ``emit()`` writes, the inferlet's name, and the working sets and channels the run opened
+(``client.Holdings``): ``run_in_context`` releases whatever the run left open when it ends, cancelled or not.
+Outside any run (``pie run``'s child, scripts and tests that call ``inferlet.connect``) the process-wide
+session from ``connect()`` is used and ``emit()`` writes to stdout.
+
+``run_file`` is ``pie run``'s child: one inferlet file in its own process, the result written as JSON where the
+launcher asked. An inferlet host (``pie_runtime/serve/host.py``) loads each file once (``load_module``) and runs
+many runs of it through ``run_in_context``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib.util
 import json
 import sys
 import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +31,17 @@ from pydantic import BaseModel
 from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
-from .client import Client
+from .client import Client, Holdings, holding, release_holding
 from .model import Model
 from .tokenizer import Tokenizer
 
-_entry = None  # the function marked with @inferlet.main
-_session: Session | None = None
+Entry = Callable[[Any], Awaitable[Any]]
+
+_entry: Entry | None = None  # the function marked with @inferlet.main by the module being loaded
+_session: Session | None = None  # the process-wide session, for code outside a run context
 
 
-def main(fn):
+def main(fn: Entry) -> Entry:
     """Marks ``async def main(args)`` as the inferlet's entry point."""
     global _entry
     _entry = fn
@@ -33,49 +49,124 @@ def main(fn):
 
 
 class Session:
+    """One connection to the engine and the models it serves (each with its tokenizer, fetched once)."""
+
     def __init__(self, client: Client, models: dict[str, Model], default: str):
         self.client = client
         self.models = models
         self.default = default
-        self.inferlet = ""  # the running inferlet's name (its file's stem), for the engine's stats
+        self.inferlet = ""  # the running inferlet's name outside a run context (`pie run`), for the engine's stats
+
+    @classmethod
+    async def open(cls, address: str, token: str | None = None) -> Session:
+        """Says hello and fetches each model's tokenizer."""
+        client = Client(address)
+        try:
+            hello = await client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token)
+            models = {}
+            for fields in hello["models"]:
+                info = ModelInfo.model_validate(fields)
+                tok_json = (await client.request("tokenizer", model=info.name))["tokenizer_json"]
+                tok = Tokenizer(tok_json, info.eos_token_ids, info.bos_token_id, info.chat_template)
+                models[info.name] = Model(info, client, tok)
+        except BaseException:
+            client.close()
+            raise
+        return cls(client, models, hello["default_model"])
+
+    def model(self, name: str | None = None) -> Model:
+        key = name or self.default
+        if key not in self.models:
+            raise KeyError(f"the engine serves no model {key!r} (it serves {', '.join(self.models)})")
+        return self.models[key]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass
+class RunContext:
+    """What one run sees as "its" runtime: the session, its inferlet's name and where its text goes."""
+
+    session: Session
+    inferlet: str
+    sink: Callable[[str], None]
+    run_id: str = ""
+    holdings: Holdings = field(default_factory=Holdings)
+
+
+_current: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("inferlet_run", default=None)
+
+
+def current_run() -> RunContext | None:
+    """The run this code belongs to, or None outside a run context."""
+    return _current.get()
 
 
 async def connect(address: str, token: str | None = None) -> Session:
-    """Says hello and fetches each model's tokenizer; sets the session ``inferlet.model()`` uses."""
+    """Opens a session and makes it the process-wide one that ``inferlet.model()`` uses outside a run."""
     global _session
-    client = Client(address)
-    hello = await client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token)
-    models = {}
-    for fields in hello["models"]:
-        info = ModelInfo.model_validate(fields)
-        tok_json = (await client.request("tokenizer", model=info.name))["tokenizer_json"]
-        tok = Tokenizer(tok_json, info.eos_token_ids, info.bos_token_id, info.chat_template)
-        models[info.name] = Model(info, client, tok)
-    _session = Session(client, models, hello["default_model"])
+    _session = await Session.open(address, token)
+    return _session
+
+
+def _current_session() -> Session:
+    ctx = _current.get()
+    if ctx is not None:
+        return ctx.session
+    if _session is None:
+        raise RuntimeError("not connected to an engine (run this file with `pie run`)")
     return _session
 
 
 def inferlet_name() -> str:
-    """The running inferlet's name ("" outside ``pie run``)."""
+    """The running inferlet's name ("" outside ``pie run`` and a host's runs)."""
+    ctx = _current.get()
+    if ctx is not None:
+        return ctx.inferlet
     return _session.inferlet if _session is not None else ""
 
 
 def model(name: str | None = None) -> Model:
-    if _session is None:
-        raise RuntimeError("not connected to an engine (run this file with `pie run`)")
-    key = name or _session.default
-    if key not in _session.models:
-        raise KeyError(f"the engine serves no model {key!r} (it serves {', '.join(_session.models)})")
-    return _session.models[key]
+    """The engine's model ``name`` (its default model without one), in this run's session."""
+    return _current_session().model(name)
 
 
 def emit(text: str) -> None:
     """Streams text to the user as it is generated."""
+    ctx = _current.get()
+    if ctx is not None:
+        ctx.sink(text)
+        return
     sys.stdout.write(text)
     sys.stdout.flush()
 
 
-def _jsonable(obj: Any) -> Any:
+async def run_in_context(
+    fn: Entry,
+    args: Any,
+    *,
+    session: Session,
+    inferlet: str,
+    sink: Callable[[str], None],
+    run_id: str = "",
+) -> Any:
+    """Awaits ``fn(args)`` as one run: ``inferlet.model()``, ``emit()`` and ``inferlet_name()`` resolve to this
+    run's context, and the working sets and channels it leaves open are released when it ends (cancelled too)."""
+    ctx = RunContext(session, inferlet, sink, run_id)
+    run_token = _current.set(ctx)
+    hold_token = holding(ctx.holdings)
+    try:
+        return await fn(args)
+    finally:
+        release_holding(hold_token)
+        _current.reset(run_token)
+        # shielded: a second cancel while releasing must not leave pages behind
+        await asyncio.shield(session.client.release(ctx.holdings))
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` as plain JSON types: pydantic models dumped, numpy arrays and scalars as lists and numbers."""
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="json")
     if isinstance(obj, np.ndarray):
@@ -83,22 +174,36 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     return obj
 
 
-def load_entry(path: Path):
-    spec = importlib.util.spec_from_file_location(f"inferlet_{path.stem.replace('-', '_')}", path)
+def load_module(path: Path, module_name: str | None = None) -> tuple[Any, Entry]:
+    """Executes an inferlet file as a module; returns it and its ``@inferlet.main`` function."""
+    global _entry
+    name = module_name or f"inferlet_{path.stem.replace('-', '_')}"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise RuntimeError(f"{path} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    if _entry is None:
+    _entry = None
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
+    entry, _entry = _entry, None
+    if entry is None:
+        sys.modules.pop(spec.name, None)
         raise RuntimeError(f"{path} has no function marked with @inferlet.main")
-    return _entry
+    return module, entry
+
+
+def load_entry(path: Path) -> Entry:
+    return load_module(path)[1]
 
 
 async def _run(path: Path, engine: str, words: list[str], token: str | None) -> Any:
@@ -109,13 +214,13 @@ async def _run(path: Path, engine: str, words: list[str], token: str | None) -> 
     try:
         return await fn(args)
     finally:
-        session.client.close()
+        session.close()
 
 
 def run_file(path: str, engine: str, words: list[str], result_path: str | None, token: str | None = None) -> int:
     try:
         result = asyncio.run(_run(Path(path), engine, words, token))
-        payload = {"ok": True, "result": _jsonable(result)}
+        payload = {"ok": True, "result": jsonable(result)}
         code = 0
     except BaseException as e:  # any failure of user code is reported, not raised
         if isinstance(e, KeyboardInterrupt):

@@ -1,15 +1,30 @@
 """How a run picks its tokens: the ``Verifier`` (the readout a round reads on its verify rows and the rule that
-keeps drafts, inferlet.speculative) and, for the fallback that reads every step's logits, the ``PlainSampler``
-(penalties, logit bias, logprobs)."""
+keeps drafts, inferlet.speculative); for the fallback that reads every step's logits, the ``PlainSampler``
+(penalties, logit bias, logprobs); and text-completion's ``StepSampler``, which reads the engine's Argmax or
+seeded Sample unless the host must pick (PlainSampler), with a Logits readout beside it for logprobs.
+
+A logprobs entry is ``{"token_id", "logprob", "top": [[id, logprob], ...]}``: log-softmax of the step's logits
+after the logit bias and penalties, before temperature, top-k and top-p (so at temperature 1 with no bias,
+exp(logprob) is the engine's Distribution probability); ``top`` is sorted by logprob, ties to the lower id."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .args import DecodeArgs
-from .forward import ReadoutResult
-from .readouts import Argmax, Distribution
+from .args import CompletionArgs
+from .forward import PassResult, ReadoutResult
+from .readouts import Argmax, Distribution, Logits, ReadoutSpec, Sample
 from .speculative import VerifyResult, filter_distribution, verify_greedy, verify_sampled
+
+
+def logprob_entry(logits: np.ndarray, token: int, top: int) -> dict:
+    """The logprobs entry of ``token`` (module docstring) from one row of (adjusted) logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    finite = np.isfinite(x)
+    m = x[finite].max()
+    lp = np.where(finite, x - m - np.log(np.exp(x[finite] - m).sum()), -np.inf)
+    best = np.argsort(-lp, kind="stable")[:top]
+    return {"token_id": int(token), "logprob": float(lp[token]), "top": [[int(t), float(lp[t])] for t in best]}
 
 
 def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
@@ -21,7 +36,7 @@ class Verifier:
     """Readout kind and verification rule of a run: Argmax + verify_greedy at temperature 0, else
     Distribution (same temperature/top-k/top-p) + verify_sampled with the run's seeded generator."""
 
-    def __init__(self, args: DecodeArgs):
+    def __init__(self, args: CompletionArgs):
         self.args = args
         self.greedy = args.temperature == 0
         self.rng = np.random.default_rng(args.seed)
@@ -43,7 +58,7 @@ class PlainSampler:
     """The fallback's sampler over raw logits: penalties and logit bias, logprobs, then greedy or a seeded draw
     from ``filter_distribution``. Logprobs are those of the adjusted logits, before temperature."""
 
-    def __init__(self, args: DecodeArgs, prompt: list[int], rng: np.random.Generator):
+    def __init__(self, args: CompletionArgs, prompt: list[int], rng: np.random.Generator):
         self.args = args
         self.rng = rng
         self.prompt = np.unique(np.asarray(prompt, dtype=np.int64))
@@ -53,7 +68,9 @@ class PlainSampler:
         a = self.args
         x = np.array(logits, dtype=np.float64)
         for tok_id, bias in a.logit_bias.items():
-            x[int(tok_id)] += bias
+            if not 0 <= tok_id < x.shape[0]:
+                raise ValueError(f"logit_bias names token {tok_id}, outside the vocabulary of {x.shape[0]}")
+            x[tok_id] += bias
         counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=x.shape[0])[: x.shape[0]]
         x -= a.frequency_penalty * counts + a.presence_penalty * (counts > 0)
         if a.repetition_penalty not in (0.0, 1.0):
@@ -69,12 +86,46 @@ class PlainSampler:
             token = int(np.argmax(x))
         else:
             token = draw(filter_distribution(x, a.temperature, a.top_k, a.top_p), self.rng)
-        if a.logprobs is not None:
-            finite = np.isfinite(x)
-            m = x[finite].max()
-            lp = np.where(finite, x - m - np.log(np.exp(x[finite] - m).sum()), -np.inf)
-            top = np.argsort(-lp, kind="stable")[: a.logprobs]
-            self.logprobs.append(
-                {"token": token, "logprob": float(lp[token]), "top": [[int(t), float(lp[t])] for t in top]}
-            )
+        if a.top_count is not None:
+            self.logprobs.append(logprob_entry(x, token, a.top_count))
+        return token
+
+
+class StepSampler:
+    """How text-completion picks each token of one choice: the engine's Argmax, or its Sample seeded with
+    ``seed + step`` (same seed, same tokens), plus a Logits readout on the same row when logprobs are asked
+    for; a run with penalties or a logit bias reads only Logits and picks with a ``PlainSampler``."""
+
+    def __init__(self, args: CompletionArgs, prompt: list[int]):
+        self.args = args
+        self.host = PlainSampler(args, prompt, np.random.default_rng(args.seed)) if args.host_sampling() else None
+        self._logprobs: list[dict] = []
+
+    @property
+    def logprobs(self) -> list[dict]:
+        return self.host.logprobs if self.host is not None else self._logprobs
+
+    def readouts(self, step: int) -> list[ReadoutSpec]:
+        """The readouts of the row that picks token ``step`` (0: the prefill's)."""
+        a = self.args
+        if self.host is not None:
+            return [Logits()]
+        if a.temperature == 0:
+            kinds: list[ReadoutSpec] = [Argmax()]
+        else:
+            kinds = [Sample(a.temperature, a.top_k, a.top_p, None if a.seed is None else a.seed + step)]
+        return kinds + [Logits()] if a.top_count is not None else kinds
+
+    def pick(self, res: PassResult, generated: list[int]) -> int:
+        """The token of a fire read with ``readouts`` (one row), recording its logprobs if asked."""
+        first = res.readouts[0]
+        if self.host is not None:
+            assert first.logits is not None  # the Logits readout
+            return self.host.choose(first.logits[0], generated)
+        assert first.tokens is not None  # Argmax or Sample
+        token = int(first.tokens[0])
+        if self.args.top_count is not None:
+            logits = res.readouts[1].logits
+            assert logits is not None
+            self._logprobs.append(logprob_entry(logits[0], token, self.args.top_count))
         return token

@@ -206,3 +206,33 @@ class SpecStats(SpecCounters):
 
     def as_dict(self, decode_tokens_per_s: float, prefill_ms: float) -> dict:
         return {**self.figures(), "decode_tokens_per_s": decode_tokens_per_s, "prefill_ms": prefill_ms}
+
+    def summary(self) -> dict:
+        """A run's ``speculation`` result: the counts, acceptance (drafts kept over proposed), ``per_position``
+        (acceptance of draft i+1 over the rounds that proposed it), ``skipped`` (reason → plain steps: a fallback
+        run counts its reason, "penalties", "logit_bias" or "logprobs", on every step), and the per-position
+        counts, from which ``from_summary`` rebuilds the counters (summing the choices of an n > 1 run)."""
+        f = self.figures()
+        return {
+            "rounds": self.rounds,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance": f["acceptance"],
+            "per_position": f["acceptance_per_position"],
+            "skipped": dict(self.skipped),
+            "rounds_with_rejection": self.rounds_with_rejection,
+            "proposed_per_position": list(self.proposed_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+    @classmethod
+    def from_summary(cls, d: dict) -> SpecStats:
+        return cls(
+            rounds=d["rounds"],
+            proposed=d["proposed"],
+            accepted=d["accepted"],
+            proposed_per_position=list(d["proposed_per_position"]),
+            accepted_per_position=list(d["accepted_per_position"]),
+            rounds_with_rejection=d["rounds_with_rejection"],
+            skipped=dict(d["skipped"]),
+        )

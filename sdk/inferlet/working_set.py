@@ -21,6 +21,7 @@ class WorkingSet:
         self.pending_fold = False
         self.released = False
         self._settle: int | None = None  # a fold to settle with the next fire
+        self.cached_rows = 0  # rows of its fires the engine took from its prefix cache (a fire reply's cached_rows)
 
     async def handle(self) -> int:
         if self._handle is None:

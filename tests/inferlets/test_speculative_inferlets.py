@@ -52,7 +52,7 @@ def test_greedy_equals_text_completion(spec_engine, reference, name, extra):
     for want, res in zip(reference, got):
         assert res["token_ids"] == want["token_ids"]
         assert (res["text"], res["finish_reason"]) == (want["text"], want["finish_reason"])
-    assert {r["finish_reason"] for r in got} == {"eos", "length"}
+    assert {r["finish_reason"] for r in got} == {"stop", "length"}
     proposed = sum(r["stats"]["proposed"] for r in got)
     assert proposed > 0 if extra.get("draft_length", 4) else proposed == 0
     if proposed and (name.startswith("cacheback") or extra.get("draft_schedule") == "fixed"):
@@ -146,10 +146,14 @@ def test_sampler_options_do_not_speculate(spec_engine, reference, flags, reason)
     s = res["stats"]
     assert s["rounds"] == 0 and s["proposed"] == 0
     assert s["skipped"] == {reason: len(res["token_ids"]) - 1}
+    spec = res["speculation"]
+    assert (spec["rounds"], spec["proposed"], spec["skipped"]) == (0, 0, {reason: len(res["token_ids"]) - 1})
     if reason == "logprobs":  # nothing else changed: the greedy tokens, with their logprobs
         assert res["token_ids"] == reference[1]["token_ids"][:12]
-        assert [e["token"] for e in res["logprobs"]] == res["token_ids"]
-        assert all(len(e["top"]) == 3 and e["top"][0][0] == e["token"] and e["logprob"] <= 0 for e in res["logprobs"])
+        assert [e["token_id"] for e in res["logprobs"]] == res["token_ids"]
+        assert all(
+            len(e["top"]) == 3 and e["top"][0][0] == e["token_id"] and e["logprob"] <= 0 for e in res["logprobs"]
+        )
 
 
 def test_logit_bias_applies(spec_engine):
