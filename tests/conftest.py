@@ -86,7 +86,10 @@ def pie_home(tmp_path_factory) -> Path:
 
 
 def start_engine(pie_home: Path, models: list[str], *extra: str) -> EmbeddedEngine:
-    return EmbeddedEngine(models, ["--kv-pages", "256", *extra], env={"PIE_HOME": str(pie_home)})
+    """An engine in fp32 (the format that matches transformers; tests of other formats pass --weights, which
+    the later flag sets), without compiling."""
+    args = ["--kv-pages", "256", "--weights", "fp32", "--no-compile", *extra]
+    return EmbeddedEngine(models, args, env={"PIE_HOME": str(pie_home)})
 
 
 @pytest.fixture(scope="session")

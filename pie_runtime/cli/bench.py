@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "constrained decoding, whose output text-completion cannot match)",
     )
     p.set_defaults(func=_speculation)
+    from .bench_decode import add_decode_parser
+
+    add_decode_parser(sub)
+    from .bench_serve import add_serve_parser
+
+    add_serve_parser(sub)
 
 
 def prompt_text(choice: str) -> str:

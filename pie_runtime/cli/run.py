@@ -36,6 +36,7 @@ def engine_args(args) -> list[str]:
     if args.threads:
         out += ["--threads", str(args.threads)]
     out += ["--compile" if args.compile else "--no-compile"]
+    out += [] if args.prefix_cache else ["--no-prefix-cache"]
     return out
 
 

@@ -7,8 +7,8 @@ import time
 import torch
 
 from ..drafters import check_attached, load_mtp_head
-from ..models.kv_cache import KVCache
 from ..models.compiled import compile_layers
+from ..models.kv_cache import KVCache
 from ..models.linear import prepack
 from ..models.weights import ACTIVATION_DTYPE, linear_bytes, load_dtype, prepare_for_serving
 from ..protocol.messages import ModelInfo

@@ -18,7 +18,6 @@ from .kv_cache import KVCache
 from .linear import Linear
 from .rope import Rotary, apply_rotary
 
-
 # Attention calls of up to this many query rows per sequence (any verify window) run attend_invariant when the
 # model is batch-invariant; longer ones (prefill chunks, whose rows no 1-row pass recomputes) run SDPA.
 INVARIANT_MAX_ROWS = 64
@@ -44,7 +43,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj: nn.Module = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -53,7 +52,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, once prepared for serving
         self.batch_invariant = False  # attend windows with batch-invariant matmuls (attend_invariant)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, H) normed input → q (N, h, D), k and v (N, kvh, D), q and k rotated."""
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if self.qkv_proj is not None:
@@ -70,7 +71,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, kv: KVCache
+    ) -> torch.Tensor:
         """Writes k and v into the cache, attends each row over its sequence's pages → (N, h * D)."""
         n, h, kvh, d = q.shape[0], self.heads, self.kv_heads, self.head_dim
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (slots, kvh, D)
@@ -100,7 +103,9 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(*self.project(x, cos, sin), ctx, kv))
 
 
-def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_invariant(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention whose result for a query row does not depend on the other rows of the call nor on how many
     masked keys pad its sequence: q (B, h, Q, D), k/v (B, kvh, K, D), mask (B, 1, Q, K) → (B, h, Q, D).
 
@@ -128,7 +133,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj: nn.Module = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one matmul, once prepared for serving
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,15 +21,16 @@ differences are ~1e-7, and stay below what flips an argmax in practice).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 from torch import nn
 
 from .linear import Linear
-from .llama import LlamaForCausalLM
+from .llama import DecoderLayer, LlamaForCausalLM
 from .quant import GroupQuant, Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
+INT4_GROUP = 32  # inputs per int4 scale and zero (GGUF's Q4 block)
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 # activations and KV cache of each format
@@ -57,7 +58,7 @@ def prepare_for_serving(
     if fmt == "fp32":
         return model  # the reference format stays as loaded: transformers' float32 math, op for op
     blocks = quantized or {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(cast(list[DecoderLayer], list(model.model.layers))):
         attn, mlp = layer.self_attn, layer.mlp
         at = f"model.layers.{i}."
         attn.qkv_proj = _layer(
@@ -98,13 +99,14 @@ def _layer(fmt: str, parts: list[nn.Module], names: list[str], blocks: dict[str,
             fused.bias = nn.Parameter(bias.to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
         fused.pad_single_row = True
         return fused
-    bits = 4 if fmt == "int4" else 8
+    # int4 needs whole groups of 32 inputs; a layer without them (rare widths) runs int8
+    bits = 4 if fmt == "int4" and weights[0].shape[1] % INT4_GROUP == 0 else 8
     own = [blocks.get(n) for n in names]
     if all(g is not None and g.bits == bits for g in own):
         gq = GroupQuant.cat([g for g in own if g is not None])
     else:
         w = torch.cat(weights).float()
-        gq = quantize_int4(w) if bits == 4 else quantize_int8(w)
+        gq = quantize_int4(w, INT4_GROUP) if bits == 4 else quantize_int8(w)
     if bias is not None:
         bias = bias.to(torch.bfloat16)
     device = weights[0].device

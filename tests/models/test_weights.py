@@ -5,6 +5,8 @@ format agrees with fp32 on held-out corpus text (top-1), and bf16 with transform
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from tiny_models import FAMILIES, TINY_VOCAB
@@ -13,6 +15,7 @@ from pie_runtime.cli.engine import WEIGHT_FORMATS as CLI_FORMATS
 from pie_runtime.distill.data import find_corpus
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
+from pie_runtime.models.llama import DecoderLayer
 from pie_runtime.models.quant import Int4Linear, Int8Linear
 from pie_runtime.models.weights import ACTIVATION_DTYPE, WEIGHT_FORMATS, load_dtype, prepare_for_serving
 from pie_runtime.reference import transformers_llama
@@ -60,7 +63,7 @@ def test_formats_are_batch_invariant(family, fmt, tiny_store):
     give exactly the logits row j gives alone: what keeps greedy speculation equal to plain decoding."""
     store, _ = tiny_store
     model = prepared(f"tiny-{family}", fmt, store)
-    layer = model.model.layers[0]
+    layer = cast(DecoderLayer, model.model.layers[0])
     assert layer.self_attn.batch_invariant
     if fmt != "bf16":
         assert isinstance(layer.mlp.down_proj, Int4Linear if fmt == "int4" else Int8Linear)
@@ -98,7 +101,10 @@ def greedy_rows(model, ids: list[int], dtype: torch.dtype) -> tuple[torch.Tensor
     """(argmax, logits) of every position, prefilled in chunks of 256 rows."""
     kv = KVCache(model.config, len(ids) // PAGE + 1, PAGE, dtype)
     table = list(range(len(ids) // PAGE + 1))
-    out = [logits_of(model, [Segment(table, s, min(256, len(ids) - s))], ids[s : s + 256], kv) for s in range(0, len(ids), 256)]
+    out = [
+        logits_of(model, [Segment(table, s, min(256, len(ids) - s))], ids[s : s + 256], kv)
+        for s in range(0, len(ids), 256)
+    ]
     logits = torch.cat(out)
     return logits.argmax(-1), logits
 
@@ -118,7 +124,7 @@ def test_default_model_agrees_with_fp32_on_held_out_text(fmt, held_out, fp32_arg
 def test_bf16_matches_transformers_in_bf16(smollm, held_out, tmp_path):
     """transformers rounds differently inside a layer (its RMSNorm multiplies the weight after rounding to
     bf16), so the check is closeness and top-1 agreement, not equality."""
-    hf = transformers_llama(smollm.tokenizer_path.parent, smollm.config, tmp_path / "hf").to(torch.bfloat16)
+    hf = transformers_llama(smollm.tokenizer_path.parent, smollm.config, tmp_path / "hf").bfloat16()
     ids = held_out[:256]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()

@@ -1,0 +1,94 @@
+"""llama-cpp-python for `pie bench decode`, installed on demand into a venv in a cache outside the repository
+(``$PIE_LLAMA_CPP_DIR``, default ``~/.cache/pie/llama-cpp``), and the packaged GGUF it runs.
+
+The default build (``-DGGML_NATIVE=ON``) dies with "Illegal instruction" on these CPUs, so it is built with the
+flags in ``CMAKE_ARGS`` (about 10 minutes on 2 cores; its log is kept in the cache). A second bench waits for
+a build in progress (a file lock) instead of starting another. Every failure is an ``LlamaCppUnavailable``
+whose message says why, for the bench's "llama.cpp skipped: ..." line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ..store import DEFAULT_MODEL, PACKAGED
+
+VERSION = "0.3.36"
+CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+BUILD_TIMEOUT_S = 3600
+WORKER = Path(__file__).with_name("llama_worker.py")
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama.cpp cannot run here; the message is the reason, one line."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PIE_LLAMA_CPP_DIR") or Path.home() / ".cache" / "pie" / "llama-cpp")
+
+
+def venv_python(root: Path | None = None) -> Path:
+    return (root or cache_dir()) / "venv" / "bin" / "python"
+
+
+def packaged_gguf(model: str) -> Path:
+    """The GGUF file the packaged ``model`` was imported from (the default model's Q4_1 file)."""
+    if model != DEFAULT_MODEL or model not in PACKAGED:
+        raise LlamaCppUnavailable(f"no packaged GGUF for {model!r} (only {DEFAULT_MODEL} has one)")
+    package, file = PACKAGED[model]
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / file).is_file():
+            return Path(folder) / file
+    raise LlamaCppUnavailable(f"the {package} package with {file} is not installed")
+
+
+def _importable(python: Path) -> bool:
+    if not python.is_file():
+        return False
+    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+def ensure_llama_cpp(progress: Callable[[str], None] = print) -> Path:
+    """The Python of a venv where ``import llama_cpp`` works, building it first when needed."""
+    root = cache_dir()
+    python = venv_python(root)
+    if _importable(python):
+        return python
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another bench may be building it now: wait for that one
+        if _importable(python):
+            return python
+        if not python.is_file():
+            made = subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], capture_output=True, text=True)
+            if made.returncode != 0:
+                raise LlamaCppUnavailable(f"cannot make a venv in {root}: {made.stderr.strip()[-300:]}")
+        progress(f"building llama-cpp-python {VERSION} into {root} (about 10 minutes on 2 cores; log {log})")
+        env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        with open(log, "w") as out:
+            try:
+                built = subprocess.run(
+                    [str(python), "-m", "pip", "install", f"llama-cpp-python=={VERSION}"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=BUILD_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired:
+                raise LlamaCppUnavailable(f"the build ran past {BUILD_TIMEOUT_S} s (log {log})") from None
+        if built.returncode != 0:
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+            raise LlamaCppUnavailable(f"the build failed ({tail[0].strip()[:200] if tail else 'no output'}; log {log})")
+        if not _importable(python):
+            raise LlamaCppUnavailable(f"llama_cpp does not import after the build (log {log})")
+    return python

@@ -1,0 +1,177 @@
+"""What `pie bench decode` measures, as pydantic models (the workers' JSON lines and the --json output), the
+ratios between its rows, and the rich tables a person reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel, Field
+
+PIE, TRANSFORMERS, LLAMA_CPP = "pie", "transformers", "llama.cpp"
+
+
+def digest(token_ids: list[int]) -> str:
+    """Short sha256 of a token-id list (the same digest `pie bench speculation` prints)."""
+    return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
+
+
+class Measured(BaseModel):
+    """One timed greedy decode, as a runner reports it (a worker prints it as its last stdout line)."""
+
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float | None = None
+    prompt_tokens: int
+    token_ids: list[int]
+    peak_rss_mib: float | None = None
+    acceptance: float | None = None  # speculative runs only
+
+
+class Row(BaseModel):
+    """A table row: one runner in one weight format (or one decoding method, in the speculation table)."""
+
+    runner: str  # pie, transformers, llama.cpp
+    variant: str  # fp32 / bf16 / int8 / int4 / Q4_1, or "bf16 cacheback", "Q4_1 prompt lookup (10)", ...
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float | None = None
+    prompt_tokens: int
+    generated_tokens: int
+    digest: str
+    peak_rss_mib: float | None = None
+    pass_cost_ms: dict[int, float] = Field(default_factory=dict)  # rows → ms of one pass (pie only)
+    acceptance: float | None = None
+    vs_llama_cpp: float | None = None  # decode rate / llama.cpp plain's, same prompt
+    vs_transformers_fp32: float | None = None
+    same_tokens_as_pie_fp32: bool | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.runner} {self.variant}"
+
+    @property
+    def pass_cost_8_over_1(self) -> float | None:
+        one, eight = self.pass_cost_ms.get(1), self.pass_cost_ms.get(8)
+        return round(eight / one, 2) if one and eight else None
+
+    @classmethod
+    def of(cls, runner: str, variant: str, m: Measured, pass_cost_ms: dict[int, float] | None = None) -> Row:
+        return cls(
+            runner=runner,
+            variant=variant,
+            decode_tokens_per_s=round(m.decode_tokens_per_s, 2),
+            prefill_tokens_per_s=None if m.prefill_tokens_per_s is None else round(m.prefill_tokens_per_s, 1),
+            prompt_tokens=m.prompt_tokens,
+            generated_tokens=len(m.token_ids),
+            digest=digest(m.token_ids),
+            peak_rss_mib=None if m.peak_rss_mib is None else round(m.peak_rss_mib, 1),
+            pass_cost_ms=pass_cost_ms or {},
+            acceptance=m.acceptance,
+        )
+
+
+class Skipped(BaseModel):
+    runner: str
+    variant: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.runner} {self.variant} skipped: {self.reason}"
+
+
+class Report(BaseModel):
+    """Everything one `pie bench decode` run measured (no stored figures)."""
+
+    model: str
+    threads: int
+    tokens: int  # max new tokens asked of every runner (each stops earlier at EOS, the same for all)
+    formats: list[str]  # pie weight formats asked for
+    prompt: str
+    rows: list[Row] = Field(default_factory=list)
+    speculation_prompt: str | None = None
+    speculation: list[Row] = Field(default_factory=list)
+    skipped: list[Skipped] = Field(default_factory=list)
+    note: str = ""
+
+    def add_ratios(self) -> None:
+        """Fills each row's ratios against llama.cpp's plain decode and transformers fp32 (same table)."""
+        _ratios(self.rows, plain_llama=f"{LLAMA_CPP} Q4_1")
+        _ratios(self.speculation, plain_llama=f"{LLAMA_CPP} Q4_1 plain")
+        fp32 = next((r for r in self.rows if r.runner == PIE and r.variant == "fp32"), None)
+        for r in self.rows:
+            r.same_tokens_as_pie_fp32 = None if fp32 is None or r is fp32 else r.digest == fp32.digest
+
+
+def _ratios(rows: list[Row], plain_llama: str) -> None:
+    llama = next((r for r in rows if r.label == plain_llama), None)
+    hf = next((r for r in rows if r.label == f"{TRANSFORMERS} fp32"), None)
+    for r in rows:
+        if llama and llama.decode_tokens_per_s:
+            r.vs_llama_cpp = round(r.decode_tokens_per_s / llama.decode_tokens_per_s, 2)
+        if hf and hf.decode_tokens_per_s:
+            r.vs_transformers_fp32 = round(r.decode_tokens_per_s / hf.decode_tokens_per_s, 2)
+
+
+def _num(x: float | None, fmt: str = ".1f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _same(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "no")
+
+
+def print_report(report: Report, console=None) -> None:
+    """The decode table (and the speculation table, when measured), then the skipped runners."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=160)
+    first = report.rows[0].prompt_tokens if report.rows else "?"
+    table = Table(
+        title=f"batch-1 greedy decode, {report.model}: {report.threads} threads, pie formats "
+        f"{','.join(report.formats)}, {first}-token prompt ({report.prompt}), up to {report.tokens} tokens",
+        caption=report.note,
+    )
+    for name in (
+        "runner",
+        "decode tok/s",
+        "vs llama.cpp",
+        "vs transformers fp32",
+        "prefill tok/s",
+        "peak RSS MiB",
+        "pass ms 1 / 8 / 16 rows",
+        "pass 8 / 1",
+        "tokens",
+        "= pie fp32",
+    ):
+        table.add_column(name, justify="left" if name == "runner" else "right")
+    for r in report.rows:
+        costs = " / ".join(_num(r.pass_cost_ms.get(n)) for n in (1, 8, 16)) if r.pass_cost_ms else "-"
+        table.add_row(
+            r.label,
+            _num(r.decode_tokens_per_s),
+            _num(r.vs_llama_cpp, ".2f", "x"),
+            _num(r.vs_transformers_fp32, ".2f", "x"),
+            _num(r.prefill_tokens_per_s, ".0f"),
+            _num(r.peak_rss_mib, ".0f"),
+            costs,
+            _num(r.pass_cost_8_over_1, ".2f", "x"),
+            str(r.generated_tokens),
+            _same(r.same_tokens_as_pie_fp32),
+        )
+    console.print(table)
+    if report.speculation:
+        spec = Table(title=f"speculation on the {report.speculation_prompt} prompt, batch 1, greedy")
+        for name in ("runner", "decode tok/s", "vs llama.cpp plain", "acceptance", "tokens", "digest"):
+            spec.add_column(name, justify="left" if name == "runner" else "right")
+        for r in report.speculation:
+            spec.add_row(
+                r.label,
+                _num(r.decode_tokens_per_s),
+                _num(r.vs_llama_cpp, ".2f", "x"),
+                _num(r.acceptance, ".3f"),
+                str(r.generated_tokens),
+                r.digest,
+            )
+        console.print(spec)
+    for s in report.skipped:
+        console.print(s.line())

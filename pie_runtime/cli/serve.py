@@ -1,0 +1,204 @@
+"""`pie serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one engine and N inferlet hosts.
+
+    pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token T] [--api-key KEY ...]
+              [--workers N] [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K]
+              [--drain-timeout S] [engine options]
+
+Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
+ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
+the engine and hosts start in the background (``/health`` is 503 until they are up; "pie serve ready on URL"
+is printed when they are). SIGTERM stops accepting, lets running requests finish for ``--drain-timeout``
+seconds, cancels the rest, and stops the hosts and the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import tempfile
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from .engine import add_engine_options
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None, help="a model in the store (default: the default model)")
+    p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT the HTTP server binds (default loopback)")
+    p.add_argument("--listen", default=None, help="also expose the engine on this address (tcp needs --token)")
+    p.add_argument("--token", default=None, help="the engine's tcp token")
+    p.add_argument("--api-key", action="append", default=[], help="a Bearer key for /v1/* (repeatable)")
+    p.add_argument("--keys", type=Path, default=None, help="JSON file of keys and their quotas (auth.py)")
+    p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
+    p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
+    p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
+    p.add_argument("--workers", type=int, default=1, help="inferlet host processes")
+    p.add_argument("--inferlets", type=Path, action="append", default=[], help="a folder of custom inferlets")
+    policy = p.add_mutually_exclusive_group()
+    policy.add_argument("--draft-lookup", metavar="NGRAM:K", default=None, help="prompt-lookup speculation")
+    policy.add_argument("--draft-model", metavar="NAME:K", default=None, help="draft-model speculation")
+    policy.add_argument("--draft-mtp", metavar="K", default=None, help="MTP-head speculation")
+    p.add_argument("--allow-upload", action="store_true", help="accept inferlet source on POST /v1/inferlets")
+    p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
+    p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
+    p.add_argument("--upload-open-files", type=int, default=256, help="open files an upload host gets")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask for")
+    p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens a request may generate")
+    p.add_argument("--max-running", type=int, default=64, help="runs in hosts at once; later ones wait")
+    p.add_argument("--max-waiting", type=int, default=512, help="waiting requests past which new ones get 503")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: NAME)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    add_engine_options(p)
+    p.set_defaults(func=serve)
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM it drained for is a clean exit (status 0) rather than
+        re-raised once the server has stopped."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+
+    return Server
+
+
+def engine_words(args: argparse.Namespace) -> list[str]:
+    """The engine's command-line flags from ours (`pie run`'s, plus the ones it does not pass on)."""
+    from .run import engine_args
+
+    words = engine_args(args)
+    words += ["--pass-cost-rows", str(args.pass_cost_rows), "--program-memory", str(args.program_memory)]
+    if not args.prepack:
+        words.append("--no-prepack")
+    if not getattr(args, "prefix_cache", True):
+        words.append("--no-prefix-cache")
+    return words
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--http expects HOST:PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    _Uvicorn = _uvicorn_server_class()
+    from ..serve.app import ServerConfig, create_app
+    from ..serve.auth import KeyQuota, Quotas, load_keys
+    from ..serve.backend import Backend, EngineSpec, Uploads
+    from ..serve.limits import HostLimits
+    from ..serve.policies import PolicyRefused, check_policy, parse_policy
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    model = args.model or DEFAULT_MODEL
+    try:
+        host, port = _host_port(args.http)
+        if args.listen and args.listen.startswith("tcp://") and not args.token:
+            raise ValueError("--listen tcp://... needs --token")
+        store = ModelStore()
+        if model == DEFAULT_MODEL:
+            ensure_default_model(store)
+        store.get(model)
+        for folder in args.inferlets:
+            if not folder.is_dir():
+                raise ValueError(f"--inferlets {folder}: no such folder")
+        if args.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        template = args.chat_template.read_text() if args.chat_template else None
+        policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp)
+        caps = check_policy(store, model, policy)
+        keys = {k: KeyQuota() for k in args.api_key}
+        if args.keys:
+            keys.update(load_keys(args.keys))
+        default = KeyQuota(
+            concurrent=args.key_concurrent, tokens_per_minute=args.key_tokens_per_minute, kv_pages=args.key_kv_pages
+        )
+        config = ServerConfig(
+            policy=policy,
+            caps=caps,
+            max_n=args.max_n,
+            max_tokens=args.max_tokens,
+            max_running=args.max_running,
+            max_waiting=args.max_waiting,
+            max_body_bytes=args.max_body_bytes,
+            served_name=args.served_model_name,
+        )
+    except PolicyRefused as e:
+        print(f"error: speculation policy refused: {e}", file=sys.stderr)
+        return 2
+    except (StoreError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    models = [model] + ([caps.draft_model] if caps.draft_model else [])
+    upload_dir = tempfile.TemporaryDirectory(prefix="pie-uploads-") if args.allow_upload else None
+    uploads = None
+    if upload_dir is not None:
+        limits = HostLimits(
+            address_space_bytes=args.upload_memory << 20,
+            cpu_seconds=args.upload_cpu_seconds,
+            open_files=args.upload_open_files,
+            clean_env=True,
+        )
+        uploads = Uploads(Path(upload_dir.name), limits)
+    backend = Backend(
+        EngineSpec(models, engine_words(args), listen=args.listen, token=args.token),
+        workers=args.workers,
+        inferlet_dirs=list(args.inferlets),
+        chat_template=template,
+        uploads=uploads,
+    )
+    app = create_app(backend, config, Quotas(keys, default))
+    uv = _Uvicorn(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(int(args.drain_timeout), 1),
+            lifespan="on",
+        )
+    )
+    url = f"http://{host}:{port}"
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        async def start() -> None:
+            await backend.start()
+            if backend.state == "ready":
+                print(f"pie serve ready on {url} (model {model})", flush=True)
+            else:
+                print(f"error: the server could not start: {backend.error}", file=sys.stderr, flush=True)
+                uv.should_exit = True
+
+        task = asyncio.create_task(start())
+        try:
+            yield
+        finally:
+            await asyncio.wait([task])  # a start under way finishes first, so close() sees what it started
+            await backend.close(args.drain_timeout)
+
+    app.router.lifespan_context = lifespan
+    try:
+        uv.run()
+    finally:
+        if upload_dir is not None:
+            upload_dir.cleanup()
+    return 0 if backend.state != "failed" else 1

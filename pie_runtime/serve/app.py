@@ -1,0 +1,210 @@
+"""The routes of `pie serve` (FastAPI): health, metrics, the OpenAI API, tokenize/detokenize and custom
+inferlet runs. ``create_app`` builds the app over a ``Backend`` that starts in the background; every route
+that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an API key when keys are set.
+
+    GET  /health                      200 serving, 503 loading or draining
+    GET  /metrics                     Prometheus text (metrics.py)
+    GET  /v1/models
+    POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
+    POST /tokenize, /detokenize
+    GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from . import errors
+from .auth import Lease, Quotas, pages_needed
+from .backend import Backend
+from .errors import invalid_request, not_found, unavailable
+from .generation import Job, Limits, build_job, chat_prompt, completion_prompt
+from .inferlet_routes import add_inferlet_routes
+from .metrics import Metrics
+from .openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from .policies import Capabilities, Policy
+from .runs import Runs
+from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
+
+DEFAULT_MAX_BODY = 8 << 20
+
+
+class ServerConfig(BaseModel):
+    """The server's limits and speculation policy (from `pie serve`'s command line)."""
+
+    policy: Policy | None = None
+    caps: Capabilities = Field(default_factory=Capabilities)
+    max_n: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=4096, ge=1)
+    max_running: int = Field(default=64, ge=1)
+    max_waiting: int = Field(default=512, ge=0)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
+    served_name: str | None = None  # the model id clients use (default: the store name)
+
+
+class Server:
+    """The app's state: the backend, quotas, metrics and, once the backend is up, the run tracker."""
+
+    def __init__(self, backend: Backend, config: ServerConfig, quotas: Quotas) -> None:
+        self.backend = backend
+        self.config = config
+        self.quotas = quotas
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self._runs: Runs | None = None
+        self._upload_runs: Runs | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_name or self.backend.model
+
+    def runs(self) -> Runs:
+        b = self.backend
+        if b.state == "draining":
+            raise unavailable("the server is shutting down", "draining")
+        if b.state != "ready" or b.pool is None:
+            raise unavailable(
+                "the model is loading" if b.state == "starting" else f"not serving: {b.error}", "starting"
+            )
+        if self._runs is None:
+            c = self.config
+            self._runs = Runs(b.pool, self.metrics, b.model, c.max_running, c.max_waiting)
+        return self._runs
+
+    def upload_runs(self) -> Runs | None:
+        """The runs of uploaded inferlets (their own limited hosts), or None when uploads are off."""
+        pool = self.backend.upload_pool
+        if pool is None:
+            return None
+        if self._upload_runs is None:
+            c = self.config
+            self._upload_runs = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
+        return self._upload_runs
+
+    def limits(self) -> Limits:
+        info = self.backend.info
+        assert info is not None  # runs() checked the backend is ready
+        return Limits(info.max_positions, info.page_size, self.config.max_n, self.config.max_tokens)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_id, self.backend.model):
+            raise not_found(f"the model {name!r} does not exist (served: {self.model_id})", "model_not_found", "model")
+
+    def admit(self, key: str, job: Job) -> Lease:
+        pages = pages_needed(job.prompt_tokens, job.max_tokens, job.n, self.limits().page_size)
+        return self.quotas.admit(key, job.prompt_tokens, pages, job.max_tokens * job.n)
+
+
+def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAPI:
+    app = FastAPI(title="pie serve", docs_url=None, redoc_url=None, openapi_url=None)
+    server = Server(backend, config, quotas)
+    app.state.server = server
+    errors.install(app)
+    app.add_middleware(errors.BodyLimit, max_bytes=config.max_body_bytes)
+
+    def api_key(authorization: str | None = Header(default=None)) -> str:
+        return quotas.authenticate(authorization)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state = backend.state
+        body = {"status": state, **({"error": backend.error} if backend.error else {})}
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        runs = server._runs
+        model = backend.model
+        server.metrics.running.labels(model=model).set(runs.running if runs else 0)
+        server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
+        page = server.metrics.render(await backend.stats())
+        return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        server.runs()
+        server.check_model(req.model)
+        tok = _tokenizer(backend)
+        if (req.prompt is None) == (req.messages is None):
+            raise invalid_request("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            text = tok.chat([{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
+        else:
+            text = req.prompt or ""
+        ids = tok.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.limits().max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        server.runs()
+        server.check_model(req.model)
+        tok = _tokenizer(backend)
+        if any(i < 0 or i >= tok.vocab_size for i in req.tokens):
+            raise invalid_request("token id out of the vocabulary", param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        server.runs()
+        limit = server.limits().max_model_len
+        return ModelList(data=[ModelCard(id=server.model_id, created=server.created, max_model_len=limit)])
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest, key: str = Depends(api_key)) -> Response:
+        arrival = time.monotonic()
+        runs = server.runs()
+        server.check_model(req.model)
+        tok = _tokenizer(backend)
+        job = build_job(req, completion_prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        lease = server.admit(key, job)
+        events = runs.events(job.inferlet, job.args, lease, arrival=arrival)
+        rid, model = f"cmpl-{uuid.uuid4().hex}", server.model_id
+        if req.stream:
+            first = await prime(events)
+            return sse_response(completion_stream(rid, model, req, tok, job, first, events))
+        result = await runs.collect(events)
+        return JSONResponse(
+            completion_response(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True)
+        )
+
+    @v1.post("/chat/completions")
+    async def chat(req: ChatRequest, key: str = Depends(api_key)) -> Response:
+        arrival = time.monotonic()
+        runs = server.runs()
+        server.check_model(req.model)
+        tok = _tokenizer(backend)
+        job = build_job(req, chat_prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        lease = server.admit(key, job)
+        events = runs.events(job.inferlet, job.args, lease, arrival=arrival)
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", server.model_id
+        if req.stream:
+            first = await prime(events)
+            return sse_response(chat_stream(rid, model, req, tok, job, first, events))
+        result = await runs.collect(events)
+        return JSONResponse(
+            chat_response(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True)
+        )
+
+    add_inferlet_routes(v1, server, api_key)
+    app.include_router(v1)
+    return app
+
+
+def _tokenizer(backend: Backend):
+    assert backend.tokenizer is not None  # Server.runs() checked the backend is ready
+    return backend.tokenizer

@@ -1,0 +1,205 @@
+"""From an OpenAI request to an inferlet run and back: the prompt (chat messages through the model's chat
+template), the limits checked before a run starts (``n``, ``max_tokens``, the context), the inferlet and its
+arguments, and the mapping of the run's result dict (text, token_ids, finish_reason, stats, logprobs,
+choices, speculation) to OpenAI choices, logprobs and usage.
+
+The server renders the chat template itself and hands the inferlet the rendered text (``chat`` false), so the
+prompt it counts and checks is exactly the one the inferlet encodes. A token-id prompt is decoded to text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from inferlet.tokenizer import Tokenizer
+
+from .errors import invalid_request
+from .openai_api import (
+    ChatLogprobs,
+    ChatRequest,
+    CompletionLogprobs,
+    CompletionRequest,
+    PromptTokensDetails,
+    Speculation,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from .policies import Capabilities, Policy, choose
+
+
+@dataclass
+class Limits:
+    """What one request may ask for."""
+
+    max_model_len: int
+    page_size: int
+    max_n: int = 16
+    max_tokens: int = 4096  # the most a request may generate per choice
+    default_completion_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class Job:
+    """One request, ready to run: the inferlet, its arguments and what admission needs."""
+
+    inferlet: str
+    args: dict[str, Any]
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+
+
+def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        return tok.chat(messages)
+    except ValueError as e:  # no chat template
+        raise invalid_request(str(e), param="messages") from e
+
+
+def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str:
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if isinstance(p[0], str):
+        return str(p[0])
+    ids = [int(i) for i in p]
+    if any(i < 0 or i >= tok.vocab_size for i in ids):
+        raise invalid_request("prompt token id out of the vocabulary", param="prompt")
+    return tok.decode(ids)
+
+
+def build_job(
+    req: CompletionRequest | ChatRequest,
+    prompt: str,
+    tok: Tokenizer,
+    limits: Limits,
+    policy: Policy | None,
+    caps: Capabilities,
+) -> Job:
+    """Checks the request against the limits and the context; picks the inferlet and its arguments."""
+    if req.n > limits.max_n:
+        raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
+    prompt_tokens = len(tok.encode(prompt))
+    room = limits.max_model_len - prompt_tokens
+    if room <= 0:
+        raise invalid_request(
+            f"the prompt has {prompt_tokens} tokens; this model's context is {limits.max_model_len}",
+            param="messages" if isinstance(req, ChatRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    asked = req.token_limit()
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    if asked is not None and asked > limits.max_tokens:
+        raise invalid_request(f"{param}={asked} is past this server's limit {limits.max_tokens}", param=param)
+    if asked is not None and asked > room:
+        raise invalid_request(
+            f"{prompt_tokens} prompt tokens + {param}={asked} exceed this model's context {limits.max_model_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if asked is None:
+        default = limits.default_completion_tokens if isinstance(req, CompletionRequest) else limits.max_tokens
+        asked = min(default, room)
+    inferlet, extra = choose(policy, caps, req.speculation, req.response_format)
+    args: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": asked,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": max(req.top_k, 0),
+        "stop": req.stops(),
+        "stream": True,  # text events give TTFT and inter-token latency, streamed or not
+        "chat": False,
+        **extra,
+    }
+    # fields past text-completion's basics go only when set, so an inferlet that lacks one still runs
+    # the requests that do not use it (its Args validation names any field it refuses)
+    optional = {
+        "seed": req.seed,
+        "n": req.n if req.n > 1 else None,
+        "stop_token_ids": req.stop_token_ids or None,
+        "ignore_eos": req.ignore_eos or None,
+        "presence_penalty": req.presence_penalty or None,
+        "frequency_penalty": req.frequency_penalty or None,
+        "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+    }
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        optional["logprobs"] = req.logprobs
+    elif isinstance(req, ChatRequest) and req.logprobs:
+        optional["logprobs"] = req.top_logprobs or 0
+    args.update({k: v for k, v in optional.items() if v is not None})
+    return Job(inferlet, args, prompt_tokens, asked, req.n)
+
+
+# ---- results ------------------------------------------------------------------------------------------------
+
+
+def choices_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's choices: ``choices`` for n > 1, else the result itself as the one choice."""
+    if result.get("choices"):
+        return list(result["choices"])
+    return [result]
+
+
+def finish(choice: dict[str, Any]) -> Literal["stop", "length"]:
+    return "stop" if choice.get("finish_reason") == "stop" else "length"
+
+
+def usage(result: dict[str, Any], prompt_tokens: int) -> Usage:
+    stats = result.get("stats") or {}
+    completion = sum(len(c.get("token_ids") or []) for c in choices_of(result))
+    prompt = int(stats.get("prompt_tokens", prompt_tokens))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=int(stats.get("cached_tokens", 0) or 0)),
+    )
+
+
+def speculation(result: dict[str, Any]) -> Speculation | None:
+    spec = result.get("speculation")
+    return Speculation.model_validate(spec) if isinstance(spec, dict) else None
+
+
+def _entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in choice.get("logprobs") or [] if isinstance(e, dict)]
+
+
+def _piece(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def completion_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> CompletionLogprobs | None:
+    entries = _entries(choice)
+    if not entries:
+        return None
+    out = CompletionLogprobs()
+    offset = 0
+    for e in entries:
+        piece = _piece(tok, int(e["token_id"]))
+        out.tokens.append(piece)
+        out.token_logprobs.append(float(e["logprob"]))
+        out.top_logprobs.append({_piece(tok, int(i)): float(lp) for i, lp in e.get("top") or []})
+        out.text_offset.append(offset)
+        offset += len(piece)
+    return out
+
+
+def chat_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> ChatLogprobs | None:
+    entries = _entries(choice)
+    if not entries:
+        return None
+
+    def top(token_id: int, lp: float) -> TopLogprob:
+        piece = _piece(tok, token_id)
+        return TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
+
+    content = []
+    for e in entries:
+        first = top(int(e["token_id"]), float(e["logprob"]))
+        alts = [top(int(i), float(lp)) for i, lp in e.get("top") or []]
+        content.append(TokenLogprob(**first.model_dump(), top_logprobs=alts))
+    return ChatLogprobs(content=content)

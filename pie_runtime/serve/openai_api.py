@@ -1,0 +1,284 @@
+"""The OpenAI wire schemas of `pie serve`: request bodies (validated by pydantic: a wrong type or range is a
+400 ``invalid_request_error`` naming the field) and the response and stream-chunk objects.
+
+Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``) and pie's own extension
+``speculation``: ``false`` turns speculation off for the request, ``{"method": "lookup" | "draft" | "mtp",
+"k": K}`` asks for it. Responses under speculation carry a ``speculation`` object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Wire(BaseModel):
+    # unknown fields are ignored, as OpenAI-compatible servers do (clients send vendor extras)
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Wire):
+    include_usage: bool = False
+
+
+class SpeculationRequest(_Wire):
+    method: Literal["lookup", "draft", "mtp"]
+    k: int = Field(ge=1, le=64)
+
+
+class JsonSchemaFormat(_Wire):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Wire):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM: -1 or 0 is no top-k
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    speculation: Literal[False] | SpeculationRequest | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice's token ids
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("at most 16 non-empty stop strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("one prompt per request (send a list of strings as separate requests)")
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+# ---- responses ----------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class Speculation(BaseModel):
+    """A run's speculation counters (the inferlet's ``speculation`` result, as it reports it)."""
+
+    model_config = ConfigDict(extra="allow")
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    acceptance: float = 0.0
+    per_position: list[Any] = []
+    skipped: dict[str, int] = {}
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculation: Speculation | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = []
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    speculation: Speculation | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    speculation: Speculation | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculation: Speculation | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pie"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- pie's own routes -----------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(_Wire):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Wire):
+    model: str | None = None
+    tokens: list[int]
+
+
+class RunRequest(_Wire):
+    """``POST /v1/inferlets/{name}/runs``: the inferlet's arguments (validated by its own Args model)."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False

@@ -1,0 +1,133 @@
+"""Hands admitted requests to the host pool, one inferlet run each, and keeps what the metrics need.
+
+At most ``max_running`` runs are in hosts at once; later requests wait (their queue time) and past
+``max_waiting`` waiting ones a request gets 503 ``overloaded``. A run whose consumer goes away (a client
+that disconnects mid-stream, a cancelled handler) is cancelled in its host, which releases its working sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from .auth import Lease
+from .errors import run_failed, unavailable
+from .hosts import HostPool, RunEvent, RunFailed
+from .metrics import Metrics
+
+
+@dataclass
+class RunStats:
+    """What one run took: filled as its events arrive."""
+
+    arrival: float
+    started: float = 0.0
+    first_text: float = 0.0
+    last_text: float = 0.0
+
+
+class Runs:
+    def __init__(self, pool: HostPool, metrics: Metrics, model: str, max_running: int, max_waiting: int) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.model = model
+        self.max_waiting = max_waiting
+        self._slots = asyncio.Semaphore(max_running)
+        self.waiting = 0
+        self.running = 0
+
+    def new_id(self) -> str:
+        return f"run-{uuid.uuid4().hex[:16]}"
+
+    async def events(
+        self,
+        inferlet: str,
+        args: dict[str, Any],
+        lease: Lease | None = None,
+        run_id: str | None = None,
+        arrival: float | None = None,
+    ) -> AsyncIterator[RunEvent]:
+        """The run's events (text, then one result); a failure raises the APIError for it. The lease is
+        released and the run cancelled in its host (if it still runs) when this iterator ends, however."""
+        labels = {"model": self.model, "inferlet": inferlet}
+        st = RunStats(arrival=arrival or time.monotonic())
+        run_id = run_id or self.new_id()
+        done = False
+        try:
+            if self.waiting >= self.max_waiting and self._slots.locked():
+                raise unavailable(f"{self.waiting} requests are waiting; try again later", "overloaded")
+            self.waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self.waiting -= 1
+            self.running += 1
+            try:
+                st.started = time.monotonic()
+                self.metrics.queue.labels(**labels).observe(st.started - st.arrival)
+                async for ev in self.pool.run(inferlet, args, run_id=run_id):
+                    if ev.kind == "text":
+                        self._text(st, labels)
+                    elif ev.result is not None:
+                        done = True
+                        self._result(st, labels, ev.result, lease)
+                    yield ev
+                done = True
+            except RunFailed as e:
+                done = True
+                self.metrics.requests.labels(**labels, outcome=e.code).inc()
+                raise run_failed(e.code, e.message) from e
+            finally:
+                self.running -= 1
+                self._slots.release()
+                if not done:
+                    self.metrics.requests.labels(**labels, outcome="cancelled").inc()
+                    await asyncio.shield(self._cancel(run_id))
+        finally:
+            if lease is not None:
+                lease.release()
+
+    async def _cancel(self, run_id: str) -> None:
+        try:
+            await self.pool.cancel(run_id)
+        except Exception:  # noqa: BLE001 - the run may have ended meanwhile; nothing to undo
+            pass
+
+    def _text(self, st: RunStats, labels: dict[str, str]) -> None:
+        now = time.monotonic()
+        if not st.first_text:
+            st.first_text = now
+            self.metrics.ttft.labels(**labels).observe(now - st.arrival)
+        else:
+            self.metrics.itl.labels(**labels).observe(now - st.last_text)
+        st.last_text = now
+
+    def _result(self, st: RunStats, labels: dict[str, str], result: dict, lease: Lease | None) -> None:
+        now = time.monotonic()
+        if not st.first_text:  # a run that emitted nothing: its first token came with its result
+            self.metrics.ttft.labels(**labels).observe(now - st.arrival)
+        self.metrics.e2e.labels(**labels).observe(now - st.arrival)
+        self.metrics.requests.labels(**labels, outcome="ok").inc()
+        stats = result.get("stats") if isinstance(result, dict) else None
+        if isinstance(stats, dict):
+            prompt = int(stats.get("prompt_tokens", 0) or 0)
+            choices = result.get("choices") or [result]
+            generated = sum(len(c.get("token_ids") or []) for c in choices if isinstance(c, dict))
+            self.metrics.prompt_tokens.labels(**labels).inc(prompt)
+            self.metrics.generation_tokens.labels(**labels).inc(generated)
+            if lease is not None:
+                lease.charge(generated)
+
+    async def collect(self, events: AsyncIterator[RunEvent]) -> dict[str, Any]:
+        """The result of a run, its text events dropped."""
+        result: dict[str, Any] | None = None
+        async for ev in events:
+            if ev.kind == "result":
+                result = ev.result if isinstance(ev.result, dict) else {"value": ev.result}
+        if result is None:
+            raise run_failed("inferlet_error", "the run ended without a result")
+        return result

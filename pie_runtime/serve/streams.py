@@ -1,0 +1,192 @@
+"""OpenAI responses from an inferlet run: the whole response for ``stream: false``, and the server-sent
+events for ``stream: true`` (``data: {chunk}`` lines, a usage chunk with ``stream_options.include_usage``,
+then ``data: [DONE]``).
+
+Streaming follows the run's text events (choice 0). With ``n > 1`` the other choices come whole in one chunk
+each when the run ends. When the run's final text extends what was streamed (a stop string held back, text
+the inferlet did not emit), the rest is sent before the finishing chunk. A run that fails mid-stream ends
+the stream with an error object, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from inferlet.tokenizer import Tokenizer
+
+from .errors import APIError
+from .generation import (
+    Job,
+    chat_logprobs,
+    choices_of,
+    completion_logprobs,
+    finish,
+    speculation,
+    usage,
+)
+from .openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatDelta,
+    ChatRequest,
+    ChatResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+)
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump(exclude_none=True) if hasattr(obj, "model_dump") else obj
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _ids(choice: dict, wanted: bool) -> list[int] | None:
+    return [int(i) for i in choice.get("token_ids") or []] if wanted else None
+
+
+def completion_response(
+    rid: str, model: str, tok: Tokenizer, job: Job, result: dict, token_ids: bool = False
+) -> CompletionResponse:
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=c.get("text", ""),
+            logprobs=completion_logprobs(tok, c),
+            finish_reason=finish(c),
+            token_ids=_ids(c, token_ids),
+        )
+        for i, c in enumerate(choices_of(result))
+    ]
+    return CompletionResponse(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=usage(result, job.prompt_tokens),
+        speculation=speculation(result),
+    )
+
+
+def chat_response(
+    rid: str, model: str, tok: Tokenizer, job: Job, result: dict, token_ids: bool = False
+) -> ChatResponse:
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=c.get("text", "")),
+            logprobs=chat_logprobs(tok, c),
+            finish_reason=finish(c),
+            token_ids=_ids(c, token_ids),
+        )
+        for i, c in enumerate(choices_of(result))
+    ]
+    return ChatResponse(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=usage(result, job.prompt_tokens),
+        speculation=speculation(result),
+    )
+
+
+async def _events(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for ev in events:
+        yield ev
+
+
+async def completion_stream(
+    rid: str,
+    model: str,
+    req: CompletionRequest,
+    tok: Tokenizer,
+    job: Job,
+    first: Any,
+    events: AsyncIterator[Any],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
+        return sse(CompletionChunk(id=rid, created=created, model=model, choices=choices, **extra))
+
+    streamed = ""
+    try:
+        async for ev in _events(first, events):
+            if ev.kind == "text" and ev.text:
+                streamed += ev.text
+                yield chunk([CompletionChoice(index=0, text=ev.text)])
+            elif ev.kind == "result":
+                result = ev.result or {}
+                for i, c in enumerate(choices_of(result)):
+                    text = c.get("text", "")
+                    rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
+                    lp = completion_logprobs(tok, c)
+                    yield chunk([CompletionChoice(index=i, text=rest, logprobs=lp, finish_reason=finish(c))])
+                if req.include_usage():
+                    yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
+    except APIError as e:
+        yield sse(e.body())
+    yield "data: [DONE]\n\n"
+
+
+async def chat_stream(
+    rid: str,
+    model: str,
+    req: ChatRequest,
+    tok: Tokenizer,
+    job: Job,
+    first: Any,
+    events: AsyncIterator[Any],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
+        return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
+
+    for i in range(job.n):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    streamed = ""
+    try:
+        async for ev in _events(first, events):
+            if ev.kind == "text" and ev.text:
+                streamed += ev.text
+                yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=ev.text))])
+            elif ev.kind == "result":
+                result = ev.result or {}
+                for i, c in enumerate(choices_of(result)):
+                    text = c.get("text", "")
+                    rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
+                    delta = ChatDelta(content=rest or None)
+                    lp = chat_logprobs(tok, c)
+                    yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish(c))])
+                if req.include_usage():
+                    yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
+    except APIError as e:
+        yield sse(e.body())
+    yield "data: [DONE]\n\n"
+
+
+async def prime(events: AsyncIterator[Any]) -> Any:
+    """The run's first event, awaited before the response starts: a run refused or failed before its first
+    token gets its own status code, not a 200 stream carrying an error."""
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+    return StreamingResponse(
+        chunks, media_type="text/event-stream", headers={"cache-control": "no-cache", **(headers or {})}
+    )

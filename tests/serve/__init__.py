@@ -1,0 +1,1 @@
+"""Tests of `pie serve`: the host pool (test_hosts.py) and the HTTP API."""

@@ -1,0 +1,307 @@
+"""The HTTP API of a real `pie serve` (tiny random model: outputs do not matter here, shapes and behaviour do)
+driven with the real `openai` client and with raw HTTP for every bad input; custom inferlet runs; health while
+loading; SIGTERM drain with no child left behind (the module's last test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pie_runtime.store import DEFAULT_MODEL, ModelStore
+from tests.conftest import TINY
+from tests.serve.server_proc import alive, children, port_open, start_serve
+
+pytestmark = pytest.mark.e2e
+
+CUSTOM = Path(__file__).parent / "api_inferlets"
+MAX_N, MAX_TOKENS = 4, 64
+
+
+@pytest.fixture(scope="module")
+def server(pie_home, tmp_path_factory):
+    # the tiny model has no chat template: serve it with the default model's (ChatML)
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(ModelStore(pie_home / "models").get(DEFAULT_MODEL).tokenizer.chat_template or "")
+    s = start_serve(
+        pie_home,
+        TINY,
+        "--chat-template",
+        str(template),
+        "--no-prefix-cache",
+        "--kv-pages",
+        "256",
+        "--pass-cost-rows",
+        "0",
+        "--inferlets",
+        str(CUSTOM),
+        "--max-n",
+        str(MAX_N),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--max-body-bytes",
+        "65536",
+        "--drain-timeout",
+        "60",
+        "--allow-upload",
+        "--upload-memory",
+        "3072",
+        watch_loading=True,
+        env={"PIE_TEST_SECRET": "s3cret"},
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(f"{server.base}{path}", content=body, headers={"content-type": "application/json"}, **kw)
+    return httpx.post(f"{server.base}{path}", json=body, timeout=120, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, type_: str, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_ and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_health_is_503_while_loading_then_200(server):
+    assert 503 in server.statuses_while_loading
+    assert server.completion_while_loading is not None
+    assert server.completion_while_loading["status"] == 503
+    assert server.completion_while_loading["error"]["code"] == "starting"
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [TINY]
+
+
+def test_completion_stream_equals_whole(client):
+    kw = dict(model=TINY, prompt="The capital of France is", max_tokens=12, temperature=0)
+    whole = client.completions.create(**kw)
+    assert whole.object == "text_completion"
+    assert len(whole.choices) == 1 and whole.choices[0].finish_reason in ("length", "stop")
+    assert whole.usage is not None and whole.usage.completion_tokens >= 1
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens_details is not None and whole.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_uses_the_template_and_streams(client, server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=TINY, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    counted = post(server, "/tokenize", {"model": TINY, "messages": messages}).json()["count"]
+    assert whole.usage is not None and whole.usage.prompt_tokens == counted
+    stream = client.chat.completions.create(
+        model=TINY,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == counted
+
+
+def test_tokenize_detokenize_round_trip(server):
+    ids = post(server, "/tokenize", {"model": TINY, "prompt": "Hello, world"}).json()["tokens"]
+    assert ids and post(server, "/detokenize", {"model": TINY, "tokens": ids}).json()["prompt"] == "Hello, world"
+
+
+def test_n_choices(client):
+    out = client.completions.create(model=TINY, prompt="Once", max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage is not None and out.usage.completion_tokens >= 3
+    again = client.completions.create(model=TINY, prompt="Once", max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
+
+
+def test_response_format_json_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    value = json.loads(out.choices[0].message.content or "")
+    assert isinstance(value["ok"], bool) and set(value) == {"ok"}
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=TINY, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+
+
+BAD = [
+    ("malformed JSON", "/v1/completions", b'{"model": "tiny-smol", "prompt": ', 400, "invalid_request_error", None),
+    ("wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": "many"}, 400, None, "max_tokens"),
+    ("wrong range", "/v1/completions", {"model": TINY, "prompt": "x", "temperature": 9}, 400, None, "temperature"),
+    ("no messages", "/v1/chat/completions", {"model": TINY, "messages": []}, 400, None, "messages"),
+    ("n past limit", "/v1/completions", {"model": TINY, "prompt": "x", "n": MAX_N + 1}, 400, None, "n"),
+    (
+        "max_tokens past limit",
+        "/v1/completions",
+        {"model": TINY, "prompt": "x", "max_tokens": MAX_TOKENS + 1},
+        400,
+        None,
+        "max_tokens",
+    ),
+    ("prompt past context", "/v1/completions", {"model": TINY, "prompt": "hello " * 2100}, 400, None, "prompt"),
+    (
+        "bad schema",
+        "/v1/chat/completions",
+        {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+        },
+        400,
+        None,
+        "response_format",
+    ),
+    ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "not_found_error", "model"),
+    ("unknown inferlet", "/v1/inferlets/no-such/runs", {"args": {}}, 404, "not_found_error", None),
+    ("body too large", "/v1/completions", {"model": TINY, "prompt": "x" * 70000}, 413, None, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "type_", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_inputs_get_openai_errors(server, path, body, status, type_, param):
+    r = post(server, path, body)
+    assert_error(r, status, type_ or ("invalid_request_error" if status in (400, 413) else "not_found_error"), param)
+    # ... and the server keeps serving
+    ok = post(server, "/v1/completions", {"model": TINY, "prompt": "still there?", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_inferlets_listed(server):
+    data = httpx.get(f"{server.base}/v1/inferlets").json()["data"]
+    by_id = {d["id"]: d["source"] for d in data}
+    assert by_id["text-completion"] == "shipped" and by_id["echo"] == "custom" and by_id["boom"] == "custom"
+
+
+def test_custom_run_whole_and_streamed(server):
+    r = post(server, "/v1/inferlets/echo/runs", {"args": {"x": 1}})
+    assert r.status_code == 200 and r.json()["result"] == {"echo": {"x": 1}}
+    assert r.headers["x-pie-run-id"] == r.json()["id"]
+    with httpx.stream("POST", f"{server.base}/v1/inferlets/echo/runs", json={"args": {}, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e["type"] for e in events][0] == "run" and events[-1] == {"type": "result", "result": {"echo": {}}}
+    assert "".join(e["text"] for e in events if e["type"] == "text") == "hello world"
+
+
+def test_raising_inferlet_is_a_500_and_the_server_stays_up(server):
+    r = post(server, "/v1/inferlets/boom/runs", {})
+    assert r.status_code >= 500
+    err = r.json()["error"]
+    assert err["code"] == "inferlet_error" and "boom: the inferlet gave up" in err["message"]
+    assert post(server, "/v1/inferlets/echo/runs", {}).status_code == 200
+
+
+UPLOADED = """
+import os
+import resource
+
+import inferlet
+
+
+@inferlet.main
+async def main(args: dict) -> dict:
+    inferlet.emit("up")
+    return {"env": sorted(os.environ), "as": resource.getrlimit(resource.RLIMIT_AS)[0], "x": args.get("x")}
+"""
+
+
+def test_uploaded_inferlet_runs_limited_and_without_the_servers_environment(server):
+    r = post(server, "/v1/inferlets", {"name": "uploaded-env", "source": UPLOADED})
+    assert r.status_code == 200, r.text
+    listed = {d["id"]: d["source"] for d in httpx.get(f"{server.base}/v1/inferlets").json()["data"]}
+    assert listed["uploaded-env"] == "uploaded"
+    result = post(server, "/v1/inferlets/uploaded-env/runs", {"args": {"x": 3}}).json()["result"]
+    assert result["x"] == 3 and result["as"] == 3072 << 20
+    assert "PIE_TEST_SECRET" not in result["env"] and "PIE_HOME" not in result["env"]
+    # the server's own inferlets keep their names, and source that does not compile is refused
+    assert_error(post(server, "/v1/inferlets", {"name": "echo", "source": "x = 1"}), 409, "invalid_request_error")
+    assert_error(post(server, "/v1/inferlets", {"name": "bad", "source": "def ("}), 400, "invalid_request_error")
+
+
+def kv_pages_used(server) -> float:
+    page = httpx.get(f"{server.base}/metrics").text
+    for family in text_string_to_metric_families(page):
+        if family.name == "pie_kv_pages_used":
+            return sum(s.value for s in family.samples)
+    raise AssertionError("no pie_kv_pages_used")
+
+
+def test_cancel_releases_the_runs_pages(server):
+    before = kv_pages_used(server)
+    url = f"{server.base}/v1/inferlets/holder/runs"
+    with httpx.stream("POST", url, json={"args": {"tokens": 300}, "stream": True}, timeout=120) as s:
+        run_id = s.headers["x-pie-run-id"]
+        lines = s.iter_lines()
+        while "holding" not in next(lines):
+            pass
+        assert kv_pages_used(server) >= before + 300 // 16
+        r = httpx.delete(f"{server.base}/v1/inferlets/runs/{run_id}", timeout=60)
+        assert r.status_code == 200 and r.json()["cancelled"] is True
+        rest = [line for line in lines if line]
+    assert any("cancelled" in line for line in rest) and rest[-1] == "data: [DONE]"
+    assert kv_pages_used(server) == before
+    assert_error(httpx.delete(f"{server.base}/v1/inferlets/runs/{run_id}"), 404, "not_found_error")
+
+
+def test_zz_sigterm_drains_and_leaves_no_child(server):
+    """Last in the module: SIGTERM while a request streams; it finishes, the port closes, no child remains."""
+    kids = children(server.proc.pid)
+    assert kids, "the server has an engine and a host"
+    body = {"model": TINY, "prompt": "Count:", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=300) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        os.kill(server.proc.pid, signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(timeout=120) == 0
+    assert not port_open(server.port)
+    assert [p for p in kids if alive(p)] == []

@@ -1,0 +1,130 @@
+"""`pie bench decode`: option parsing, the ratios and the table, the engine's pass-cost line, peak RSS, the
+transformers worker on the tiny model, and one tiny end-to-end run (pie fp32; llama.cpp skipped: the tiny model
+has no GGUF)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+from rich.console import Console
+
+from pie_runtime.bench.hf_worker import HfJob, measure
+from pie_runtime.bench.llama_cpp_env import LlamaCppUnavailable, packaged_gguf
+from pie_runtime.bench.pie_runs import parse_pass_costs
+from pie_runtime.bench.report import Measured, Report, Row, print_report
+from pie_runtime.bench.rss import peak_rss_mib
+from pie_runtime.cli.bench_decode import DecodeOptions
+from pie_runtime.cli.main import build_parser, main
+from pie_runtime.store import DEFAULT_MODEL
+from tests.conftest import TINY
+
+
+def options(*words: str) -> DecodeOptions:
+    return DecodeOptions.from_args(build_parser().parse_args(["bench", "decode", *words]))
+
+
+def test_options_split_comma_lists_and_keep_defaults():
+    o = options("--formats", "fp32, int4", "--peers", "none", "--tokens", "8", "--threads", "1")
+    assert o.formats == ["fp32", "int4"] and o.peers == [] and o.tokens == 8 and o.threads == 1
+    d = options()
+    assert d.formats == ["fp32", "bf16", "int8", "int4"] and d.peers == ["transformers", "llama.cpp"]
+    assert d.model == DEFAULT_MODEL and d.threads >= 1 and not d.speculation and not d.json_output
+
+
+@pytest.mark.parametrize("words", [["--formats", "fp16"], ["--peers", "vllm"], ["--tokens", "1"], ["--formats", ""]])
+def test_options_refuse_what_cannot_run(words):
+    with pytest.raises(ValidationError):
+        options(*words)
+
+
+def test_cli_reports_a_bad_option_without_running(capsys):
+    assert main(["bench", "decode", "--formats", "fp32,fp8"]) == 2
+    assert "--formats" in capsys.readouterr().err
+
+
+def row(runner: str, variant: str, rate: float, ids: list[int], costs: dict[int, float] | None = None) -> Row:
+    m = Measured(decode_tokens_per_s=rate, prefill_tokens_per_s=500.0, prompt_tokens=518, token_ids=ids)
+    return Row.of(runner, variant, m, costs)
+
+
+def test_ratios_and_table():
+    report = Report(model="m", threads=2, tokens=4, formats=["fp32", "int4"], prompt="p", note="shared CPU")
+    report.rows = [
+        row("pie", "fp32", 20.0, [1, 2, 3, 4], {1: 30.0, 8: 45.0, 16: 60.0}),
+        row("pie", "int4", 100.0, [1, 2, 3, 5], {1: 10.0, 8: 30.0}),
+        row("transformers", "fp32", 10.0, [1, 2, 3, 4]),
+        row("llama.cpp", "Q4_1", 50.0, [1, 2, 3, 4]),
+    ]
+    report.speculation_prompt = "repetitive"
+    report.speculation = [row("pie", "fp32 cacheback", 75.0, [7]), row("llama.cpp", "Q4_1 plain", 25.0, [7])]
+    report.add_ratios()
+    fp32, int4, hf, llama = report.rows
+    assert (int4.vs_llama_cpp, int4.vs_transformers_fp32) == (2.0, 10.0)
+    assert (fp32.vs_llama_cpp, hf.vs_transformers_fp32, llama.vs_llama_cpp) == (0.4, 1.0, 1.0)
+    assert fp32.pass_cost_8_over_1 == 1.5 and int4.pass_cost_8_over_1 == 3.0 and hf.pass_cost_8_over_1 is None
+    assert (fp32.same_tokens_as_pie_fp32, int4.same_tokens_as_pie_fp32, hf.same_tokens_as_pie_fp32) == (
+        None,
+        False,
+        True,
+    )
+    assert report.speculation[0].vs_llama_cpp == 3.0
+    console = Console(record=True, width=220)
+    print_report(report, console)
+    text = console.export_text()
+    assert "pie int4" in text and "10.00x" in text and "30.0 / 45.0 / 60.0" in text and "shared CPU" in text
+    assert "speculation on the repetitive prompt" in text and "3.00x" in text
+    assert Report.model_validate_json(report.model_dump_json()) == report  # the --json form reads back
+
+
+def test_pass_cost_line():
+    log = "x\nsmollm2-135m: pass cost by rows (ms) 1:36.0 2:37.1 4:40.2 8:42.5 16:49.0 32:61.3\ny\n"
+    assert parse_pass_costs(log) == {1: 36.0, 2: 37.1, 4: 40.2, 8: 42.5, 16: 49.0, 32: 61.3}
+    assert parse_pass_costs("no such line") == {}
+
+
+def test_peak_rss():
+    mine = peak_rss_mib()
+    assert mine is not None and mine > 10  # this interpreter holds torch and pydantic
+    assert peak_rss_mib(2**30) is None  # no such process
+
+
+def test_the_packaged_gguf_only_for_the_default_model():
+    assert packaged_gguf(DEFAULT_MODEL).suffix == ".gguf"
+    with pytest.raises(LlamaCppUnavailable, match="no packaged GGUF"):
+        packaged_gguf(TINY)
+
+
+def test_tiny_end_to_end(pie_home):
+    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "bench", "decode", "--model", TINY, "--formats", "fp32"]
+    cmd += ["--tokens", "8", "--threads", "1", "--peers", "llama.cpp", "--json"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PIE_HOME": str(pie_home)}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = Report.model_validate(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert report.threads == 1 and report.formats == ["fp32"]
+    rows = {r.label: r for r in report.rows}
+    assert set(rows) == {"pie fp32"}
+    pie = rows["pie fp32"]
+    assert pie.decode_tokens_per_s > 0 and pie.prefill_tokens_per_s and pie.prompt_tokens > 400
+    assert pie.peak_rss_mib and pie.peak_rss_mib > 0 and {1, 8, 16} <= set(pie.pass_cost_ms)
+    assert 0 < pie.generated_tokens <= 8 and pie.vs_llama_cpp is None and pie.vs_transformers_fp32 is None
+    assert [(s.runner, s.variant) for s in report.skipped] == [("llama.cpp", "Q4_1")]
+    assert "llama.cpp Q4_1 skipped: no packaged GGUF" in out.stderr
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_transformers_worker_on_the_tiny_model(pie_home, monkeypatch, dtype):
+    import torch
+
+    monkeypatch.setenv("PIE_HOME", str(pie_home))
+    ids = [1, 504, 3102, 282, 47970, 14183, 28, 32047]
+    m = measure(HfJob(model=TINY, dtype=dtype, threads=torch.get_num_threads(), prompt_ids=ids, tokens=6))
+    assert m.prompt_tokens == len(ids) and 0 < len(m.token_ids) <= 6
+    assert m.prefill_tokens_per_s and m.prefill_tokens_per_s > 0 and m.peak_rss_mib and m.peak_rss_mib > 0
+    assert m.decode_tokens_per_s > 0 or len(m.token_ids) == 1
