@@ -1,7 +1,6 @@
 """Our side of `pie bench decode`: one engine subprocess per weight format, driven through shipped inferlets
-(text-completion, cacheback) in child processes, greedy; the engine's peak RSS and its pass-cost curve.
-
-An engine that predates ``--weights`` is driven with the older ``--dtype`` (fp32 and bf16 only)."""
+(text-completion, cacheback) in child processes, greedy; the engine's peak RSS and its pass-cost curve. The
+engine runs without its prefix cache: the warm-up's prompt is the measured one, and prefill must be computed."""
 
 from __future__ import annotations
 
@@ -13,27 +12,14 @@ from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferl
 from .report import Measured
 from .rss import peak_rss_mib
 
-LEGACY_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 _PASS_COST = re.compile(r"pass cost by rows \(ms\) (.*)")
 
 
 def engine_formats() -> tuple[tuple[str, ...], str]:
     """(the weight formats `pie engine` accepts, its default format)."""
-    from ..cli import engine as engine_cli
+    from ..cli.engine import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 
-    formats = getattr(engine_cli, "WEIGHT_FORMATS", None)
-    if formats is None:
-        return tuple(LEGACY_DTYPE), "fp32"
-    return tuple(formats), str(getattr(engine_cli, "DEFAULT_WEIGHTS", formats[0]))
-
-
-def format_args(fmt: str) -> list[str]:
-    """The engine flags that select weight format ``fmt``."""
-    from ..cli import engine as engine_cli
-
-    if hasattr(engine_cli, "WEIGHT_FORMATS"):
-        return ["--weights", fmt]
-    return ["--dtype", LEGACY_DTYPE[fmt]]
+    return WEIGHT_FORMATS, DEFAULT_WEIGHTS
 
 
 def parse_pass_costs(log: str) -> dict[int, float]:
@@ -88,7 +74,7 @@ def run_session(
 ) -> EngineSession:
     """Starts an engine in ``fmt``, warms it up on the first job's prompt, runs ``jobs`` one after the other
     (greedy, at most ``tokens`` new tokens each) and stops it. Raises LaunchError when the engine or a job fails."""
-    args = [*format_args(fmt), "--threads", str(threads), *(engine_args or [])]
+    args = ["--weights", fmt, "--threads", str(threads), "--no-prefix-cache", *(engine_args or [])]
     results: dict[str, Measured] = {}
     peak: float | None = None
     with EmbeddedEngine([model], args) as eng:
