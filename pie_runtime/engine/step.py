@@ -50,7 +50,7 @@ class Step:
             except Exception as e:  # noqa: BLE001 - past execute's own containment: this step's fires fail
                 err = contained(e, "step")
                 outcomes = [FireOutcome(c.job, error=err) for c in chunks]
-            replies.extend(self._commit(sm, outcomes))
+            replies.extend(self._commit(sm, outcomes, sum(c.rows for c in chunks)))
         replies.extend(self.channels.serve(self.models.writes))
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - t0
@@ -104,7 +104,7 @@ class Step:
 
     # ---- commit -----------------------------------------------------------------------------------
 
-    def _commit(self, sm: ServedModel, outcomes: list[FireOutcome]) -> list[Reply]:
+    def _commit(self, sm: ServedModel, outcomes: list[FireOutcome], step_rows: int) -> list[Reply]:
         replies = []
         for o in outcomes:
             j, ws = o.job, o.job.ws
@@ -133,6 +133,7 @@ class Step:
                 "committed": ws.committed,
                 "pending_fold": ws.pending_fold,
                 "cached_rows": j.cached_rows,
+                "step_rows": step_rows,  # the batch this fire ran in: what a draft-length planner sees as load
             }
             if o.device_fold is not None:
                 reply["fold"] = o.device_fold

@@ -149,6 +149,7 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
                     stats.skip("no_draft")
             new = await step([seq[-1]] + proposal.tokens, proposal.tokens, proposal.q)
             planner.observe(len(proposal.tokens), len(new) - 1)
+            planner.observe_load(ws.step_rows, 1 + len(proposal.tokens))
         run.decode_s = time.perf_counter() - t_decode
     finally:
         await drafter.close()

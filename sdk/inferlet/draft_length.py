@@ -16,6 +16,12 @@ after a miss and climbs during a run of copies. On a CPU in float32, where 3 row
 rows 1.6x, that means short probes while the drafter misses and long windows while it hits; where wide
 windows are nearly free (bf16 with AMX, GPUs) it keeps k at the maximum.
 
+Under load the round is not alone in its step: other sequences' rows share the pass. The planner then
+prices a round by what it adds to the step, ``pass_cost(load + 1 + k) - pass_cost(load)`` (``load``: the other
+rows of the step its last fire ran in, from the fire reply's ``step_rows``). Where the curve is flat (a few
+rows on a CPU) that is about what it costs alone; in a full step every extra row costs its full share, so a
+round drafts less, or nothing, and speculation does not slow a busy server.
+
 Whether to draft at all is decided on a slower estimate (``slow_decay``, about five drafting rounds): a drafter
 near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
 otherwise flip to plain steps after two unlucky rounds. When drafting does not pay the round is a plain
@@ -54,6 +60,7 @@ class DraftPlanner:
         self.trials = 1.0  # discounted accepted drafts + rejections (geometric trials)
         self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
+        self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
 
     @property
     def adaptive(self) -> bool:
@@ -86,7 +93,13 @@ class DraftPlanner:
         return total
 
     def round_cost(self, k: int) -> float:
-        return self.pass_cost(1 + k) + k * self.draft_cost_ms + self.overhead_ms
+        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead."""
+        rows = self.pass_cost(self.load + 1 + k) - (self.pass_cost(self.load) if self.load else 0.0)
+        return rows + k * self.draft_cost_ms + self.overhead_ms
+
+    def observe_load(self, step_rows: int, own_rows: int) -> None:
+        """The engine ran this run's last fire (``own_rows`` rows) in a step of ``step_rows`` rows."""
+        self.load = max(0, step_rows - own_rows)
 
     def best(self) -> int:
         """k*: the draft count with the most expected tokens per ms now (0: a plain step is faster)."""

@@ -182,6 +182,7 @@ class ForwardPass:
         self.ws.pending_fold = reply.get("pending_fold") is not None
         cached = int(reply.get("cached_rows") or 0)  # absent from engines without a prefix cache
         self.ws.cached_rows += cached
+        self.ws.step_rows = int(reply.get("step_rows") or 0)
         results = [
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})
             for spec, res in zip(self._readouts, reply["results"])

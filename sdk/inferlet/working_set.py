@@ -22,6 +22,7 @@ class WorkingSet:
         self.released = False
         self._settle: int | None = None  # a fold to settle with the next fire
         self.cached_rows = 0  # rows of its fires the engine took from its prefix cache (a fire reply's cached_rows)
+        self.step_rows = 0  # rows of the engine step its last fire ran in, its own included (the engine's load)
 
     async def handle(self) -> int:
         if self._handle is None:

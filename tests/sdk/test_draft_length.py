@@ -109,3 +109,29 @@ def test_will_draft_predicts_next_without_counting_as_a_round():
         assert p.will_draft() == predicted and p.idle == idle  # asking twice changes nothing
         assert (p.next() > 0) == predicted
     assert DraftPlanner(4, []).will_draft() and not DraftPlanner(0, CPU).will_draft()
+
+
+# int4 on the same CPU (pie bench decode): flat to 2 rows, then about 1 ms a row
+INT4 = [12.4, 12.4, 12.9, 13.3, 14.5, 15.7, 16.8, 18.0] + [18.0 + 1.1 * i for i in range(1, 25)]
+
+
+def test_a_loaded_engine_gets_shorter_drafts_or_none():
+    """The same acceptance drafts long in an empty step and less in one that other sequences fill: each extra
+    row then costs its full share of the step instead of riding on a pass that runs anyway."""
+    p = DraftPlanner(16, INT4)
+    feed(p, 6, 0.5)
+    alone = p.best()
+    p.observe_load(step_rows=25, own_rows=1)
+    assert p.load == 24
+    busy = p.best()
+    assert busy < alone
+    p.observe_load(step_rows=1 + alone, own_rows=1 + alone)  # alone again
+    assert p.load == 0 and p.best() == alone
+
+
+def test_a_full_step_stops_a_weak_drafter():
+    p = DraftPlanner(8, INT4)
+    feed(p, 8, 0.25)
+    assert p.drafting_pays()
+    p.observe_load(step_rows=32, own_rows=1)
+    assert not p.drafting_pays()
