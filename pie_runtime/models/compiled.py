@@ -9,6 +9,10 @@ which vary every step and would make the compiler specialize endlessly; the grap
 One compiled graph (``dynamic=True``: any row count) serves every layer, since layers share their code
 and inductor takes their weights as inputs. The first passes compile it (tens of seconds on 2 cores, less
 with inductor's on-disk cache warm); the engine runs them before it says ready and reports the time.
+
+Measured on the 2-core CPU, int4, a 1-row pass: 12.5 ms compiled against 11.1 ms eager. The 30 graph breaks
+a step (one around each layer's attention) cost what the fusion saves, so ``--compile`` is off by default; a
+paged-attention custom op that inductor can call would remove the breaks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ are (:func:`from_gguf`: Q4_0, Q4_1, Q8_0) or quantized here from float weights (
 (:class:`Int4Linear`, :class:`Int8Linear`). Activations stay bfloat16; norms, softmax and logits are the
 model's business and stay float32.
 
-Weight formats an engine can serve (``WEIGHT_FORMATS``), per weight of a projection:
+Bytes per weight of a projection in each weight format (``models/weights.py`` serves them):
 
     | format | bytes/weight               | runs on                                                        |
     |--------|----------------------------|----------------------------------------------------------------|
@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 GGUF_KINDS = ("q4_0", "q4_1", "q8_0")  # the GGUF block types kept as they are
 
 # GGMLQuantizationType values (gguf.constants); their blocks hold 32 weights each

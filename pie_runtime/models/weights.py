@@ -12,11 +12,12 @@ float32 sums in the last bits, and fp32 is the format that matches transformers 
 Norms accumulate and logits come out in float32 in every format. A GGUF's own blocks (Q4_0, Q4_1, Q8_0, kept
 by the store) become the int4/int8 layers as they are; a float checkpoint is quantized here, at load.
 
-The lm head stays 8-bit in int4: it decides every token, 4-bit costs it top-1 agreement, and at 1 row its
-int8 matmul is already about a tenth of the bf16 one. Batch invariance is what keeps greedy speculation
-exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
-``attend_invariant``); the int and bf16 matmuls are invariant by themselves, fp32's MKL ones are not (fp32's
-differences are ~1e-7, and stay below what flips an argmax in practice).
+The lm head stays 8-bit in int4: at 1 row its int8 matmul takes 0.56 ms against bf16's 3.9, for 0.8 points
+of top-1 agreement with fp32 (0.972 against 0.980 on held-out text). Batch invariance is what keeps greedy
+speculation exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
+``attend_invariant``); the int matmuls are invariant by themselves, bf16's once a single row is computed as
+the first of two (``Linear.pad_single_row``), fp32's MKL ones are not (fp32's differences are ~1e-7, below
+what flips an argmax in practice).
 """
 
 from __future__ import annotations
