@@ -214,14 +214,64 @@ def quantize_int8(w: torch.Tensor) -> GroupQuant:
     return GroupQuant(q, d, torch.zeros_like(d), bits=8, group=k)
 
 
-def _check_input(x: torch.Tensor, k: int) -> None:
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"quantized linear layers take bfloat16 activations, got {x.dtype}")
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the layer {k}")
+class _QuantLinear(nn.Module):
+    """``y = x @ w.T (+ bias)`` for a GroupQuant of ``bits`` bits, bfloat16 in and out: on CPU a subclass's
+    packed buffers (``_pack``, ``_cpu_buffers``) and kernel (``_mm``); on any other device the dequantized
+    weight in bfloat16 and ``F.linear``."""
+
+    bits: int
+    weight: torch.Tensor  # other devices: the dequantized bf16 weight
+    bias: torch.Tensor | None
+
+    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None = None, device: str | torch.device = "cpu"):
+        super().__init__()
+        if gq.bits != self.bits:
+            raise QuantError(f"{type(self).__name__} needs {self.bits}-bit weights, got {gq.bits}-bit")
+        self.out_features, self.in_features = gq.shape
+        device = torch.device(device)
+        self.on_cpu = device.type == "cpu"
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(device=device, dtype=torch.bfloat16), persistent=False
+        )
+        if self.on_cpu:
+            self._pack(gq)
+        else:
+            self.register_buffer("weight", gq.dequantize(torch.bfloat16).to(device), persistent=False)
+
+    def _pack(self, gq: GroupQuant) -> None:
+        raise NotImplementedError
+
+    def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) bf16 → (M, N) bf16 on the packed weight."""
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        bufs = self._cpu_buffers() if self.on_cpu else (self.weight,)
+        extra = () if self.bias is None else (self.bias,)
+        return sum(t.numel() * t.element_size() for t in (*bufs, *extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"quantized linear layers take bfloat16 activations, got {x.dtype}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer {self.in_features}")
+        if not self.on_cpu:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        y = self._mm(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantLinear):
     """``y = x @ w.T (+ bias)`` for a 4-bit GroupQuant, bfloat16 in and out.
 
     On CPU the weight is packed once for ``torch._weight_int4pack_mm_for_cpu``, which computes
@@ -232,25 +282,15 @@ class Int4Linear(nn.Module):
     dequantized weight in bfloat16 and calls ``F.linear``: correct, but with bf16's memory cost.
     """
 
+    bits = 4
     packed: torch.Tensor  # CPU: the int4pack layout of q (rows padded to a multiple of 16)
     scales_and_zeros: torch.Tensor  # CPU: (K // group, N, 2) bf16
-    weight: torch.Tensor  # other devices: the dequantized bf16 weight
-    bias: torch.Tensor | None
 
     def __init__(self, gq: GroupQuant, bias: torch.Tensor | None = None, device: str | torch.device = "cpu"):
-        super().__init__()
-        if gq.bits != 4:
-            raise QuantError(f"Int4Linear needs 4-bit weights, got {gq.bits}-bit")
-        self.out_features, self.in_features = gq.shape
         self.group = gq.group
-        device = torch.device(device)
-        self.on_cpu = device.type == "cpu"
-        self.register_buffer(
-            "bias", None if bias is None else bias.detach().to(device=device, dtype=torch.bfloat16), persistent=False
-        )
-        if not self.on_cpu:
-            self.register_buffer("weight", gq.dequantize(torch.bfloat16).to(device), persistent=False)
-            return
+        super().__init__(gq, bias, device)
+
+    def _pack(self, gq: GroupQuant) -> None:
         pad = -self.out_features % _INT4_N_MULTIPLE
         q, d, zero = gq.q.to(torch.int32), gq.d, gq.m + 8 * gq.d
         if pad:
@@ -261,31 +301,19 @@ class Int4Linear(nn.Module):
         sz = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.register_buffer("scales_and_zeros", sz, persistent=False)
 
-    @property
-    def weight_bytes(self) -> int:
-        bufs = (self.packed, self.scales_and_zeros) if self.on_cpu else (self.weight,)
-        extra = () if self.bias is None else (self.bias,)
-        return sum(t.numel() * t.element_size() for t in (*bufs, *extra))
+    def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scales_and_zeros
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.in_features)
-        if not self.on_cpu:
-            return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
-        y = torch._weight_int4pack_mm_for_cpu(  # pyright: ignore[reportPrivateImportUsage]
-            x.reshape(-1, self.in_features), self.packed, self.group, self.scales_and_zeros
-        )
-        if y.shape[-1] != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        mm = torch._weight_int4pack_mm_for_cpu  # pyright: ignore[reportPrivateImportUsage]
+        y = mm(x, self.packed, self.group, self.scales_and_zeros)
+        return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+        return f"{super().extra_repr()}, group={self.group}"
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantLinear):
     """``y = x @ w.T (+ bias)`` for an 8-bit GroupQuant, bfloat16 in and out, on ``torch._weight_int8pack_mm``.
 
     The kernel has one scale per output channel. A GroupQuant with smaller groups (GGUF Q8_0: 32) is
@@ -297,45 +325,19 @@ class Int8Linear(nn.Module):
     and calls ``F.linear``.
     """
 
+    bits = 8
     q: torch.Tensor  # CPU: (N, K) int8
     scales: torch.Tensor  # CPU: (N,) bf16
-    weight: torch.Tensor  # other devices: the dequantized bf16 weight
-    bias: torch.Tensor | None
 
-    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None = None, device: str | torch.device = "cpu"):
-        super().__init__()
-        if gq.bits != 8:
-            raise QuantError(f"Int8Linear needs 8-bit weights, got {gq.bits}-bit")
-        self.out_features, self.in_features = gq.shape
-        device = torch.device(device)
-        self.on_cpu = device.type == "cpu"
-        self.register_buffer(
-            "bias", None if bias is None else bias.detach().to(device=device, dtype=torch.bfloat16), persistent=False
-        )
-        if not self.on_cpu:
-            self.register_buffer("weight", gq.dequantize(torch.bfloat16).to(device), persistent=False)
-            return
+    def _pack(self, gq: GroupQuant) -> None:
         if gq.group != self.in_features or not gq.symmetric:
             gq = quantize_int8(gq.dequantize())
         self.register_buffer("q", gq.q.contiguous(), persistent=False)
         self.register_buffer("scales", gq.d[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
 
-    @property
-    def weight_bytes(self) -> int:
-        bufs = (self.q, self.scales) if self.on_cpu else (self.weight,)
-        extra = () if self.bias is None else (self.bias,)
-        return sum(t.numel() * t.element_size() for t in (*bufs, *extra))
+    def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scales
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.in_features)
-        if not self.on_cpu:
-            return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch._weight_int8pack_mm  # pyright: ignore[reportPrivateImportUsage]
-        y = mm(x.reshape(-1, self.in_features), self.q, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return mm(x, self.q, self.scales)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header
@@ -164,41 +165,37 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         limit = server.limits().max_model_len
         return ModelList(data=[ModelCard(id=server.model_id, created=server.created, max_model_len=limit)])
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, key: str = Depends(api_key)) -> Response:
+    async def generate(
+        req: CompletionRequest | ChatRequest,
+        key: str,
+        prompt: Callable[..., Any],
+        prefix: str,
+        stream: Callable[..., AsyncIterator[str]],
+        respond: Callable[..., BaseModel],
+    ) -> Response:
+        """A completion or chat request (``prompt``, ``stream`` and ``respond`` are its dialect's): admit, run,
+        and answer whole or as a stream."""
         arrival = time.monotonic()
         runs = server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
-        job = build_job(req, completion_prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
         lease = server.admit(key, job)
         events = runs.events(job.inferlet, job.args, lease, arrival=arrival)
-        rid, model = f"cmpl-{uuid.uuid4().hex}", server.model_id
+        rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
             first = await prime(events)
-            return sse_response(completion_stream(rid, model, req, tok, job, first, events))
+            return sse_response(stream(rid, model, req, tok, job, first, events))
         result = await runs.collect(events)
-        return JSONResponse(
-            completion_response(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True)
-        )
+        return JSONResponse(respond(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True))
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest, key: str = Depends(api_key)) -> Response:
+        return await generate(req, key, completion_prompt, "cmpl", completion_stream, completion_response)
 
     @v1.post("/chat/completions")
     async def chat(req: ChatRequest, key: str = Depends(api_key)) -> Response:
-        arrival = time.monotonic()
-        runs = server.runs()
-        server.check_model(req.model)
-        tok = _tokenizer(backend)
-        job = build_job(req, chat_prompt(tok, req), tok, server.limits(), config.policy, config.caps)
-        lease = server.admit(key, job)
-        events = runs.events(job.inferlet, job.args, lease, arrival=arrival)
-        rid, model = f"chatcmpl-{uuid.uuid4().hex}", server.model_id
-        if req.stream:
-            first = await prime(events)
-            return sse_response(chat_stream(rid, model, req, tok, job, first, events))
-        result = await runs.collect(events)
-        return JSONResponse(
-            chat_response(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True)
-        )
+        return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response)
 
     add_inferlet_routes(v1, server, api_key)
     app.include_router(v1)

@@ -170,14 +170,19 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every completion and chat response, whole or a streamed chunk, carries beside its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
     speculation: Speculation | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -207,14 +212,9 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatResponse(BaseModel):
-    id: str
+class ChatResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    speculation: Speculation | None = None
 
 
 class ChatDelta(BaseModel):
@@ -229,24 +229,13 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatChunk(BaseModel):
-    id: str
+class ChatChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    speculation: Speculation | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculation: Speculation | None = None
+class CompletionChunk(CompletionResponse):
+    """A streamed piece of a completion: OpenAI gives it the whole response's shape."""
 
 
 class ModelCard(BaseModel):

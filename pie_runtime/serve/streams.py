@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -66,14 +66,7 @@ def completion_response(
         )
         for i, c in enumerate(choices_of(result))
     ]
-    return CompletionResponse(
-        id=rid,
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=usage(result, job.prompt_tokens),
-        speculation=speculation(result),
-    )
+    return CompletionResponse(choices=choices, **_envelope(rid, model, job, result))
 
 
 def chat_response(
@@ -89,14 +82,18 @@ def chat_response(
         )
         for i, c in enumerate(choices_of(result))
     ]
-    return ChatResponse(
-        id=rid,
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=usage(result, job.prompt_tokens),
-        speculation=speculation(result),
-    )
+    return ChatResponse(choices=choices, **_envelope(rid, model, job, result))
+
+
+def _envelope(rid: str, model: str, job: Job, result: dict) -> dict[str, Any]:
+    """The fields a whole completion and a whole chat response share."""
+    return {
+        "id": rid,
+        "created": int(time.time()),
+        "model": model,
+        "usage": usage(result, job.prompt_tokens),
+        "speculation": speculation(result),
+    }
 
 
 async def _events(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -104,6 +101,37 @@ async def _events(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield first
     async for ev in events:
         yield ev
+
+
+async def _stream(
+    chunk: Callable[..., str],
+    delta: Callable[[str], Any],
+    final: Callable[[int, str, dict], Any],
+    include_usage: bool,
+    job: Job,
+    first: Any,
+    events: AsyncIterator[Any],
+) -> AsyncIterator[str]:
+    """The SSE lines of a run in either dialect: ``chunk(choices, **extra)`` renders one chunk, ``delta(text)``
+    is choice 0's streamed text, ``final(index, rest, choice)`` a choice's finishing piece (``rest``: its text
+    not yet streamed)."""
+    streamed = ""
+    try:
+        async for ev in _events(first, events):
+            if ev.kind == "text" and ev.text:
+                streamed += ev.text
+                yield chunk([delta(ev.text)])
+            elif ev.kind == "result":
+                result = ev.result or {}
+                for i, c in enumerate(choices_of(result)):
+                    text = c.get("text", "")
+                    rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
+                    yield chunk([final(i, rest, c)])
+                if include_usage:
+                    yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
+    except APIError as e:
+        yield sse(e.body())
+    yield "data: [DONE]\n\n"
 
 
 async def completion_stream(
@@ -120,24 +148,13 @@ async def completion_stream(
     def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
         return sse(CompletionChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
-    streamed = ""
-    try:
-        async for ev in _events(first, events):
-            if ev.kind == "text" and ev.text:
-                streamed += ev.text
-                yield chunk([CompletionChoice(index=0, text=ev.text)])
-            elif ev.kind == "result":
-                result = ev.result or {}
-                for i, c in enumerate(choices_of(result)):
-                    text = c.get("text", "")
-                    rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
-                    lp = completion_logprobs(tok, c)
-                    yield chunk([CompletionChoice(index=i, text=rest, logprobs=lp, finish_reason=finish(c))])
-                if req.include_usage():
-                    yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
-    except APIError as e:
-        yield sse(e.body())
-    yield "data: [DONE]\n\n"
+    def final(i: int, rest: str, c: dict) -> CompletionChoice:
+        return CompletionChoice(index=i, text=rest, logprobs=completion_logprobs(tok, c), finish_reason=finish(c))
+
+    async for line in _stream(
+        chunk, lambda text: CompletionChoice(index=0, text=text), final, req.include_usage(), job, first, events
+    ):
+        yield line
 
 
 async def chat_stream(
@@ -154,27 +171,17 @@ async def chat_stream(
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
         return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
-    for i in range(job.n):
+    def delta(text: str) -> ChatChunkChoice:
+        return ChatChunkChoice(index=0, delta=ChatDelta(content=text))
+
+    def final(i: int, rest: str, c: dict) -> ChatChunkChoice:
+        lp = chat_logprobs(tok, c)
+        return ChatChunkChoice(index=i, delta=ChatDelta(content=rest or None), logprobs=lp, finish_reason=finish(c))
+
+    for i in range(job.n):  # each choice's role first
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-    streamed = ""
-    try:
-        async for ev in _events(first, events):
-            if ev.kind == "text" and ev.text:
-                streamed += ev.text
-                yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=ev.text))])
-            elif ev.kind == "result":
-                result = ev.result or {}
-                for i, c in enumerate(choices_of(result)):
-                    text = c.get("text", "")
-                    rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
-                    delta = ChatDelta(content=rest or None)
-                    lp = chat_logprobs(tok, c)
-                    yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish(c))])
-                if req.include_usage():
-                    yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
-    except APIError as e:
-        yield sse(e.body())
-    yield "data: [DONE]\n\n"
+    async for line in _stream(chunk, delta, final, req.include_usage(), job, first, events):
+        yield line
 
 
 async def prime(events: AsyncIterator[Any]) -> Any:
