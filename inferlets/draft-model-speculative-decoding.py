@@ -28,7 +28,7 @@ from inferlet.sampler import Verifier, draw
 
 
 class Args(DecodeArgs):
-    draft: str  # a model in the store, served by the same engine
+    draft: str | None = None  # a model in the store, served by the same engine (default: the attached one)
     draft_length: int = 4
 
 
@@ -68,9 +68,17 @@ class ModelDrafter(Drafter):
 
 @inferlet.main
 async def main(args: Args) -> dict:
-    target, draft = inferlet.model(), inferlet.model(args.draft)
+    target = inferlet.model()
+    attached = [d["name"] for d in target.drafters if d["kind"] == "draft"]
+    if args.draft is None and not attached:
+        raise inferlet.UsageError(
+            f"model {target.name} has no draft model attached: train one with `pie drafter train --model "
+            f"{target.name} --kind draft --corpus TEXT --out {target.name}-draft --attach`, or name a store model "
+            "with the target's tokenizer with --draft NAME"
+        )
+    draft = inferlet.model(args.draft or attached[0])
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft {draft.name} has vocab {draft.vocab_size}, target {target.vocab_size}")
+        raise inferlet.UsageError(f"draft {draft.name} has vocab {draft.vocab_size}, target {target.vocab_size}")
 
     async def choice(a: Args, ws: inferlet.WorkingSet) -> dict:
         verifier = Verifier(a)

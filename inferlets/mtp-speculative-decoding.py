@@ -70,8 +70,7 @@ class MTPDrafter(Drafter):
 @inferlet.main
 async def main(args: Args) -> dict:
     model = inferlet.model()
-    if args.draft_length > model.mtp_depth:
-        raise ValueError(f"--draft-length {args.draft_length} past the model's MTP depth {model.mtp_depth}")
+    model.require_mtp(args.draft_length)
     if args.run_ahead and args.n == 1 and not args.ignore_eos:
         return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
     return await run_choices(

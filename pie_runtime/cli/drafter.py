@@ -98,6 +98,22 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def portable_path(path: str | Path) -> str:
+    """A path as a training record keeps it, so that a shipped drafter's record names no machine's folders:
+    relative to the repository when the file lies in it or beside it (the corpus is ../shared/corpus/),
+    else its file name."""
+    import os
+
+    from ..launcher import REPO_ROOT
+
+    p = Path(path).expanduser().resolve()
+    return os.path.relpath(p, REPO_ROOT) if p.is_relative_to(REPO_ROOT.parent) else p.name
+
+
+def _portable_words(words: list[str]) -> list[str]:
+    return [portable_path(w) if w.startswith(("/", "~")) else w for w in words]
+
+
 @dataclass
 class _Run:
     """One training run after the teacher pass: its arguments, its target and data, and its record (``info``,
@@ -169,10 +185,10 @@ def _teacher_pass(
     train, heldout = distill.build_teacher_data(
         loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
     )
-    command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
+    command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {
         "command": command,
-        "corpus": [str(c) for c in corpora],
+        "corpus": [portable_path(c) for c in corpora],
         "tokens": train.num_tokens,
         "teacher_s": round(time.monotonic() - t0, 1),
         "precision": "bf16" if bf16 else "fp32",
@@ -189,7 +205,7 @@ def _train_mtp(run: _Run) -> str:
     init = None
     if args.init:
         init = load_mtp(Path(args.init))
-        run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+        run.info["init"] = {"file": portable_path(args.init), "training": read_config(Path(args.init)).training}
         args.depth = init.config.depth
     module = distill.train_mtp(
         run.loaded.model,

@@ -17,6 +17,7 @@ The SDK reaches the engine only through the wire protocol; it never imports engi
 from pie_runtime.protocol import ErrorCode, PieError
 
 from .channels import Channel
+from .errors import UsageError
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
 from .programs import Program, trace
@@ -43,6 +44,7 @@ __all__ = [
     "Sample",
     "StreamDecoder",
     "Tokenizer",
+    "UsageError",
     "WorkingSet",
     "connect",
     "emit",
