@@ -372,8 +372,13 @@ def ensure_default_model(store: ModelStore | None = None) -> Manifest:
             manifest = store.get(DEFAULT_MODEL)
             if _current(manifest):
                 return manifest  # another process did it while this one waited
-            return import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True).manifest
-        return import_model(DEFAULT_MODEL, store=store, progress=False).manifest
+            import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True)
+        else:
+            import_model(DEFAULT_MODEL, store=store, progress=False)
+        from .shipped import attach_shipped  # shipped.py builds on this module
+
+        attach_shipped(store, DEFAULT_MODEL)
+        return store.get(DEFAULT_MODEL)
 
 
 def _current(manifest: Manifest) -> bool:

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from ..store import DEFAULT_MODEL, Manifest, ModelStore, StoreError, import_model
+from ..store import DEFAULT_MODEL, PACKAGED, Manifest, ModelStore, StoreError, import_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +71,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 def _import(args: argparse.Namespace) -> int:
     from ..drafters import attach, check_spec, parse_spec
+    from ..shipped import attach_shipped
 
     for spec in args.drafter:
         parse_spec(spec)  # a malformed spec is refused before anything is converted
@@ -89,6 +90,9 @@ def _import(args: argparse.Namespace) -> int:
     for spec in args.drafter:
         entry = attach(store, m.name, spec)
         print(f"attached {entry.kind} drafter {entry.name} to {m.name}")
+    if args.source in PACKAGED:
+        for entry in attach_shipped(store, m.name, args.source):
+            print(f"attached the shipped {entry.kind} drafter {entry.name} to {m.name}")
     if result.imported:
         print(f"imported {m.name}: {m.family}, {m.parameters / 1e6:.1f}M parameters, from {m.source}")
     else:
