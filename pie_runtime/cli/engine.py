@@ -54,6 +54,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default=32,
         help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)",
     )
+    # scale-out measurements on few cores: every step also sleeps MS, as if on a device of its own (server.py)
+    p.add_argument("--simulate-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
     )
@@ -106,7 +108,7 @@ def run_engine(args) -> int:
             for n in names
         ]
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
-        server = EngineServer(core, args.listen, args.token)
+        server = EngineServer(core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
