@@ -13,6 +13,9 @@ Candidates are ordered, and the first engine that does not refuse gets the run:
    ``cache_threshold`` of the prompt comes first; otherwise the engine that holds the least in the tree
    (SGLang: "the worker with the smallest tree"), ties to the least loaded.
 
+``policy="round_robin"`` (the baseline the cache-aware policy is measured against) takes the live engines in
+turn, after the guard and the session key.
+
 An engine **refuses** when its last reported free KV pages are fewer than the run needs; the caller may
 also exclude engines that refused for real (an ``out_of_pages`` answer, a lost engine) and place again.
 """
@@ -28,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .prefix_tree import PrefixTree
 from .rendezvous import rendezvous_order
 
-Reason = Literal["balance", "session", "cache", "least_cached"]
+Reason = Literal["balance", "session", "cache", "least_cached", "round_robin"]
 
 
 class RouterConfig(BaseModel):
@@ -36,6 +39,7 @@ class RouterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    policy: Literal["cache_aware", "round_robin"] = "cache_aware"
     cache_threshold: float = Field(default=0.5, ge=0.0, le=1.0)  # share of the prompt a match must cover
     balance_abs: int = Field(default=64, ge=0)  # in-flight runs: max - min over this ...
     balance_rel: float = Field(default=1.5, ge=1.0)  # ... and max over this times min: imbalanced
@@ -69,6 +73,7 @@ class Router:
         self.config = config or RouterConfig()
         self.tree = PrefixTree(self.config.block, self.config.max_tree_blocks)
         self.engines: dict[str, EngineState] = {}
+        self._turn = 0  # round robin's next index
 
     # --- the engine set ---
 
@@ -115,6 +120,10 @@ class Router:
             order, reason = sorted(engines, key=lambda e: (load[e], e)), "balance"
         elif session is not None:
             order, reason = rendezvous_order(session, engines), "session"
+        elif self.config.policy == "round_robin":
+            self._turn += 1
+            i = self._turn % len(engines)
+            order, reason = engines[i:] + engines[:i], "round_robin"
         else:
             best = max(engines, key=lambda e: (matched.get(e, 0), -load[e]))
             if tokens and matched.get(best, 0) > self.config.cache_threshold * len(tokens):

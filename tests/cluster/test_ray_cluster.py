@@ -148,3 +148,23 @@ async def test_killed_engine_is_left_out_its_runs_end_and_it_rejoins(cluster):
         f"\nkill timeline: lost after {lost_at - killed_at:.2f} s, rejoined after {rejoined_at - killed_at:.2f} s"
         f" ({victim.events})"
     )
+
+
+async def test_a_working_set_is_unknown_through_another_engines_connection(cluster):
+    from inferlet.client import Client
+    from pie_runtime.protocol import PieError
+    from pie_runtime.protocol.messages import PROTOCOL_VERSION
+
+    slots = [s for s in pool(cluster).slots.values() if s.info is not None]
+    a, b = (Client(s.info.address) for s in slots[:2])  # type: ignore[union-attr]
+    try:
+        for c in (a, b):
+            await c.request("hello", version=PROTOCOL_VERSION, client="test")
+        ws = (await a.request("ws_open", model=TINY))["ws"]
+        with pytest.raises(PieError) as refused:
+            await b.request("ws_release", ws=ws)
+        assert refused.value.code == "unknown_working_set"
+        await a.request("ws_release", ws=ws)
+    finally:
+        a.close()
+        b.close()

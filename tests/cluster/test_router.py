@@ -170,3 +170,9 @@ def test_done_lowers_in_flight():
     for p in places:
         r.done(p.engine)
     assert all(r.engines[e].in_flight == 0 for e in r.live())
+
+
+def test_round_robin_takes_engines_in_turn_whatever_the_prefix():
+    r = router(3, policy="round_robin")
+    engines = [r.place(prompt(1, u)).engine for u in range(6)]
+    assert engines[:3] == engines[3:] and sorted(engines[:3]) == ["e0", "e1", "e2"]
