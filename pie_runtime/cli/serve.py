@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -182,6 +183,11 @@ def serve(args: argparse.Namespace) -> int:
         if args.listen:
             print("error: --listen is for one engine; --engines' engines listen where Ray puts them", file=sys.stderr)
             return 2
+        from ..cluster.backend import init_ray
+
+        # here, in the main thread and before uvicorn installs its signal handlers: Ray's own would otherwise
+        # turn SIGTERM into a crash instead of a drain
+        init_ray(args.ray_address, max(int(args.engines * args.engine_cpus + 0.999), os.cpu_count() or 1))
         backend: Backend = ClusterBackend(
             spec, args.engines, ray_address=args.ray_address, engine_cpus=args.engine_cpus, **common
         )
