@@ -41,7 +41,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="shard the model over T ranks (torch.distributed: gloo on CPU, NCCL on CUDA); fp32 weights only",
+    )
     p.add_argument(
         "--program-memory",
         type=int,
@@ -93,6 +100,8 @@ def run_engine(args) -> int:
         if DEFAULT_MODEL in names:
             ensure_default_model()
         names += [d for n in list(names) for d in draft_models(ModelStore().get(n)) if d not in names]
+        if args.tensor_parallel > 1 and len(names) > 1:
+            raise ValueError("--tensor-parallel serves one model (no draft models)")
         served = [
             build_served_model(
                 n,
@@ -104,6 +113,7 @@ def run_engine(args) -> int:
                 kv_bytes=args.kv_memory << 20,
                 prepack_lm_head=args.prepack,
                 pass_cost_rows=args.pass_cost_rows,
+                tensor_parallel=args.tensor_parallel,
             )
             for n in names
         ]
