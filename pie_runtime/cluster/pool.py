@@ -135,7 +135,7 @@ class ClusterPool:
                 health, why = None, f"{type(e).__name__}"
             if slot.live and why:
                 await self._lose(slot, why)
-            elif slot.live and health is not None:
+            elif slot.live and health is not None and not health.stale:
                 slot.health = health
                 await self.router.report.remote(slot.name, health.free_pages)
             elif not slot.live and health is not None and health.alive and not self._closed:

@@ -3,8 +3,9 @@ stays the engines' ZeroMQ wire (a Ray call per forward pass would cost about a m
 
 - ``EngineActor``: starts one engine process (``pie engine``) on its node, on an ``ipc://`` address when the
   cluster is this machine, else on ``tcp://NODE_IP:PORT`` with a token; the engine dies with the actor
-  (``PR_SET_PDEATHSIG``). ``health()`` reads the engine's ``stats`` over the wire: free KV pages, live working
-  sets, queued fires. Created with ``max_restarts``, so Ray starts a new engine when one is killed.
+  (``PR_SET_PDEATHSIG``), and the actor with its engine (so that Ray restarts both). ``health()`` reads the
+  engine's ``stats`` over the wire: free KV pages, live working sets, queued fires. Created with
+  ``max_restarts``, so Ray starts a new engine when one is killed.
 - ``RouterActor``: one ``router.Router`` (the policy, pure Python) that every server process shares.
 
 Imported only when Ray is wanted; Ray is the optional extra ``pie-runtime[ray]``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 from typing import Any
 
 import ray
@@ -42,6 +44,7 @@ class EngineHealth(BaseModel):
     """An engine's load report (its ``stats``, summed over its models)."""
 
     alive: bool
+    stale: bool = False  # alive, but its load could not be read this time
     free_pages: int = 0
     total_pages: int = 0
     working_sets: int = 0
@@ -71,7 +74,14 @@ class EngineActor:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.engine.address)
         self._ids = 0
+        self._stopping = False
         self._request("hello", version=PROTOCOL_VERSION, client=f"ray-{name}", token=self.token)
+        threading.Thread(target=self._die_with_engine, daemon=True).start()
+
+    def _die_with_engine(self) -> None:
+        self.engine.proc.wait()
+        if not self._stopping:
+            os._exit(1)  # an unexpected death: Ray restarts the actor, which starts a new engine
 
     def _request(self, op: str, timeout_ms: int = 2000, **fields: Any) -> dict:
         self._ids += 1
@@ -95,12 +105,14 @@ class EngineActor:
         )
 
     def health(self) -> EngineHealth:
+        """Dead only when the engine process is; a busy engine (a long step) that does not answer ``stats``
+        within half a second is alive with its load unknown (``stale``)."""
         if self.engine.proc.poll() is not None:
             return EngineHealth(alive=False)
         try:
-            stats = self._request("stats", timeout_ms=1000)
+            stats = self._request("stats", timeout_ms=500)
         except (TimeoutError, RuntimeError):
-            return EngineHealth(alive=False)
+            return EngineHealth(alive=True, stale=True)
         models = stats["models"].values()
         return EngineHealth(
             alive=True,
@@ -111,6 +123,7 @@ class EngineActor:
         )
 
     def stop(self) -> None:
+        self._stopping = True
         self._sock.close(0)
         self.engine.stop()
 

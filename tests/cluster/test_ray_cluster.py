@@ -168,3 +168,31 @@ async def test_a_working_set_is_unknown_through_another_engines_connection(clust
     finally:
         a.close()
         b.close()
+
+
+async def test_an_engine_process_that_dies_brings_its_actor_down_and_back(cluster):
+    import os
+    import signal
+
+    p = pool(cluster)
+    slot = p.slots["engine-1"]
+    for _ in range(1200):  # live after any earlier test's kill
+        if slot.live:
+            break
+        await asyncio.sleep(0.1)
+    assert slot.live and slot.info is not None
+    old_pid = slot.info.engine_pid
+    os.kill(old_pid, signal.SIGKILL)
+    for _ in range(1200):
+        if not slot.live:
+            break
+        await asyncio.sleep(0.05)
+    assert not slot.live
+    start = len(p.placements)
+    await collect(p, "text-completion", completion("while one engine is down"))
+    assert [e for _, e, _ in p.placements[start:]] == ["engine-0"]
+    for _ in range(1200):  # the actor exits with its engine; Ray restarts it with a new one
+        if slot.live:
+            break
+        await asyncio.sleep(0.1)
+    assert slot.live and slot.info is not None and slot.info.engine_pid != old_pid
