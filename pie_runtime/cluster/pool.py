@@ -47,6 +47,7 @@ class EngineSlot:
     live: bool = False
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     health: EngineHealth | None = None
+    generation: int = 0  # joins so far: a run placed before a rejoin is not counted against the new engine
     events: list[tuple[float, str]] = field(default_factory=list)  # (time.time(), what): the timeline
 
 
@@ -107,6 +108,7 @@ class ClusterPool:
         )
         await pool.start()
         slot.info, slot.pool = info, pool
+        slot.generation += 1
         slot.lost = asyncio.Event()
         slot.live = True
         await self.router.add.remote(slot.name)
@@ -203,7 +205,7 @@ class ClusterPool:
         self, slot: EngineSlot, inferlet: str, args: dict, run_id: str, timeout: float | None
     ) -> AsyncIterator[RunEvent]:
         """The run's events from ``slot``'s hosts, cut short with ``engine_lost`` the moment it is lost."""
-        pool, lost = slot.pool, slot.lost
+        pool, lost, generation = slot.pool, slot.lost, slot.generation
         try:
             if pool is None or lost.is_set():
                 raise RunFailed("engine_lost", f"engine {slot.name} is gone")
@@ -234,7 +236,8 @@ class ClusterPool:
             raise
         finally:
             self._placed.pop(run_id, None)
-            await self.router.done.remote(slot.name)
+            if slot.generation == generation and not lost.is_set():
+                await self.router.done.remote(slot.name)
 
     async def cancel(self, run_id: str) -> bool:
         placed = self._placed.get(run_id)
