@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,12 +157,15 @@ async def main() -> None:
     p.add_argument("--no-affinity", dest="affinity", action="store_false", help="measure the scaling only")
     a = p.parse_args()
     home = tiny_home()
-    rows = [
-        await measure(home, 1, "cache_aware", a, scaling=True),
-        await measure(home, 2, "cache_aware", a, scaling=True),
-    ]
-    if a.affinity:
-        rows.append(await measure(home, 2, "round_robin", a, scaling=False))
+    try:
+        rows = [
+            await measure(home, 1, "cache_aware", a, scaling=True),
+            await measure(home, 2, "cache_aware", a, scaling=True),
+        ]
+        if a.affinity:
+            rows.append(await measure(home, 2, "round_robin", a, scaling=False))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     base = rows[0].tokens_per_s or 1.0
     print(f"\nsleep engines: tiny model, fp32, 1 thread each, {a.step_ms} ms a step, {a.max_batch_tokens} rows a step")
     print(f"{'setup':<28}{'tok/s (16 runs)':>18}{'vs 1 engine':>13}{'prefix hit rate':>18}   affinity runs per engine")
