@@ -32,26 +32,42 @@ def build_served_model(
     prepack_lm_head: bool = True,
     pass_cost_rows: int = 0,
     compiled: bool = False,
+    tensor_parallel: int = 1,
 ) -> ServedModel:
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
     lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
     costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
-    compile them here, before anyone is served."""
+    compile them here, before anyone is served; ``tensor_parallel``: shard it over that many ranks
+    (``tp_worker.py``; float32 only, no MTP head, no prepacked or compiled copies)."""
+    if tensor_parallel > 1 and weights != "fp32":
+        raise ValueError(f"--tensor-parallel supports --weights fp32 only, not {weights}")
+    if tensor_parallel > 1 and compiled:
+        raise ValueError("--tensor-parallel does not combine with --compile")
     torch_dtype = ACTIVATION_DTYPE[weights]
     quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=device, store=store, keep_quantized=quantized)
     prepare_for_serving(loaded.model, weights, loaded.quantized)
     # The lm head is where the prepacked copy pays: 3.7 ms vs 2.7 ms at 1 row but 5.4 vs 13.2 at 9 rows
     # (SmolLM2, 2 cores); the layers' matmuls gained too little in a whole pass to be worth their memory.
-    packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head else 0
+    packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head and tensor_parallel == 1 else 0
     cfg = loaded.model.config
     if kv_pages is None:
         kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype))
-    kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
     manifest = loaded.manifest
     store = store or ModelStore()
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
     mtp = load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
+    if tensor_parallel > 1:
+        if mtp is not None:
+            raise ValueError("--tensor-parallel does not shard an MTP head; detach it or serve without")
+        from .tp_worker import start_tensor_parallel
+
+        runner, kv = start_tensor_parallel(
+            name, loaded.model, tensor_parallel, kv_pages, page_size, device, torch.get_num_threads()
+        )
+    else:
+        kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
+        runner = ModelRunner(loaded.model, kv, torch.device(device))
     info = ModelInfo(
         name=manifest.name,
         vocab_size=cfg.vocab_size,
@@ -66,7 +82,6 @@ def build_served_model(
         weights=weights,
         weight_bytes=linear_bytes(loaded.model),
     )
-    runner = ModelRunner(loaded.model, kv, torch.device(device))
     runner.mtp = mtp
     if compiled:
         t0 = time.perf_counter()
