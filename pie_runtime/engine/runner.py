@@ -101,6 +101,7 @@ class ModelRunner:
             r += seg.n_rows
         self.eagle.write_kv(prev, ids, ctx, self.kv)
 
+    @torch.inference_mode()
     def tails(self, segments: list[Segment], hidden: torch.Tensor) -> list[FeatureTail | None]:
         """Each segment's new :class:`FeatureTail` after a forward returned ``hidden``; None without EAGLE."""
         if self.eagle is None:
