@@ -74,11 +74,11 @@ class ImportRefused(StoreError):
 
 
 class DrafterEntry(BaseModel):
-    """A drafter attached to a model: an MTP head file or another store model used as draft model."""
+    """A drafter attached to a model: an MTP or EAGLE head file, or another store model used as draft model."""
 
-    kind: Literal["mtp", "draft"]
+    kind: Literal["mtp", "eagle", "draft"]
     name: str
-    path: str  # a file under drafters/ (mtp) or a model name in the store (draft)
+    path: str  # a file under drafters/ (mtp, eagle) or a model name in the store (draft)
     config: dict = Field(default_factory=dict)
 
 

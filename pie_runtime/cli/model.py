@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="attach a drafter: mtp:FILE or draft:MODEL_NAME (repeatable)",
+        help="attach a drafter: mtp:FILE, eagle:FILE or draft:MODEL_NAME (repeatable)",
     )
     p.set_defaults(func=_guarded(_import))
 
@@ -47,9 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("drafter", help="attach or detach a model's drafters")
     dsub = p.add_subparsers(dest="drafter_command", required=True)
-    d = dsub.add_parser("attach", help="attach mtp:FILE or draft:MODEL_NAME")
+    d = dsub.add_parser("attach", help="attach mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     d.add_argument("name", help="the target model")
-    d.add_argument("spec", help="mtp:FILE or draft:MODEL_NAME")
+    d.add_argument("spec", help="mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
     d.set_defaults(func=_guarded(_attach))
     d = dsub.add_parser("detach", help="detach a drafter by name")

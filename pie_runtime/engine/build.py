@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..drafters import check_attached, load_mtp_head
+from ..drafters import check_attached, load_eagle_head, load_mtp_head
 from ..models.compiled import compile_layers
 from ..models.kv_cache import KVCache
 from ..models.linear import prepack
@@ -15,7 +15,7 @@ from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
 from .kv_pages import KVPages
 from .page_pool import PagePool
-from .pass_costs import measure_mtp_step_ms, measure_pass_costs, warm_up
+from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, measure_pass_costs, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
 
@@ -38,7 +38,7 @@ def build_served_model(
     lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
     costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
     compile them here, before anyone is served; ``tensor_parallel``: shard it over that many ranks
-    (``tp_worker.py``; float32 only, no MTP head, no prepacked or compiled copies)."""
+    (``tp_worker.py``; float32 only, served without its MTP or EAGLE head, no prepacked or compiled copies)."""
     if tensor_parallel > 1 and weights != "fp32":
         raise ValueError(f"--tensor-parallel supports --weights fp32 only, not {weights}")
     if tensor_parallel > 1 and compiled:
@@ -51,22 +51,24 @@ def build_served_model(
     # (SmolLM2, 2 cores); the layers' matmuls gained too little in a whole pass to be worth their memory.
     packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head and tensor_parallel == 1 else 0
     cfg = loaded.model.config
-    if kv_pages is None:
-        kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype))
     manifest = loaded.manifest
     store = store or ModelStore()
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
-    mtp = load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
-    if tensor_parallel > 1:
-        if mtp is not None:
-            raise ValueError("--tensor-parallel does not shard an MTP head; detach it or serve without")
+    # heads are not sharded: a tensor-parallel engine serves the target without them (mtp_depth 0)
+    sharded = tensor_parallel > 1
+    mtp = None if sharded else load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
+    eagle = None if sharded else load_eagle_head(store, manifest, loaded.model, torch_dtype, device)
+    extra = 1 if eagle is not None else 0  # the EAGLE draft layer's K/V live in the same pages
+    if kv_pages is None:
+        kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype, extra))
+    if sharded:
         from .tp_worker import start_tensor_parallel
 
         runner, kv = start_tensor_parallel(
             name, loaded.model, tensor_parallel, kv_pages, page_size, device, torch.get_num_threads()
         )
     else:
-        kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
+        kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device, extra_layers=extra)
         runner = ModelRunner(loaded.model, kv, torch.device(device))
     info = ModelInfo(
         name=manifest.name,
@@ -78,11 +80,13 @@ def build_served_model(
         chat_template=manifest.tokenizer.chat_template,
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
+        eagle_depth=eagle.depth if eagle is not None else 0,
         prepacked_bytes=packed_bytes,
         weights=weights,
         weight_bytes=linear_bytes(loaded.model),
     )
     runner.mtp = mtp
+    runner.eagle = eagle
     if compiled:
         t0 = time.perf_counter()
         compile_layers(loaded.model)
@@ -91,6 +95,7 @@ def build_served_model(
     if pass_cost_rows:
         info.pass_cost_ms = measure_pass_costs(runner, kv_pages, pass_cost_rows)
         info.mtp_step_ms = measure_mtp_step_ms(runner)
+        info.eagle_step_ms = measure_eagle_step_ms(runner, kv_pages)
     return ServedModel(
         name=manifest.name,
         info=info,

@@ -79,13 +79,19 @@ def _forward(
 
 
 def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
+    """One forward; with an EAGLE head, each working set's feature tail goes in and its new one is kept."""
     segments, tokens, positions = [], [], []
     for c in chunks:
         j = c.job
         segments.append(Segment(j.ws.pages, j.start + j.done, c.rows))
         tokens.extend(j.tokens[j.done : j.done + c.rows])
         positions.extend(j.positions[j.done : j.done + c.rows])
-    return sm.runner.forward(segments, tokens, positions)
+    if sm.runner.eagle is None:
+        return sm.runner.forward(segments, tokens, positions)
+    hidden = sm.runner.forward(segments, tokens, positions, [c.job.ws.drafter_tail for c in chunks])
+    for c, tail in zip(chunks, sm.runner.tails(segments, hidden)):
+        c.job.ws.drafter_tail = tail
+    return hidden
 
 
 def _advance(chunks: list[Chunk[FireJob]], hidden: torch.Tensor) -> list[FireJob]:
@@ -134,6 +140,8 @@ def _read(sm: ServedModel, jobs: list[FireJob]) -> list[tuple[FireJob, list[dict
             torch.stack([j.hidden[row] for row in r.rows]),
             mask,
             [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows] if r.at_accepted else None,
+            j.ws.pages if r.kind == "eagle" else None,
+            j.start,
         )
         for j in jobs
         for r, mask in zip(j.readouts, j.masks)

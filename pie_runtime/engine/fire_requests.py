@@ -168,10 +168,16 @@ class FireRequests:
             raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
         if r.kind == "mtp" and r.k > sm.info.mtp_depth:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
-        if r.at_accepted and (r.kind != "mtp" or r.with_probs):
-            raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP readouts (no with_probs)")
+        if r.kind == "eagle" and sm.runner.eagle is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no EAGLE drafter")
+        if r.kind == "eagle" and r.k > sm.info.eagle_depth:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"Eagle({r.k}) past the drafter's depth {sm.info.eagle_depth}")
+        if r.at_accepted and (r.kind not in ("mtp", "eagle") or r.with_probs):
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP and Eagle readouts (no with_probs)"
+            )
         if r.at_accepted and r.rows and r.rows != list(range(r.rows[0], r.rows[0] + len(r.rows))):
-            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP readout reads consecutive rows")
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP or Eagle readout reads consecutive rows")
         if r.mask is None:
             return None
         words = (sm.info.vocab_size + 31) // 32

@@ -25,6 +25,8 @@ class WorkingSet:
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
     chain: PageChain = field(default_factory=PageChain)  # what the prefix cache can name of its rows
+    # an EAGLE head's features of the last rows run (engine/runner.py's FeatureTail), opaque here
+    drafter_tail: object | None = None
 
     def check_settle(self, n: int) -> None:
         """Refuses to settle the deferred fold with ``n`` rows unless that fold is answered and ``n`` fits it."""

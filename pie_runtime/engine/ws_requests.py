@@ -49,6 +49,7 @@ class WorkingSetRequests:
         pages = kv.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
+        child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": child.id, "committed": child.committed}
 

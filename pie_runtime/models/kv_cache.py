@@ -1,5 +1,8 @@
 """The paged KV pool's tensors: per layer, K and V for ``num_pages * page_size`` slots. Which pages belong
-to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes."""
+to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes.
+
+``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
+(an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too."""
 
 from __future__ import annotations
 
@@ -9,17 +12,26 @@ from .config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device="cpu",
+        extra_layers: int = 0,
+    ):
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (cfg.num_hidden_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        layers = cfg.num_hidden_layers + extra_layers
+        shape = (layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * page_size * cfg.kv_size * elem
+        return 2 * (cfg.num_hidden_layers + extra_layers) * page_size * cfg.kv_size * elem
 
     @property
     def nbytes(self) -> int:

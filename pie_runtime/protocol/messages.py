@@ -32,7 +32,7 @@ class WireArray(_Msg):
         return decode_array(self.model_dump())
 
 
-ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp"]
+ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp", "eagle"]
 
 # The sampler's ranges, shared by the engine's sampler and the SDK's filter_distribution: a temperature
 # below MIN_TEMPERATURE (0 included) is greedy (one-hot at the argmax), one above MAX_TEMPERATURE is
@@ -52,9 +52,9 @@ class Readout(_Msg):
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
-    k: int = Field(default=1, ge=1, le=16)  # MTP draft depth
-    with_probs: bool = False  # MTP: also return the draft distribution at each step
-    # MTP, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
+    k: int = Field(default=1, ge=1, le=16)  # MTP or EAGLE draft depth
+    with_probs: bool = False  # MTP, EAGLE: also return the draft distribution at each step
+    # MTP or EAGLE, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
     # window's next token (the row a greedy verifier keeps going from); the other rows' drafts are -1
     at_accepted: bool = False
     mask: WireArray | None = None
@@ -294,6 +294,8 @@ class ModelInfo(BaseModel):
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic
     pass_cost_ms: list[float] = []  # [w-1]: ms of one sequence's w-row pass + lm head, measured at start
     mtp_step_ms: float = 0.0  # ms of one more MTP(k) draft on a row, measured at start
+    eagle_depth: int = 0  # > 0 when the model serves Eagle(k) readouts
+    eagle_step_ms: float = 0.0  # ms of one more Eagle(k) draft on a row, measured at start
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
     weight_bytes: int = 0  # bytes of the projections and lm head as served

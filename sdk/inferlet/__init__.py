@@ -21,7 +21,7 @@ from .errors import UsageError
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
 from .programs import Program, trace
-from .readouts import MTP, Argmax, Distribution, Hidden, Logits, Sample
+from .readouts import MTP, Argmax, Distribution, Eagle, Hidden, Logits, Sample
 from .runtime import connect, emit, main, model
 from .tokenizer import StreamDecoder, Tokenizer
 from .working_set import WorkingSet
@@ -29,6 +29,7 @@ from .working_set import WorkingSet
 __all__ = [
     "DEFERRED",
     "MTP",
+    "Eagle",
     "Argmax",
     "Channel",
     "Distribution",

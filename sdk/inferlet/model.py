@@ -61,6 +61,16 @@ class Model:
             )
 
     @property
+    def eagle_depth(self) -> int:
+        """> 0 when the model serves Eagle(k) readouts, up to this k."""
+        return self.info.eagle_depth
+
+    @property
+    def eagle_step_ms(self) -> float:
+        """Engine-measured ms of one more Eagle(k) draft."""
+        return self.info.eagle_step_ms
+
+    @property
     def hidden_size(self) -> int:
         return self.info.hidden_size
 

@@ -46,7 +46,7 @@ class Verifier:
         return Argmax() if self.greedy else Distribution(a.temperature, a.top_k, a.top_p)
 
     def verify(self, drafts: list[int], readout: ReadoutResult, q: np.ndarray | None = None) -> VerifyResult:
-        if self.greedy:  # Argmax tokens (R,), or MTP tokens (R, 1+k) whose column 0 is the argmax
+        if self.greedy:  # Argmax tokens (R,), or MTP/Eagle tokens (R, 1+k) whose column 0 is the argmax
             tokens = readout.tokens
             assert tokens is not None, f"a greedy run verifies Argmax or MTP tokens, not {readout.kind}"
             return verify_greedy(drafts, tokens[:, 0] if tokens.ndim == 2 else tokens)
