@@ -238,6 +238,10 @@ class SpecReport(_Req):
     accepted_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
     rounds_with_rejection: _SPEC_COUNT
     skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
+    draft_rows: _SPEC_COUNT = 0
+    tree_rounds: _SPEC_COUNT = 0
+    tree_rows: _SPEC_COUNT = 0
+    tree_depth: _SPEC_COUNT = 0
     decode_tokens: _SPEC_COUNT = 0
     decode_s: _SPEC_SPAN = 0.0
     prefill_ms: _SPEC_SPAN = 0.0
@@ -252,6 +256,8 @@ class SpecReport(_Req):
             raise ValueError("a position accepted more drafts than it was proposed")
         if self.rounds_with_rejection > self.rounds:
             raise ValueError("more rejecting rounds than rounds")
+        if self.tree_rounds > self.rounds:
+            raise ValueError("more tree rounds than rounds")
         return self
 
 
