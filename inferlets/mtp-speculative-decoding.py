@@ -64,7 +64,10 @@ class MTPDrafter(Drafter):
         if self.k == 0 or (self.planner is not None and not self.planner.will_draft()):
             return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         w = self.widths
-        if w is not None and (self.planner is None or self.planner.use_tree(w, shape_rows(w))):
+        # reading the tree's distributions costs an MTP chain on every row of this fire, not on one
+        if w is not None and (
+            self.planner is None or self.planner.use_tree(w, shape_rows(w), (shape_rows(w) + 1) * len(w))
+        ):
             self.reading_tree = True  # the head's distributions at every row: the top-k per depth
             mtp = inferlet.MTP(len(w), with_probs=True)
             return [mtp] if verifier.greedy else [verifier.kind(), mtp]
