@@ -167,6 +167,8 @@ def fit_tree(proposal: Proposal, depth: int, rows: int) -> Proposal:
     if tree is None:
         return proposal
     tree = tree.pruned(depth, rows)
+    if not len(tree):
+        return Proposal()
     if tree.is_chain() and not tree.child_q:
         return Proposal(tree.chain())
     return Proposal(tree=tree)

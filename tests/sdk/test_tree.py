@@ -134,3 +134,15 @@ def test_tree_rounds_count_their_rows_and_kept_depth():
     assert f["tree_rows"] == 6.0 and f["tree_depth"] == 1.5  # means per tree round
     assert f["rows_per_round"] == 7.0 and f["accepted_depth"] == 1.5
     assert SpecStats.from_summary(stats.summary()) == stats
+
+
+def test_a_round_cuts_its_tree_to_the_room_and_capacity_left():
+    from inferlet.decode import fit_tree
+    from inferlet.drafter import Proposal
+
+    tree = TokenTree.from_topk([[1, 2], [3, 4], [5]], widths=[2, 2, 1])
+    assert fit_tree(Proposal(tree=tree), depth=9, rows=99).tree is tree
+    assert fit_tree(Proposal(tree=tree), depth=1, rows=99).tree.tokens == [1, 2]
+    assert fit_tree(Proposal(tree=tree), depth=9, rows=0) == Proposal()
+    chain = fit_tree(Proposal(tree=TokenTree.from_paths([[7, 8, 9]], [1, 1, 1])), depth=2, rows=99)
+    assert chain.tree is None and chain.tokens == [7, 8]
