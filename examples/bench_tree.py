@@ -4,7 +4,7 @@ kept path) and the verify window's rows per round, on the mixed and repetitive p
 speculation`. Every configuration runs ``--repeats`` times, interleaved, and reports its median; on a noisy
 machine read the ratios, not the rates.
 
-    .venv/bin/python examples/bench_tree.py [--weights int4] [--max-tokens 128] [--repeats 2] [--mtp] [--json]
+    .venv/bin/python examples/bench_tree.py [--weights int4] [--threads N] [--max-tokens 128] [--repeats 2] [--mtp]
 
 ``--mtp`` adds the MTP head's chain and tree (the default model needs a head attached: `pie drafter`).
 """
@@ -28,7 +28,6 @@ MTP = "mtp-speculative-decoding"
 CONFIGS: dict[str, list[tuple[str, str, list[str]]]] = {  # drafter → (label, inferlet, words)
     "lookup": [
         ("chain adaptive (k<=16)", LOOKUP, []),
-        ("chain fixed k=4", LOOKUP, ["--draft-schedule", "fixed", "--draft-length", "4"]),
         ("chain fixed k=8", LOOKUP, ["--draft-schedule", "fixed", "--draft-length", "8"]),
         ("tree 4,2,1,1,1,1 adaptive", LOOKUP, ["--tree", "4,2,1,1,1,1"]),
         ("tree 4,2,1,1,1,1 fixed", LOOKUP, ["--tree", "4,2,1,1,1,1", "--draft-schedule", "fixed"]),
@@ -53,7 +52,8 @@ def run(address: str, inferlet: str, prompt: str, words: list[str], max_tokens: 
 def sweep(args: argparse.Namespace) -> list[dict]:
     drafters = ["lookup"] + (["mtp"] if args.mtp else [])
     rows: list[dict] = []
-    with EmbeddedEngine([DEFAULT_MODEL], ["--weights", args.weights]) as eng:
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    with EmbeddedEngine([DEFAULT_MODEL], ["--weights", args.weights, *threads]) as eng:
         run(eng.address, "text-completion", "warm up", [], 4)
         for prompt_name in args.prompts:
             prompt = prompt_text(prompt_name)
@@ -96,6 +96,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default="int4")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="the engine's torch threads")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prompts", nargs="+", default=["mixed", "repetitive"])
     p.add_argument("--mtp", action="store_true", help="also the MTP head (attached to the default model)")

@@ -20,7 +20,7 @@ from inferlet.tree import (
 )
 from pie_runtime.protocol.tree import fold_path, tree_depths
 
-TRIALS = 60_000
+TRIALS = 40_000
 
 
 def test_shapes_parse_and_count_their_rows():
