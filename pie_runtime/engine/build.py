@@ -100,6 +100,6 @@ def build_served_model(
         name=manifest.name,
         info=info,
         runner=runner,
-        pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages),
+        pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages, runner.copy_slots),
         tokenizer_json=loaded.tokenizer_path.read_text(),
     )

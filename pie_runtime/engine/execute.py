@@ -11,6 +11,7 @@ import torch
 
 from ..models.context import Segment
 from ..protocol import ErrorCode, PieError
+from ..protocol.tree import fold_path
 from .channels import Txn
 from .jobs import FireJob, FireOutcome, StepStats
 from .programs import run_program
@@ -83,7 +84,8 @@ def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
     segments, tokens, positions = [], [], []
     for c in chunks:
         j = c.job
-        segments.append(Segment(j.ws.pages, j.start + j.done, c.rows))
+        parents = None if j.parents is None else tuple(j.parents)
+        segments.append(Segment(j.ws.pages, j.start + j.done, c.rows, parents, j.start))
         tokens.extend(j.tokens[j.done : j.done + c.rows])
         positions.extend(j.positions[j.done : j.done + c.rows])
     if sm.runner.eagle is None:
@@ -169,9 +171,16 @@ def _epilogue(sm: ServedModel, j: FireJob, logits: dict[tuple[int, ...], torch.T
     try:
         intrinsics = FireIntrinsics(sm.runner, j.hidden, j.tokens, logits)
         fold = run_program(j.program, intrinsics, txn, sm.runner.device)
-        if fold is not None and not 0 <= fold <= len(j.tokens):
-            raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}, outside [0, {len(j.tokens)}]")
+        path = None if fold is None else _device_path(fold, j)
         txn.commit()
     except PieError as e:
         return FireOutcome(j, error=e.with_traceback(None))  # its frames would keep the fire's tensors alive
-    return FireOutcome(j, device_fold=fold, txn=txn)
+    return FireOutcome(j, device_fold=path, txn=txn)
+
+
+def _device_path(fold: int | list[int], j: FireJob) -> list[int]:
+    """The window rows an epilogue's fold commits (a count, or a path of a tree window), checked."""
+    try:
+        return fold_path(fold, j.parents, len(j.tokens))
+    except PieError as e:
+        raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}: {e.message}") from None

@@ -118,6 +118,9 @@ class ModelRunner:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_pages(src, dst)
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        self.kv.copy_slots(src, dst)
+
     @torch.inference_mode()
     def readouts(self, requests: list[ReadoutRequest]) -> tuple[list[dict[str, np.ndarray]], list[torch.Tensor | None]]:
         """Runs the lm head once over every row that needs logits (all but Hidden readouts), then each

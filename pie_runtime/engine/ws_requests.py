@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from .channels import ChannelTable
+from .fold import settle_fold
 from .jobs import Handler, Reply
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
@@ -66,11 +67,9 @@ class WorkingSetRequests:
 
     def fold(self, client: bytes, req: m.WsFold) -> dict:
         ws = self.sets.get(client, req.ws)
-        ws.check_settle(req.n)
-        ws.committed += req.n
-        ws.pending_fold = None
+        path = ws.check_settle(req.n)
         kv = self.models[ws.model].pages
-        kv.commit(ws)
+        settle_fold(kv, ws, path)
         kv.trim(ws)
         return {"committed": ws.committed}
 

@@ -44,3 +44,11 @@ class KVCache:
         d = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in dst]).to(self.k.device)
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy single rows between slots, every layer (a tree fold moving its path's rows into place). The
+        sources are read in full before any destination is written, so the two may overlap."""
+        s = torch.tensor(src, dtype=torch.int64, device=self.k.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]

@@ -418,6 +418,11 @@ def test_stats():
         "acceptance_per_position": [2 / 3, 1 / 3, 1 / 2],
         "rejecting_round_share": 2 / 3,
         "skipped": {"penalties": 2, "no_draft": 1},
+        "rows_per_round": 1 + 8 / 3,
+        "accepted_depth": 4 / 3,
+        "tree_rounds": 0,
+        "tree_rows": 0.0,
+        "tree_depth": 0.0,
         "decode_tokens_per_s": 123.0,
         "prefill_ms": 4.5,
     }
