@@ -32,6 +32,8 @@ CONFIGS: dict[str, list[tuple[str, str, list[str]]]] = {  # drafter → (label, 
         ("tree 4,2,1,1,1,1 adaptive", LOOKUP, ["--tree", "4,2,1,1,1,1"]),
         ("tree 4,2,1,1,1,1 fixed", LOOKUP, ["--tree", "4,2,1,1,1,1", "--draft-schedule", "fixed"]),
         ("tree 3,1,1,1,1,1,1,1 fixed", LOOKUP, ["--tree", "3,1,1,1,1,1,1,1", "--draft-schedule", "fixed"]),
+        ("tree 2,1x11 adaptive", LOOKUP, ["--tree", ",".join(["2"] + ["1"] * 11)]),
+        ("tree 2,1x11 fixed", LOOKUP, ["--tree", ",".join(["2"] + ["1"] * 11), "--draft-schedule", "fixed"]),
     ],
     "mtp": [
         ("chain k=2", MTP, ["--draft-length", "2"]),
