@@ -20,9 +20,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..distill import TeacherData
     from ..models.llama import LlamaForCausalLM
     from ..store import ImportResult, LoadedModel, ModelStore
@@ -143,6 +145,29 @@ class _Run:
     def max_seconds(self) -> float | None:
         return self.args.minutes * 60 if self.args.minutes else None
 
+    def continued_from(self, init: str, training: dict) -> None:
+        """Records the head this run continued training (``--init``) and that head's own record."""
+        self.info["init"] = {"file": portable_path(init), "training": training}
+
+    def write_head(
+        self,
+        module: Any,  # an MTPModule or EagleModule: each has its own config type
+        kind: str,
+        agree: list[float],
+        save: Callable[..., None],
+        config_path: Callable[[Path], Path],
+    ) -> str:
+        """Records the run in the head's config, writes it with ``save`` and returns its drafter spec."""
+        self.trained(agree)
+        module.config = module.config.model_copy(update={"training": self.info})
+        out = Path(self.args.out or f"{self.name}-{kind}.safetensors")
+        save(module, out)
+        print(
+            f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
+            f"{', '.join(f'{a:.3f}' for a in agree)}; train {self.info['train_s']:.0f} s)"
+        )
+        return f"{kind}:{out}"
+
     def trained(self, agree: list[float]) -> None:
         """Records the training time and the held-out acceptance by draft position."""
         self.info |= {
@@ -214,7 +239,7 @@ def _train_mtp(run: _Run) -> str:
     init = None
     if args.init:
         init = load_mtp(Path(args.init))
-        run.info["init"] = {"file": portable_path(args.init), "training": read_config(Path(args.init)).training}
+        run.continued_from(args.init, read_config(Path(args.init)).training)
         args.depth = init.config.depth
     module = distill.train_mtp(
         run.loaded.model,
@@ -234,15 +259,7 @@ def _train_mtp(run: _Run) -> str:
         init=init,
     )
     agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
-    run.trained(agree)
-    module.config = module.config.model_copy(update={"training": run.info})
-    out = Path(args.out or f"{name}-mtp.safetensors")
-    save_mtp(module, out)
-    print(
-        f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
-        f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)"
-    )
-    return f"mtp:{out}"
+    return run.write_head(module, "mtp", agree, save_mtp, config_path)
 
 
 def _train_eagle(run: _Run) -> str:
@@ -254,7 +271,7 @@ def _train_eagle(run: _Run) -> str:
     init = None
     if args.init:
         init = load_eagle(Path(args.init))
-        run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+        run.continued_from(args.init, read_config(Path(args.init)).training)
     module = train_eagle(
         run.loaded.model,
         run.train,
@@ -273,15 +290,7 @@ def _train_eagle(run: _Run) -> str:
     )
     depth = module.config.depth
     agree = eagle_agreement(module, run.loaded.model, run.heldout, depth, conditional=True)
-    run.trained(agree)
-    module.config = module.config.model_copy(update={"training": run.info})
-    out = Path(args.out or f"{name}-eagle.safetensors")
-    save_eagle(module, out)
-    print(
-        f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
-        f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)"
-    )
-    return f"eagle:{out}"
+    return run.write_head(module, "eagle", agree, save_eagle, config_path)
 
 
 def _train_draft(run: _Run) -> str:

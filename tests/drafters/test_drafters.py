@@ -91,7 +91,7 @@ def test_import_with_refused_drafter_leaves_store_unchanged(drafter_home, pie_ho
         "nonsense",
         check=False,
     )
-    assert proc.returncode == 1 and "mtp:FILE or draft:MODEL_NAME" in proc.stderr
+    assert proc.returncode == 1 and "mtp:FILE, eagle:FILE or draft:MODEL_NAME" in proc.stderr
     # --force over a stored model: the refusal comes before the new copy replaces the old one
     proc = pie(
         drafter_home,

@@ -73,7 +73,8 @@ def test_mtp_inferlet_on_the_shipped_head_equals_text_completion(fresh_home):
     try:
         words = ["--prompt", "The history of the lighthouse", "--max-tokens", "48", "--temperature", "0"]
         plain = run("text-completion", eng.address, *words)
-        spec = run("mtp-speculative-decoding", eng.address, *words, "--draft-length", "2")
+        # fixed: draft every round (the planner may take plain steps when the machine is busy)
+        spec = run("mtp-speculative-decoding", eng.address, *words, "--draft-length", "2", "--draft-schedule", "fixed")
         assert spec["token_ids"] == plain["token_ids"]
         assert spec["speculation"]["accepted"] > 0  # the head drafts, and is sometimes right
     finally:

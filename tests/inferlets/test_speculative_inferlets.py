@@ -236,7 +236,8 @@ def _assert_follows(samples: list[int], p: np.ndarray) -> None:
     "name,extra",
     [
         ("cacheback-speculative-decoding", {}),
-        ("draft-model-speculative-decoding", {"draft": SLICE}),
+        # fixed: the planner, pricing rounds by the measured pass costs, may take plain steps on a busy machine
+        ("draft-model-speculative-decoding", {"draft": SLICE, "draft_schedule": "fixed"}),
         ("eagle-speculative-decoding", {"draft_schedule": "fixed"}),
     ],
 )
