@@ -134,6 +134,8 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
     if name == DEFAULT_MODEL:
         ensure_default_model()
     store = ModelStore()
+    if store.get(name).config.recurrent:
+        raise StoreError(f"model {name!r} carries recurrent state: drafter training supports the Llama family only")
     loaded = load_model(name, store=store)
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
@@ -167,7 +169,7 @@ def _teacher_pass(
     )
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(
-        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
+        loaded.llama, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
     )
     command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {
@@ -192,7 +194,7 @@ def _train_mtp(run: _Run) -> str:
         run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
         args.depth = init.config.depth
     module = distill.train_mtp(
-        run.loaded.model,
+        run.loaded.llama,
         run.train,
         run.heldout,
         depth=args.depth,
@@ -208,7 +210,7 @@ def _train_mtp(run: _Run) -> str:
         bf16=run.bf16,
         init=init,
     )
-    agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
+    agree = distill.mtp_agreement(MTPHead(module, run.loaded.llama), run.heldout, args.depth, conditional=True)
     run.trained(agree)
     module.config = module.config.model_copy(update={"training": run.info})
     out = Path(args.out or f"{name}-mtp.safetensors")
@@ -228,7 +230,7 @@ def _train_draft(run: _Run) -> str:
     out = args.out or f"{run.name}-draft"
     layers = [int(x) for x in args.layers.split(",")]
     draft = distill.train_draft(
-        run.loaded.model,
+        run.loaded.llama,
         run.train,
         run.heldout,
         layers=layers,

@@ -1,4 +1,5 @@
-"""Builds a served model from the store: weights on the device, a KV pool sized by pages or bytes."""
+"""Builds a served model from the store: weights on the device, a KV pool sized by pages or bytes, and for a
+model with recurrent state its state pool of ``state_slots`` slots."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import torch
 
 from ..drafters import check_attached, load_mtp_head
 from ..models.compiled import compile_layers
+from ..models.families import state_shapes
 from ..models.kv_cache import KVCache
 from ..models.linear import prepack
+from ..models.llama import LlamaForCausalLM
+from ..models.state_cache import StateCache
 from ..models.weights import ACTIVATION_DTYPE, linear_bytes, load_dtype, prepare_for_serving
 from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
@@ -18,6 +22,10 @@ from .page_pool import PagePool
 from .pass_costs import measure_mtp_step_ms, measure_pass_costs, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
+from .state_slots import StateSlots
+
+DEFAULT_STATE_SLOTS = 64  # working sets of a model with recurrent state at once (--state-slots)
+STATELESS_PAGES = 1 << 16  # page-table entries of a model without attention layers (no bytes behind them)
 
 
 def build_served_model(
@@ -32,11 +40,13 @@ def build_served_model(
     prepack_lm_head: bool = True,
     pass_cost_rows: int = 0,
     compiled: bool = False,
+    state_slots: int = DEFAULT_STATE_SLOTS,
 ) -> ServedModel:
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
-    lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
-    costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
-    compile them here, before anyone is served."""
+        lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
+        costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
+        compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
+    at once (each a slot of its state and a snapshot; models without recurrent state ignore it)."""
     torch_dtype = ACTIVATION_DTYPE[weights]
     quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=device, store=store, keep_quantized=quantized)
@@ -46,8 +56,14 @@ def build_served_model(
     packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head else 0
     cfg = loaded.model.config
     if kv_pages is None:
-        kv_pages = max(1, kv_bytes // KVCache.bytes_per_page(cfg, page_size, torch_dtype))
+        per_page = KVCache.bytes_per_page(cfg, page_size, torch_dtype)
+        # pages of a model without attention hold no bytes: the table only bounds a working set's rows
+        kv_pages = max(1, kv_bytes // per_page) if per_page else STATELESS_PAGES
     kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
+    shapes = state_shapes(cfg)
+    if shapes and compiled:
+        raise ValueError(f"--compile is not supported for {cfg.family} (a model with recurrent state)")
+    states = StateCache(shapes, state_slots, torch.float32, device) if shapes else None
     manifest = loaded.manifest
     store = store or ModelStore()
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
@@ -65,10 +81,16 @@ def build_served_model(
         prepacked_bytes=packed_bytes,
         weights=weights,
         weight_bytes=linear_bytes(loaded.model),
+        family=cfg.family,
+        recurrent=cfg.recurrent,
+        state_slots=state_slots if shapes else 0,
+        state_bytes=StateCache.bytes_per_slot(shapes) if shapes else 0,
+        state_granule=cfg.state_granule,
     )
-    runner = ModelRunner(loaded.model, kv, torch.device(device))
+    runner = ModelRunner(loaded.model, kv, torch.device(device), states)
     runner.mtp = mtp
     if compiled:
+        assert isinstance(loaded.model, LlamaForCausalLM)  # refused above for the families with recurrent state
         t0 = time.perf_counter()
         compile_layers(loaded.model)
         warm_up(runner, kv_pages)
@@ -82,4 +104,5 @@ def build_served_model(
         runner=runner,
         pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages),
         tokenizer_json=loaded.tokenizer_path.read_text(),
+        states=StateSlots(state_slots, runner) if shapes else None,
     )

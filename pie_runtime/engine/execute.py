@@ -18,6 +18,7 @@ from .programs.fire import FireIntrinsics
 from .runner import ReadoutRequest
 from .scheduler import Chunk
 from .served import ServedModel
+from .state_slots import DIRTY
 
 log = logging.getLogger("pie.engine")
 
@@ -79,13 +80,41 @@ def _forward(
 
 
 def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
-    segments, tokens, positions = [], [], []
+    segments, tokens, positions, keep = [], [], [], []
     for c in chunks:
         j = c.job
-        segments.append(Segment(j.ws.pages, j.start + j.done, c.rows))
-        tokens.extend(j.tokens[j.done : j.done + c.rows])
-        positions.extend(j.positions[j.done : j.done + c.rows])
-    return sm.runner.forward(segments, tokens, positions)
+        lead = _state_lead(sm, j)
+        first = j.done - lead
+        segments.append(Segment(j.ws.pages, j.start + first, lead + c.rows, state=_slot(j)))
+        tokens.extend(j.tokens[first : j.done + c.rows])
+        positions.extend(j.positions[first : j.done + c.rows])
+        keep.extend(range(len(tokens) - c.rows, len(tokens)))
+    hidden = sm.runner.forward(segments, tokens, positions)
+    for c in chunks:
+        if (hold := c.job.ws.state) is not None:
+            hold.ran = c.job.done + c.rows
+    return hidden if len(keep) == hidden.shape[0] else hidden[keep]
+
+
+def _slot(j: FireJob) -> int | None:
+    return j.ws.state.slot if j.ws.state is not None else None
+
+
+def _state_lead(sm: ServedModel, j: FireJob) -> int:
+    """Rows of ``j`` already run that this forward runs again (0 but after a forward that raised): with
+    recurrent state, a fire's first rows save the state (the snapshot), and a forward that raised leaves the
+    state unknown, so the retry restores the snapshot and runs the fire's earlier rows again before its chunk."""
+    hold, states = j.ws.state, sm.states
+    if hold is None or states is None:
+        return 0
+    lead = 0
+    if hold.fire is not j:
+        states.begin(hold, j, j.start, j.tokens, j.positions)
+    elif hold.ran != j.done:
+        sm.runner.restore_state(hold.slot)
+        lead = j.done
+    hold.ran = DIRTY
+    return lead
 
 
 def _advance(chunks: list[Chunk[FireJob]], hidden: torch.Tensor) -> list[FireJob]:

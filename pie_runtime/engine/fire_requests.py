@@ -19,6 +19,7 @@ import numpy as np
 
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
+from .fold import apply_fold
 from .jobs import FireJob, Handler
 from .programs import Program
 from .programs.requests import ProgramRequests
@@ -54,6 +55,7 @@ class FireRequests:
         masks = [self._check_readout(r, w, sm) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
+        self._check_granule(sm, fold, w)
         run = self.programs.check_run_ahead(client, req, program, bindings, source)
         pending = ws.pending_fold
         if req.settle is not None:
@@ -70,8 +72,8 @@ class FireRequests:
             if req.settle is not None:  # a refused fire leaves no trace, its settle included
                 ws.committed, ws.pending_fold = start - req.settle, pending
             raise
-        if req.settle is not None:
-            sm.pages.commit(ws)  # the settle may have filled pages
+        if req.settle is not None:  # the deferred fold, settled now that the fire is accepted
+            apply_fold(sm, ws, start - req.settle, req.settle)
         sm.queue.push(
             FireJob(
                 client=client,
@@ -139,6 +141,18 @@ class FireRequests:
         if not 0 <= fold <= w:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
         return fold
+
+    @staticmethod
+    def _check_granule(sm: ServedModel, fold: int | None, w: int) -> None:
+        """A model whose state advances in granules of more than one row cannot leave rows of a fire out: its
+        state cannot be replayed to a row inside a granule. Only whole fires fold there (no deferred fold)."""
+        g = sm.info.state_granule
+        if g > 1 and (fold is None or fold < w):
+            raise PieError(
+                ErrorCode.GRANULE,
+                f"model {sm.name}'s state advances in granules of {g} rows: a fire folds all its rows "
+                f"(asked {'deferred' if fold is None else fold} of {w})",
+            )
 
     @staticmethod
     def _check_readout_rows(req: m.Fire, w: int) -> None:

@@ -3,15 +3,16 @@ asked for. It turns engine-side plans (page tables, row lists) into tensors and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..models.context import ForwardContext, Segment
+from ..models.families import CausalLM
 from ..models.kv_cache import KVCache
-from ..models.llama import LlamaForCausalLM
 from ..models.mtp import MTPHead
+from ..models.state_cache import StateCache
 from ..protocol.messages import Readout
 from . import sampling
 
@@ -27,19 +28,43 @@ class ReadoutRequest:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device):
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, state: StateCache | None = None):
         self.model = model
         self.kv = kv
+        self.state = state  # the recurrent-state pool's tensors (models with recurrent state only)
         self.device = device
         self.vocab = model.config.vocab_size
         self.mtp: MTPHead | None = None  # the model's MTP drafter, when it has one
 
     def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V, returns (N, H) hidden."""
+        """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V and advances the recurrent
+        state of the slot each segment names (``Segment.state``), returns (N, H) hidden."""
+        if self.state is not None:  # slot → its live entry; a segment of no working set runs on the scratch
+            segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
         ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            return self.model(self.model.embed(ids), ctx, self.kv)
+            return self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]
+
+    # ---- the recurrent-state pool's tensors, by slot (engine/state_slots.py's StateOps) ------------
+
+    def _states(self) -> StateCache:
+        assert self.state is not None, "only a model with recurrent state has a state pool"
+        return self.state
+
+    def zero_state(self, slot: int) -> None:
+        self._states().zero([slot])
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self._states().copy([src], [dst])
+
+    def snapshot_state(self, slot: int) -> None:
+        s = self._states()
+        s.copy([slot], [s.snapshot_of(slot)])
+
+    def restore_state(self, slot: int) -> None:
+        s = self._states()
+        s.copy([s.snapshot_of(slot)], [slot])
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_pages(src, dst)

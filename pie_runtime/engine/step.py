@@ -19,6 +19,7 @@ from ..protocol import ErrorCode, PieError
 from ..protocol.arrays import encode_array
 from .channels import ChannelTable, poison
 from .execute import contained, execute
+from .fold import apply_fold
 from .jobs import FireJob, FireOutcome, Reply, StepStats
 from .programs.fire import RunState
 from .scheduler import schedule
@@ -114,10 +115,9 @@ class Step:
             fold = j.fold if j.fold is not None else o.device_fold
             self._wrote(sm, j)
             if fold is not None:
-                ws.committed = j.start + fold
+                apply_fold(sm, ws, j.start, fold)
                 if j.fold is None:
                     ws.pending_fold = None  # settled on the device, as ws_fold would
-                sm.pages.commit(ws)
             self.stats.fires += 1
             self._unqueue(sm, j)
             if j.run is not None:
@@ -137,6 +137,8 @@ class Step:
             }
             if o.device_fold is not None:
                 reply["fold"] = o.device_fold
+            if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)
+                reply["replayed_rows"] = ws.replayed_rows
             replies.append((j.client, reply))
         return replies
 
@@ -191,7 +193,7 @@ class Step:
 
     @staticmethod
     def _run_reply(j: FireJob, run: RunState) -> dict:
-        return {
+        reply = {
             "id": j.req_id,
             "ok": True,
             "results": [],
@@ -199,6 +201,9 @@ class Step:
             "pending_fold": None,
             "run": run.summary(),
         }
+        if j.ws.state is not None:
+            reply["replayed_rows"] = j.ws.replayed_rows
+        return reply
 
     def _finish(self, sm: ServedModel, j: FireJob, reply: dict) -> Reply:
         """Ends a fire that will not run (a stopped run-ahead round): its rows were never written."""
@@ -216,8 +221,9 @@ class Step:
         ran = bool(j.tokens) and j.remaining == 0
         if j.fold is not None and ran:
             self._wrote(sm, j)
-            j.ws.committed = j.start + j.fold
-            sm.pages.commit(j.ws)
+            apply_fold(sm, j.ws, j.start, j.fold)
+        elif j.ws.state is not None and j.ws.state.fire is j:
+            apply_fold(sm, j.ws, j.ws.committed, 0)  # its rows fold nothing: the state from before it comes back
         replies = [self._finish(sm, j, {"id": j.req_id, "ok": False, "error": err.to_wire()})]
         if j.fold is not None and not ran:
             after = PieError(

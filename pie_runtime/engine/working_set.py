@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..protocol import ErrorCode, PieError
 from .prefix_cache import PageChain
+from .state_slots import SlotHold
 
 
 @dataclass
@@ -25,6 +26,8 @@ class WorkingSet:
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
     chain: PageChain = field(default_factory=PageChain)  # what the prefix cache can name of its rows
+    state: SlotHold | None = None  # its recurrent-state slot (models with recurrent state only)
+    replayed_rows: int = 0  # rows its folds replayed so far (engine/fold.py), reported in fire and fold replies
 
     def check_settle(self, n: int) -> None:
         """Refuses to settle the deferred fold with ``n`` rows unless that fold is answered and ``n`` fits it."""

@@ -4,6 +4,9 @@ slots it may attend. Model code receives this beside token ids; it knows nothing
 A *slot* is a flat index into the page pool: ``page * page_size + offset``. Row ``i`` of a sequence segment
 that starts at sequence index ``start`` lives at sequence index ``start + i``; it writes its K/V into that
 index's slot and attends every key at sequence index ``<= start + i`` (causal over the page table).
+
+A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
+advance (``Segment.state``); the context lays those out as a :class:`StateLayout`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .recurrent import StateLayout
 
 # Segments with at most this many query rows are padded into one attention call; longer ones (prefill
 # chunks) get a call of their own so that a decode row never pays for a prefill's padding.
@@ -24,6 +29,7 @@ class Segment:
     page_table: list[int]  # physical page ids, in sequence order
     start: int
     n_rows: int
+    state: int | None = None  # state-pool entry the rows advance (models with recurrent state)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class ForwardContext:
     positions: torch.Tensor  # (N,) int64 RoPE position of each row
     write_slots: torch.Tensor  # (N,) int64 slot each row's K/V is written to
     groups: tuple[AttentionGroup, ...]
+    states: StateLayout | None = None  # each segment's recurrent state, when its segments name one
 
     @staticmethod
     def build(
@@ -76,10 +83,17 @@ class ForwardContext:
         groups = tuple(
             _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device) for plan in plans
         )
+        entries = [s.state for s in segments]
+        states = None
+        if any(e is not None for e in entries):
+            if any(e is None for e in entries):
+                raise ValueError("either every segment names its recurrent state or none does")
+            states = StateLayout.build(row_start, [s.n_rows for s in segments], entries, device)  # type: ignore[arg-type]
         return ForwardContext(
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             groups=groups,
+            states=states,
         )
 
 
