@@ -231,6 +231,7 @@ class SpecReport(_Req):
     accepted_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
     rounds_with_rejection: _SPEC_COUNT
     skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
+    replayed_rows: _SPEC_COUNT = 0
     decode_tokens: _SPEC_COUNT = 0
     decode_s: _SPEC_SPAN = 0.0
     prefill_ms: _SPEC_SPAN = 0.0

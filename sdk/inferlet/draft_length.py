@@ -22,6 +22,11 @@ rows of the step its last fire ran in, from the fire reply's ``step_rows``). Whe
 rows on a CPU) that is about what it costs alone; in a full step every extra row costs its full share, so a
 round drafts less, or nothing, and speculation does not slow a busy server.
 
+On a model with recurrent state (``replay``: Mamba, LFM2) a rejection is not free: the engine restores the
+state from before the round and replays the rows it keeps (engine/fold.py), one more pass over them. The planner
+adds that pass, weighted by the chance the round rejects a draft: for k drafts,
+``(1 - Π_{i<=k} α_i) * pass_cost(E[rows kept | a rejection])``, which shortens windows where drafts miss.
+
 Whether to draft at all is decided on a slower estimate (``slow_decay``, about five drafting rounds): a drafter
 near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
 otherwise flip to plain steps after two unlucky rounds. When drafting does not pay the round is a plain
@@ -46,6 +51,7 @@ class DraftPlanner:
         slow_decay: float = 0.8,
         prior_alpha: float = 0.5,
         overhead_ms: float = 1.0,
+        replay: bool = False,
     ):
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
@@ -61,6 +67,7 @@ class DraftPlanner:
         self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
         self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
+        self.replay = replay  # a rejecting round costs a replay of its kept rows (recurrent state)
 
     @property
     def adaptive(self) -> bool:
@@ -93,9 +100,24 @@ class DraftPlanner:
         return total
 
     def round_cost(self, k: int) -> float:
-        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead."""
+        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
+        recurrent state the expected replay of the kept rows after a rejection."""
         rows = self.pass_cost(self.load + 1 + k) - (self.pass_cost(self.load) if self.load else 0.0)
-        return rows + k * self.draft_cost_ms + self.overhead_ms
+        return rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k)
+
+    def replay_cost(self, k: int) -> float:
+        """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts."""
+        if not self.replay or k == 0:
+            return 0.0
+        survive, p_reject, kept_if_rejected = 1.0, 0.0, 0.0
+        for i in range(k):  # draft i+1 rejected after i kept: the replay runs `last` and those i drafts
+            reject = survive * (1 - self.position_alpha(i))
+            p_reject += reject
+            kept_if_rejected += reject * (1 + i)
+            survive *= self.position_alpha(i)
+        if p_reject <= 0:
+            return 0.0
+        return p_reject * self.pass_cost(max(1, round(kept_if_rejected / p_reject)))
 
     def observe_load(self, step_rows: int, own_rows: int) -> None:
         """The engine ran this run's last fire (``own_rows`` rows) in a step of ``step_rows`` rows."""

@@ -221,6 +221,7 @@ class SpecStats(SpecCounters):
             "per_position": f["acceptance_per_position"],
             "skipped": dict(self.skipped),
             "rounds_with_rejection": self.rounds_with_rejection,
+            "replayed_rows": self.replayed_rows,
             "proposed_per_position": list(self.proposed_per_position),
             "accepted_per_position": list(self.accepted_per_position),
         }
@@ -235,4 +236,5 @@ class SpecStats(SpecCounters):
             accepted_per_position=list(d["accepted_per_position"]),
             rounds_with_rejection=d["rounds_with_rejection"],
             skipped=dict(d["skipped"]),
+            replayed_rows=int(d.get("replayed_rows", 0)),
         )

@@ -135,3 +135,14 @@ def test_a_full_step_stops_a_weak_drafter():
     assert p.drafting_pays()
     p.observe_load(step_rows=32, own_rows=1)
     assert not p.drafting_pays()
+
+
+def test_a_replay_makes_rejecting_rounds_dearer_and_windows_shorter():
+    flat = [10.0 + 0.5 * w for w in range(1, 17)]  # a CPU-like curve: wider windows nearly free
+    plain, replay = DraftPlanner(8, flat), DraftPlanner(8, flat, replay=True)
+    for p in (plain, replay):
+        for _ in range(6):
+            p.observe(4, 1)  # drafts miss often
+    assert plain.replay_cost(4) == 0.0 and replay.replay_cost(0) == 0.0
+    assert replay.replay_cost(4) > 0.0 and replay.round_cost(4) > plain.round_cost(4)
+    assert replay.best() <= plain.best()
