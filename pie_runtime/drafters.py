@@ -33,7 +33,7 @@ from .store import (
 # config keys or families that mark a model keeping recurrent state (Mamba, RWKV, hybrids ...): such a
 # draft model cannot roll back a rejected draft by simply not folding its rows
 RECURRENT_KEYS = ("recurrent", "state", "state_size", "ssm_state_size", "recurrent_state", "has_recurrent_state")
-RECURRENT_FAMILIES = ("mamba", "mamba2", "rwkv", "jamba", "recurrent_gemma", "griffin", "xlstm")
+RECURRENT_FAMILIES = ("mamba", "mamba2", "lfm2", "rwkv", "jamba", "recurrent_gemma", "griffin", "xlstm")
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
@@ -63,6 +63,12 @@ def check_mtp(target: Manifest, weights: Path) -> MTPConfig:
     weights = Path(weights)
     if not weights.is_file() or not config_path(weights).is_file():
         raise DrafterRefused(f"MTP head {weights} needs its weights file and {config_path(weights).name} beside it")
+    try:
+        marker = recurrent_marker(json.loads(config_path(weights).read_text()))
+    except (OSError, ValueError):
+        marker = None  # read_config below says what is wrong with it
+    if marker:  # our MTP module is stateless; one that carried state could not fork and rewind per draft
+        raise DrafterRefused(f"MTP head {weights.name} carries recurrent state ({marker}); only stateless heads")
     try:
         cfg = read_config(weights)
     except (OSError, ValueError) as e:

@@ -4,6 +4,7 @@ the engine build any family the same way."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .config import AnyConfig, Lfm2Config, MambaConfig
 from .lfm2 import Lfm2ForCausalLM
@@ -36,3 +37,12 @@ def embedding_weight(model: CausalLM) -> torch.Tensor:
     if isinstance(model, MambaForCausalLM):
         return model.backbone.embeddings.weight
     return model.model.embed_tokens.weight
+
+
+def final_norm(model: CausalLM) -> nn.Module:
+    """The norm after the last layer (what an MTP head applies to its own output)."""
+    if isinstance(model, MambaForCausalLM):
+        return model.backbone.norm_f
+    if isinstance(model, Lfm2ForCausalLM):
+        return model.model.embedding_norm
+    return model.model.norm

@@ -25,7 +25,7 @@ ATOL = 1e-4
 def store(tmp_path_factory) -> ModelStore:
     root = tmp_path_factory.mktemp("recurrent")
     store = ModelStore(root / "home" / "models")
-    for family in RECURRENT_FAMILIES:
+    for family in (*RECURRENT_FAMILIES, "llama"):
         write_tiny_checkpoint(root / family, family)
         import_model(str(root / family), name=f"tiny-{family}", store=store, progress=False)
     return store
@@ -151,3 +151,26 @@ def test_truncate_and_granules_are_refused_with_typed_errors(family, store):
             c.request("fire", ws=ws, tokens=[1, 2], fold=fold)
         assert getattr(refused.value, "code", None) == ErrorCode.GRANULE
     assert c.fire(ws, [1, 2, 3, 4])["committed"] == len(PROMPT) + 4  # whole fires still run
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_drafters_with_recurrent_state_are_refused_at_attach_and_at_engine_start(family, store, tmp_path):
+    from pie_runtime.drafters import DrafterRefused, attach, check_mtp
+    from pie_runtime.store import DrafterEntry
+
+    with pytest.raises(DrafterRefused, match="recurrent state"):
+        attach(store, "tiny-llama", f"draft:tiny-{family}")
+    # attached by hand (an older store, a hand edit): the engine refuses to start with it
+    target = store.get("tiny-llama")
+    entry = DrafterEntry(kind="draft", name="stateful", path=f"tiny-{family}")
+    store.write_manifest(target.model_copy(update={"drafters": [entry]}))
+    try:
+        with pytest.raises(DrafterRefused, match="recurrent state"):
+            build_served_model("tiny-llama", store=store, kv_pages=8, prepack_lm_head=False)
+    finally:
+        store.write_manifest(target)
+    # an MTP head whose module says it carries state (ours never does: norm, projection and MLP only)
+    (tmp_path / "head.safetensors").write_bytes(b"")
+    (tmp_path / "head.json").write_text('{"recurrent": true, "hidden_size": 64}')
+    with pytest.raises(DrafterRefused, match="carries recurrent state"):
+        check_mtp(store.get(f"tiny-{family}"), tmp_path / "head.safetensors")
