@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,10 @@ def causal_conv(
     b, c = lay.rows.shape[0], x.shape[1]
     xs = lay.pad(x).transpose(1, 2)  # (B, C, T)
     full = torch.cat([state[lay.entries].to(x.dtype), xs], dim=-1)  # (B, C, K-1+T)
-    out = F.conv1d(full, weight, bias, groups=c)  # (B, C, T)
+    # K shifted products, not F.conv1d: torch's CPU depthwise conv1d took ~160 ms for a (1, 512, 3) input here
+    out = (full.unfold(-1, k, 1) * weight.view(1, c, 1, k)).sum(-1)  # (B, C, T)
+    if bias is not None:
+        out = out + bias.view(1, c, 1)
     idx = (lay.lengths.unsqueeze(1) + torch.arange(k - 1, device=x.device)).unsqueeze(1).expand(b, c, k - 1)
     state[lay.entries] = full.gather(2, idx).to(state.dtype)
     return lay.unpad(out.transpose(1, 2), x.shape[0])
