@@ -3,6 +3,7 @@ model with recurrent state its state pool of ``state_slots`` slots."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -24,6 +25,7 @@ from .runner import ModelRunner
 from .served import ServedModel
 from .state_slots import StateSlots
 
+log = logging.getLogger("pie.engine")
 DEFAULT_STATE_SLOTS = 64  # working sets of a model with recurrent state at once (--state-slots)
 STATELESS_PAGES = 1 << 16  # page-table entries of a model without attention layers (no bytes behind them)
 
@@ -47,6 +49,11 @@ def build_served_model(
         costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
         compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
     at once (each a slot of its state and a snapshot; models without recurrent state ignore it)."""
+    store = store or ModelStore()
+    if weights in ("int8", "int4") and store.get(name).config.recurrent:
+        # no int layers for these families yet: the engine's default format must still serve them, exactly
+        log.warning("%s carries recurrent state: served in fp32 (the int formats cover the Llama family)", name)
+        weights = "fp32"
     torch_dtype = ACTIVATION_DTYPE[weights]
     quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=device, store=store, keep_quantized=quantized)
@@ -65,7 +72,6 @@ def build_served_model(
         raise ValueError(f"--compile is not supported for {cfg.family} (a model with recurrent state)")
     states = StateCache(shapes, state_slots, torch.float32, device) if shapes else None
     manifest = loaded.manifest
-    store = store or ModelStore()
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
     mtp = load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
     info = ModelInfo(
