@@ -48,6 +48,8 @@ def runs(engine, name: str, extra: dict) -> list[dict]:
 
 def test_speculative_inferlets_equal_text_completion(recurrent_engine):
     want = [r["token_ids"] for r in runs(recurrent_engine, "text-completion", {})]
+    # the loop left with the engine (a run-ahead: channel-fed windows, epilogue folds) decodes the same
+    assert [r["token_ids"] for r in runs(recurrent_engine, "text-completion", {"run_ahead": True})] == want
     replayed = 0
     for name, extra in [
         ("cacheback-speculative-decoding", {"draft_schedule": "fixed", "draft_length": 4}),
