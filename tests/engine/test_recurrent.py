@@ -174,3 +174,44 @@ def test_drafters_with_recurrent_state_are_refused_at_attach_and_at_engine_start
     (tmp_path / "head.json").write_text('{"recurrent": true, "hidden_size": 64}')
     with pytest.raises(DrafterRefused, match="carries recurrent state"):
         check_mtp(store.get(f"tiny-{family}"), tmp_path / "head.safetensors")
+
+
+def test_speculative_inferlets_fall_back_to_plain_steps_on_a_granule_model(store, tmp_path):
+    """A model whose state advances 4 rows at a time: cacheback runs one token a step, counts each step in
+    ``skipped["granule"]`` and returns text-completion's tokens (engine in this thread, inferlets in another)."""
+    import asyncio
+    import threading
+
+    import inferlet
+    from pie_runtime.engine.server import EngineServer
+    from tests.inferlets.conftest import load
+
+    c = Core(store, "lfm2")
+    c.sm.info.state_granule = 4
+    server = EngineServer(c.core, f"ipc://{tmp_path}/engine.sock")
+    results: dict[str, dict] = {}
+
+    def client() -> None:
+        async def go():
+            session = await inferlet.connect(f"ipc://{tmp_path}/engine.sock")
+            try:
+                assert inferlet.model().state_granule == 4
+                for name in ("text-completion", "cacheback-speculative-decoding"):
+                    main, Args = load(name)
+                    args = Args(prompt="the cat sat on the mat, the cat sat on the", max_tokens=12, stream=False)
+                    results[name] = await main(args)
+            finally:
+                session.client.close()
+
+        try:
+            asyncio.run(go())
+        finally:
+            server.stop()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    server.serve_forever()
+    thread.join()
+    spec = results["cacheback-speculative-decoding"]
+    assert spec["token_ids"] == results["text-completion"]["token_ids"]
+    assert spec["stats"]["proposed"] == 0 and spec["stats"]["skipped"]["granule"] == 11
