@@ -7,6 +7,11 @@ Saxena 2023, "Prompt Lookup Decoding" (drafting); Leviathan et al. 2023 / Chen e
     res = fire([last] + drafts, readout every row, fold=DEFERRED)   # verify
     keep the longest agreeing prefix + the target's own next token; ws.fold(1 + accepted)
 
+With --tree W1,W2,.. (widths per depth) the drafts are a token tree instead (inferlet.tree): the
+continuations of several earlier occurrences of the match, merged into a trie whose depth-d nodes keep at
+most W_(d+1) children, verified in one tree window; the draft-length planner takes a chain instead when it
+expects more tokens per millisecond from one.
+
 With --device-verify (greedy) a round is one fire: its epilogue verifies and folds 1 + accepted on the
 device, and an Argmax readout on every row tells this inferlet what was kept (sdk/inferlet/device_rounds.py).
 Sampled runs, and n > 1 (forks of the prompt, inferlet.choices), use the host loop.
@@ -21,6 +26,7 @@ from inferlet.decode import speculate
 from inferlet.device_rounds import verify_rounds
 from inferlet.drafter import Drafter, Proposal
 from inferlet.lookup import NgramIndex
+from inferlet.tree import TokenTree, parse_shape
 
 
 class Args(DecodeArgs):
@@ -28,11 +34,13 @@ class Args(DecodeArgs):
     max_ngram: int = 3
     min_ngram: int = 1
     device_verify: bool = False  # greedy: verify and fold in the fire's epilogue
+    tree: str | None = None  # widths per depth, e.g. "4,2,1,1,1,1,1,1": draft a token tree of earlier occurrences
 
 
 class LookupDrafter(Drafter):
     def __init__(self, args: Args):
         self.index = NgramIndex(args.max_ngram, args.min_ngram)
+        self.widths = parse_shape(args.tree) if args.tree else None
 
     async def prefill(self, prompt: list[int]) -> None:
         self.index.extend(prompt)
@@ -41,12 +49,17 @@ class LookupDrafter(Drafter):
         self.index.extend(new_tokens)
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
+        if self.widths is not None:
+            paths = self.index.draft_paths(len(self.widths), self.widths[0] * 2)
+            tree = TokenTree.from_paths(paths, self.widths)
+            if len(tree) and (self.planner is None or self.planner.use_tree(self.widths, len(tree))):
+                return Proposal(tree=tree)
         return Proposal(self.index.draft(k))
 
 
 @inferlet.main
 async def main(args: Args) -> dict:
     model = inferlet.model()
-    if args.device_verify and args.n == 1:
+    if args.device_verify and args.n == 1 and args.tree is None:
         return await verify_rounds(model, args, LookupDrafter(args), args.draft_length)
     return await run_choices(model, args, lambda a, ws: speculate(model, a, LookupDrafter(a), a.draft_length, ws=ws))

@@ -1,12 +1,14 @@
 """Drafters attached to a stored model: the checks that decide whether a target can use one, attach and
-detach, and loading an attached MTP head for serving.
+detach, and loading an attached MTP or EAGLE head for serving.
 
 A drafter spec is ``mtp:FILE`` (an MTP head file written by ``pie drafter train --kind mtp``, with its
-JSON config beside it) or ``draft:MODEL`` (another model in the store, used as draft model). Every check
-runs before anything is written, and again when the engine loads the target with its drafters.
+JSON config beside it), ``eagle:FILE`` (an EAGLE head, ``--kind eagle``, likewise) or ``draft:MODEL``
+(another model in the store, used as draft model). Every check runs before anything is written, and again
+when the engine loads the target with its drafters.
 
-An attached MTP head is copied to ``<model>/drafters/<name>/`` (``mtp.safetensors`` and ``mtp.json``);
-both files join the manifest's digest list, so ``pie model verify`` and every load check them.
+An attached head is copied to ``<model>/drafters/<name>/`` (``mtp.safetensors`` and ``mtp.json``, or
+``eagle.safetensors`` and ``eagle.json``); both files join the manifest's digest list, so ``pie model
+verify`` and every load check them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from .models import eagle as eagle_file
+from .models.config import ModelConfig
+from .models.eagle import EagleConfig, EagleHead, load_eagle
 from .models.mtp import MTPConfig, MTPHead, config_path, load_mtp, read_config
 from .store import (
     MANIFEST_FILE,
@@ -36,6 +41,7 @@ RECURRENT_KEYS = ("recurrent", "state", "state_size", "ssm_state_size", "recurre
 RECURRENT_FAMILIES = ("mamba", "mamba2", "lfm2", "rwkv", "jamba", "recurrent_gemma", "griffin", "xlstm")
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp.json"
+HEAD_KINDS = ("mtp", "eagle")  # drafters that are a file bound to the target (not a store model)
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 
 
@@ -45,8 +51,8 @@ class DrafterRefused(StoreError):
 
 def parse_spec(spec: str) -> tuple[str, str]:
     kind, sep, value = spec.partition(":")
-    if not sep or kind not in ("mtp", "draft") or not value:
-        raise DrafterRefused(f"drafter spec {spec!r} must be mtp:FILE or draft:MODEL_NAME")
+    if not sep or kind not in (*HEAD_KINDS, "draft") or not value:
+        raise DrafterRefused(f"drafter spec {spec!r} must be mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     return kind, value
 
 
@@ -91,6 +97,43 @@ def check_mtp(target: Manifest, weights: Path) -> MTPConfig:
         load_mtp(weights)  # tensors fit the config
     except (OSError, ValueError) as e:
         raise DrafterRefused(f"MTP head {weights.name} is unreadable: {e}") from e
+    return cfg
+
+
+def check_eagle(target: Manifest, weights: Path) -> EagleConfig:
+    """An EAGLE head trained for exactly this target (digest, vocab, width, attention geometry, the KV pool
+    layer it writes), whose tensors fit its config."""
+    tc = target.config
+    # its draft layer keeps K/V per position beside the target's; a recurrent state cannot rewind per draft
+    if not isinstance(tc, ModelConfig):
+        raise DrafterRefused(
+            f"model {target.name!r} carries recurrent state (family {tc.family!r}): an EAGLE head needs a target "
+            "with attention only"
+        )
+    weights = Path(weights)
+    cfg_file = eagle_file.config_path(weights)
+    if not weights.is_file() or not cfg_file.is_file():
+        raise DrafterRefused(f"EAGLE head {weights} needs its weights file and {cfg_file.name} beside it")
+    try:
+        cfg = eagle_file.read_config(weights)
+    except (OSError, ValueError) as e:
+        raise DrafterRefused(f"EAGLE config {cfg_file} is unreadable: {str(e).splitlines()[0]}") from e
+    if cfg.target_digest != target_digest(target):
+        raise DrafterRefused(
+            f"EAGLE head {weights.name} was trained for another target (weights sha256 {cfg.target_digest[:12]}..., "
+            f"model {target.name!r} has {target_digest(target)[:12]}...)"
+        )
+    mine = (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    theirs = (tc.vocab_size, tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim)
+    if mine != theirs or cfg.kv_layer != tc.num_hidden_layers:
+        raise DrafterRefused(
+            f"EAGLE head {weights.name} (vocab, hidden, heads, kv heads, head dim {mine}; KV layer {cfg.kv_layer}) "
+            f"does not fit model {target.name!r} ({theirs}; {tc.num_hidden_layers} layers)"
+        )
+    try:
+        load_eagle(weights)  # tensors fit the config
+    except (OSError, ValueError) as e:
+        raise DrafterRefused(f"EAGLE head {weights.name} is unreadable: {e}") from e
     return cfg
 
 
@@ -162,6 +205,8 @@ def check_attached(store: ModelStore, target: Manifest) -> None:
     for d in target.drafters:
         if d.kind == "mtp":
             check_mtp(target, folder / d.path)
+        elif d.kind == "eagle":
+            check_eagle(target, folder / d.path)
         else:
             check_draft(store, target, d.path)
 
@@ -170,6 +215,8 @@ def check_spec(store: ModelStore, target: Manifest, spec: str) -> None:
     kind, value = parse_spec(spec)
     if kind == "mtp":
         check_mtp(target, Path(value).expanduser())
+    elif kind == "eagle":
+        check_eagle(target, Path(value).expanduser())
     else:
         check_draft(store, target, value)
 
@@ -178,12 +225,20 @@ def check_spec(store: ModelStore, target: Manifest, spec: str) -> None:
 
 
 def attach(store: ModelStore, model: str, spec: str, name: str | None = None) -> DrafterEntry:
-    """Checks, then attaches: an MTP head is copied under the model's ``drafters/<name>/``."""
+    """Checks, then attaches: an MTP or EAGLE head is copied under the model's ``drafters/<name>/``."""
     kind, value = parse_spec(spec)
     target = store.get(model)
+    src = Path(value).expanduser()
+    config: dict = {}
     if kind == "mtp":
-        src = Path(value).expanduser()
         cfg = check_mtp(target, src)
+        config = {"depth": cfg.depth, "num_blocks": cfg.num_blocks, "intermediate_size": cfg.intermediate_size}
+        name = name or _drafter_name(src.stem)
+    elif kind == "eagle":
+        if any(d.kind == "eagle" for d in target.drafters):
+            raise DrafterRefused(f"model {model!r} already has an EAGLE head (its KV pool holds one draft layer)")
+        ecfg = check_eagle(target, src)
+        config = {"depth": ecfg.depth, "intermediate_size": ecfg.intermediate_size}
         name = name or _drafter_name(src.stem)
     else:
         check_draft(store, target, value)
@@ -193,26 +248,22 @@ def attach(store: ModelStore, model: str, spec: str, name: str | None = None) ->
     if any(d.name == name for d in target.drafters):
         raise DrafterRefused(f"model {model!r} already has a drafter named {name!r}; detach it first")
     files = dict(target.files)
-    if kind == "mtp":
+    if kind in HEAD_KINDS:
         rel = f"drafters/{name}"
         dst = store.path(model) / rel
         if dst.exists():
             shutil.rmtree(dst)  # a leftover of an interrupted attach: not in the manifest
         dst.mkdir(parents=True)
+        weights, cfg_name = f"{kind}.safetensors", f"{kind}.json"
         try:
-            shutil.copyfile(src, dst / MTP_WEIGHTS)
-            shutil.copyfile(config_path(src), dst / MTP_CONFIG)
-            files[f"{rel}/{MTP_WEIGHTS}"] = sha256_file(dst / MTP_WEIGHTS)
-            files[f"{rel}/{MTP_CONFIG}"] = sha256_file(dst / MTP_CONFIG)
+            shutil.copyfile(src, dst / weights)
+            shutil.copyfile(src.with_suffix(".json"), dst / cfg_name)
+            files[f"{rel}/{weights}"] = sha256_file(dst / weights)
+            files[f"{rel}/{cfg_name}"] = sha256_file(dst / cfg_name)
         except BaseException:
             shutil.rmtree(dst, ignore_errors=True)
             raise
-        entry = DrafterEntry(
-            kind="mtp",
-            name=name,
-            path=f"{rel}/{MTP_WEIGHTS}",
-            config={"depth": cfg.depth, "num_blocks": cfg.num_blocks, "intermediate_size": cfg.intermediate_size},
-        )
+        entry = DrafterEntry(kind=kind, name=name, path=f"{rel}/{weights}", config=config)
     else:
         entry = DrafterEntry(kind="draft", name=name, path=value, config={})
     store.write_manifest(target.model_copy(update={"files": files, "drafters": [*target.drafters, entry]}))
@@ -226,13 +277,13 @@ def detach(store: ModelStore, model: str, drafter: str) -> DrafterEntry:
         names = ", ".join(d.name for d in target.drafters) or "none"
         raise DrafterRefused(f"model {model!r} has no drafter {drafter!r} (drafters: {names})")
     files = dict(target.files)
-    if entry.kind == "mtp":
+    if entry.kind in HEAD_KINDS:
         rel = f"drafters/{entry.name}/"
         files = {f: d for f, d in files.items() if not f.startswith(rel)}
     store.write_manifest(
         target.model_copy(update={"files": files, "drafters": [d for d in target.drafters if d.name != drafter]})
     )
-    if entry.kind == "mtp":
+    if entry.kind in HEAD_KINDS:
         shutil.rmtree(store.path(model) / "drafters" / entry.name, ignore_errors=True)
     return entry
 
@@ -252,6 +303,16 @@ def load_mtp_head(store: ModelStore, target: Manifest, model, dtype: torch.dtype
     path = store.path(target.name) / entry.path
     check_mtp(target, path)
     return MTPHead(load_mtp(path, dtype, device), model)
+
+
+def load_eagle_head(store: ModelStore, target: Manifest, model, dtype: torch.dtype, device) -> EagleHead | None:
+    """The target's EAGLE head (at most one is attached), checked and bound to the loaded target, or None."""
+    entry = next((d for d in target.drafters if d.kind == "eagle"), None)
+    if entry is None:
+        return None
+    path = store.path(target.name) / entry.path
+    check_eagle(target, path)
+    return EagleHead(load_eagle(path, dtype, device), model)
 
 
 def draft_models(target: Manifest) -> list[str]:

@@ -6,8 +6,10 @@ and the engine reclaims what it held when its socket closes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,14 +53,22 @@ class EmbeddedEngine:
         extra_args: list[str] | None = None,
         timeout: float = 300,
         env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
     ):
+        """``die_with_parent``: the kernel kills the engine when the thread that started it dies (a Ray actor
+        killed by SIGKILL leaves no engine behind)."""
         self.address = f"ipc://{tempfile.gettempdir()}/pie-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         cmd = [sys.executable, "-m", "pie_runtime.cli.main", "engine", "--listen", self.address]
         for m in models or []:
             cmd += ["--model", m]
         cmd += extra_args or []
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
@@ -97,6 +107,11 @@ class EmbeddedEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def run_inferlet(path: Path, engine: str, words: list[str], stdout=None, timeout: float | None = None) -> dict:

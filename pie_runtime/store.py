@@ -76,11 +76,11 @@ class ImportRefused(StoreError):
 
 
 class DrafterEntry(BaseModel):
-    """A drafter attached to a model: an MTP head file or another store model used as draft model."""
+    """A drafter attached to a model: an MTP or EAGLE head file, or another store model used as draft model."""
 
-    kind: Literal["mtp", "draft"]
+    kind: Literal["mtp", "eagle", "draft"]
     name: str
-    path: str  # a file under drafters/ (mtp) or a model name in the store (draft)
+    path: str  # a file under drafters/ (mtp, eagle) or a model name in the store (draft)
     config: dict = Field(default_factory=dict)
 
 
@@ -374,8 +374,13 @@ def ensure_default_model(store: ModelStore | None = None) -> Manifest:
             manifest = store.get(DEFAULT_MODEL)
             if _current(manifest):
                 return manifest  # another process did it while this one waited
-            return import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True).manifest
-        return import_model(DEFAULT_MODEL, store=store, progress=False).manifest
+            import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True)
+        else:
+            import_model(DEFAULT_MODEL, store=store, progress=False)
+        from .shipped import attach_shipped  # shipped.py builds on this module
+
+        attach_shipped(store, DEFAULT_MODEL)
+        return store.get(DEFAULT_MODEL)
 
 
 def _current(manifest: Manifest) -> bool:

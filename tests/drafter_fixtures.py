@@ -18,6 +18,7 @@ from pie_runtime.store import MANIFEST_FILE
 
 CORPUS = find_corpus("austen.txt")  # None: every test that trains a drafter skips
 MTP_DEPTH = 2  # the session head's depth
+EAGLE_DEPTH = 3  # the session EAGLE head's depth
 
 
 def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -91,6 +92,30 @@ def mtp_head(pie_home, distill_slice) -> Path:
         str(MTP_DEPTH),
         "--epochs",
         "20",
+        "--out",
+        str(out),
+        *common,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def eagle_head(pie_home, distill_slice) -> Path:
+    """An EAGLE head (depth 3) for the default model, trained for a few steps on the slice (sharing the MTP
+    head's teacher cache): exactness does not depend on its quality, and its draft layer starts from the
+    target's last one, so it is accepted now and then."""
+    folder, common = distill_slice
+    out = folder / "eagle.safetensors"
+    pie(
+        pie_home,
+        "drafter",
+        "train",
+        "--kind",
+        "eagle",
+        "--depth",
+        str(EAGLE_DEPTH),
+        "--epochs",
+        "3",
         "--out",
         str(out),
         *common,

@@ -130,3 +130,26 @@ def test_pie_run_unknown_inferlet_is_one_line_error():
         timeout=60,
     )
     assert out.returncode == 2 and out.stderr.startswith("error: no shipped inferlet")
+
+
+@pytest.mark.parametrize(
+    ("inferlet", "words", "says"),
+    [
+        ("mtp-speculative-decoding", ["--draft-length", "2"], ["has no MTP head", "pie model drafter attach"]),
+        ("draft-model-speculative-decoding", [], ["has no draft model attached", "pie drafter train"]),
+        ("draft-model-speculative-decoding", ["--draft", "nope"], ["serves no model 'nope'"]),
+    ],
+)
+def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet, words, says):
+    """The tiny model has no drafter: the inferlet says what is missing and how to get it, without a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pie_runtime.cli.main", "run", inferlet, "--engine", tiny_engine.address]
+        + ["--", "--prompt", "hi", *words],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and all(s in error[0] for s in says), out.stderr

@@ -392,7 +392,7 @@ def test_default_model_is_reimported_from_an_old_format_store(home, checkpoint):
     manifest = ensure_default_model(store)
     assert manifest.format_version == 2 and manifest.quantized_summary() == "210 q4_1, 1 q8_0"
     assert manifest.source == str(packaged_path(DEFAULT_MODEL))
-    assert [d.name for d in manifest.drafters] == ["head"]
+    assert [d.name for d in manifest.drafters] == ["head", "smollm2-135m-mtp"]  # kept, and the shipped head
     assert (store.path(DEFAULT_MODEL) / "drafters" / "head" / "mtp.json").read_text() == "{}"
     assert ensure_default_model(store).imported_at == manifest.imported_at  # current now: no second import
 

@@ -1,6 +1,7 @@
 """`pie bench speculation`: one speculative inferlet against text-completion on one prompt and one engine.
 
     pie bench speculation --inferlet cacheback-speculative-decoding --prompt repetitive [--timing] -- --draft-length 4
+    pie bench speculation --inferlet cacheback-speculative-decoding --prompt mixed --tree 4,2,1,1,1,1
 
 Prints the decode rate of both, their ratio, acceptance overall and per draft position, the share of rounds
 that rejected a draft, skipped rows, and a digest (sha256 of the token ids) of each output, so a greedy run
@@ -38,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"models the engine serves (default {DEFAULT_MODEL}; a --draft after -- is added)",
     )
     p.add_argument("--timing", action="store_true", help="time each verify round")
+    p.add_argument("--tree", default=None, help="the inferlet's --tree shape (widths per depth, e.g. 4,2,1,1)")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
     p.add_argument(
@@ -165,6 +167,9 @@ def summary(m: dict) -> dict:
         "acceptance": round(s.get("acceptance", 0.0), 3),
         "acceptance_per_position": [round(a, 3) for a in s.get("acceptance_per_position", [])],
         "rejecting_round_share": round(s.get("rejecting_round_share", 0.0), 3),
+        "accepted_depth": round(s.get("accepted_depth", 0.0), 3),  # drafts kept per round (a tree: path depth)
+        "rows_per_round": round(s.get("rows_per_round", 0.0), 2),
+        "tree_rounds": s.get("tree_rounds", 0),
         "skipped": s.get("skipped", {}),
         "prefill_ms": s.get("prefill_ms"),
         "digest": digest(spec["token_ids"]),
@@ -202,7 +207,7 @@ def _speculation(args: argparse.Namespace) -> int:
         m = measure(
             args.inferlet,
             prompt_text(args.prompt),
-            args.inferlet_args,
+            args.inferlet_args + (["--tree", args.tree] if args.tree else []),
             args.max_tokens,
             args.timing,
             args.model,

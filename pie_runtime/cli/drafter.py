@@ -1,10 +1,13 @@
-"""`pie drafter train`: distil an MTP head or a draft model from a stored target on its own predictions.
+"""`pie drafter train`: distil an MTP head, an EAGLE head or a draft model from a stored target on its own
+predictions.
 
     pie drafter train --model smollm2-135m --kind mtp --corpus austen.txt --depth 3 --out head.safetensors
+    pie drafter train --model smollm2-135m --kind eagle --corpus austen.txt --depth 3 --out eagle.safetensors
     pie drafter train --model smollm2-135m --kind draft --corpus austen.txt --out smollm2-draft
 
-``mtp`` writes ``FILE`` (safetensors) and ``FILE`` with a ``.json`` suffix (its config, naming the target by
-the sha256 of its weights file); attach it with ``pie model drafter attach MODEL mtp:FILE``. ``draft``
+``mtp`` and ``eagle`` write ``FILE`` (safetensors) and ``FILE`` with a ``.json`` suffix (its config, naming the
+target by the sha256 of its weights file); attach it with ``pie model drafter attach MODEL mtp:FILE`` (or
+``eagle:FILE``). ``draft``
 imports a small model with the target's tokenizer into the store under ``--out``; attach it with
 ``pie model drafter attach MODEL draft:NAME``. ``--attach`` does either right after training.
 """
@@ -28,11 +31,13 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("drafter", help="train drafters by self-distillation")
     dsub = parser.add_subparsers(dest="drafter_command", required=True)
-    p = dsub.add_parser("train", help="train an MTP head or a draft model on the target's own predictions")
+    p = dsub.add_parser(
+        "train", help="train an MTP head, an EAGLE head or a draft model on the target's own predictions"
+    )
     p.add_argument("--model", default=None, help="the target model in the store (default: the default model)")
-    p.add_argument("--kind", required=True, choices=["mtp", "draft"])
+    p.add_argument("--kind", required=True, choices=["mtp", "eagle", "draft"])
     p.add_argument("--corpus", action="append", required=True, help="a UTF-8 text file (repeatable)")
-    p.add_argument("--depth", type=int, default=3, help="mtp: draft steps (one module reused K times)")
+    p.add_argument("--depth", type=int, default=3, help="mtp, eagle: draft steps (one module reused K times)")
     p.add_argument("--tokens", type=int, default=49152, help="corpus tokens to train on, split across corpora")
     p.add_argument(
         "--gen-tokens",
@@ -40,16 +45,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="also train on this many tokens of the target's own greedy continuations",
     )
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 draft)")
+    p.add_argument(
+        "--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 eagle and draft)"
+    )
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
-    p.add_argument("--out", default=None, help="mtp: output file (default MODEL-mtp.safetensors); draft: store name")
+    p.add_argument(
+        "--out", default=None, help="mtp, eagle: output file (default MODEL-KIND.safetensors); draft: store name"
+    )
     p.add_argument("--layers", default="0,1,2,-1", help="draft: target layers the draft starts from")
     p.add_argument("--blocks", type=int, default=2, help="mtp: residual MLP blocks")
-    p.add_argument("--init", default=None, help="mtp: continue training this head (FILE.safetensors)")
+    p.add_argument("--init", default=None, help="mtp, eagle: continue training this head (FILE.safetensors)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (draft) per step")
+    p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (eagle, draft) per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
     p.add_argument(
@@ -87,7 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 1
     run = _teacher_pass(args, name, store, loaded, corpora)
     torch.set_num_threads(args.train_threads)
-    spec = _train_mtp(run) if args.kind == "mtp" else _train_draft(run)
+    spec = {"mtp": _train_mtp, "eagle": _train_eagle, "draft": _train_draft}[args.kind](run)
     if args.attach:
         try:
             entry = attach(store, name, spec)
@@ -96,6 +105,22 @@ def run_train(args: argparse.Namespace) -> int:
             return 1
         print(f"attached {entry.kind} drafter {entry.name} to {name}")
     return 0
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as a training record keeps it, so that a shipped drafter's record names no machine's folders:
+    relative to the repository when the file lies in it or beside it (the corpus is ../shared/corpus/),
+    else its file name."""
+    import os
+
+    from ..launcher import REPO_ROOT
+
+    p = Path(path).expanduser().resolve()
+    return os.path.relpath(p, REPO_ROOT) if p.is_relative_to(REPO_ROOT.parent) else p.name
+
+
+def _portable_words(words: list[str]) -> list[str]:
+    return [portable_path(w) if w.startswith(("/", "~")) else w for w in words]
 
 
 @dataclass
@@ -171,10 +196,10 @@ def _teacher_pass(
     train, heldout = distill.build_teacher_data(
         loaded.llama, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
     )
-    command = "pie " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pie") else None
+    command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {
         "command": command,
-        "corpus": [str(c) for c in corpora],
+        "corpus": [portable_path(c) for c in corpora],
         "tokens": train.num_tokens,
         "teacher_s": round(time.monotonic() - t0, 1),
         "precision": "bf16" if bf16 else "fp32",
@@ -191,7 +216,7 @@ def _train_mtp(run: _Run) -> str:
     init = None
     if args.init:
         init = load_mtp(Path(args.init))
-        run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+        run.info["init"] = {"file": portable_path(args.init), "training": read_config(Path(args.init)).training}
         args.depth = init.config.depth
     module = distill.train_mtp(
         run.loaded.llama,
@@ -220,6 +245,48 @@ def _train_mtp(run: _Run) -> str:
         f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)"
     )
     return f"mtp:{out}"
+
+
+def _train_eagle(run: _Run) -> str:
+    """Trains and writes an EAGLE head; returns its drafter spec (``eagle:FILE``)."""
+    from ..distill.eagle import eagle_agreement, train_eagle
+    from ..models.eagle import config_path, load_eagle, read_config, save_eagle
+    from ..models.llama import LlamaForCausalLM
+
+    args, name = run.args, run.name
+    target = run.loaded.model
+    assert isinstance(target, LlamaForCausalLM)  # a target with recurrent state is refused before training
+    init = None
+    if args.init:
+        init = load_eagle(Path(args.init))
+        run.info["init"] = {"file": str(args.init), "training": read_config(Path(args.init)).training}
+    module = train_eagle(
+        target,
+        run.train,
+        run.heldout,
+        depth=args.depth,
+        epochs=args.epochs or 4,
+        target_name=name,
+        target_digest=run.digest,
+        batch=args.batch or 4,
+        lr=args.lr or 1e-3,
+        seed=args.seed,
+        progress=not args.quiet,
+        max_seconds=run.max_seconds,
+        bf16=run.bf16,
+        init=init,
+    )
+    depth = module.config.depth
+    agree = eagle_agreement(module, target, run.heldout, depth, conditional=True)
+    run.trained(agree)
+    module.config = module.config.model_copy(update={"training": run.info})
+    out = Path(args.out or f"{name}-eagle.safetensors")
+    save_eagle(module, out)
+    print(
+        f"wrote {out} and {config_path(out)}  (held-out acceptance by draft position: "
+        f"{', '.join(f'{a:.3f}' for a in agree)}; train {run.info['train_s']:.0f} s)"
+    )
+    return f"eagle:{out}"
 
 
 def _train_draft(run: _Run) -> str:

@@ -48,7 +48,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "snapshot (default 64; printed at start)",
     )
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="shard the model over T ranks (torch.distributed: gloo on CPU, NCCL on CUDA); fp32 weights only",
+    )
     p.add_argument(
         "--program-memory",
         type=int,
@@ -61,6 +68,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default=32,
         help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)",
     )
+    # scale-out measurements on few cores: every step also sleeps MS, as if on a device of its own (server.py)
+    p.add_argument("--simulate-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
     )
@@ -98,6 +107,8 @@ def run_engine(args) -> int:
         if DEFAULT_MODEL in names:
             ensure_default_model()
         names += [d for n in list(names) for d in draft_models(ModelStore().get(n)) if d not in names]
+        if args.tensor_parallel > 1 and len(names) > 1:
+            raise ValueError("--tensor-parallel serves one model (no draft models)")
         served = [
             build_served_model(
                 n,
@@ -110,11 +121,12 @@ def run_engine(args) -> int:
                 prepack_lm_head=args.prepack,
                 pass_cost_rows=args.pass_cost_rows,
                 state_slots=args.state_slots,
+                tensor_parallel=args.tensor_parallel,
             )
             for n in names
         ]
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
-        server = EngineServer(core, args.listen, args.token)
+        server = EngineServer(core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from ..models.config import Lfm2Config, MambaConfig
-from ..store import DEFAULT_MODEL, Manifest, ModelStore, StoreError, import_model
+from ..store import DEFAULT_MODEL, PACKAGED, Manifest, ModelStore, StoreError, import_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="attach a drafter: mtp:FILE or draft:MODEL_NAME (repeatable)",
+        help="attach a drafter: mtp:FILE, eagle:FILE or draft:MODEL_NAME (repeatable)",
     )
     p.set_defaults(func=_guarded(_import))
 
@@ -48,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("drafter", help="attach or detach a model's drafters")
     dsub = p.add_subparsers(dest="drafter_command", required=True)
-    d = dsub.add_parser("attach", help="attach mtp:FILE or draft:MODEL_NAME")
+    d = dsub.add_parser("attach", help="attach mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     d.add_argument("name", help="the target model")
-    d.add_argument("spec", help="mtp:FILE or draft:MODEL_NAME")
+    d.add_argument("spec", help="mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
     d.set_defaults(func=_guarded(_attach))
     d = dsub.add_parser("detach", help="detach a drafter by name")
@@ -72,6 +72,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 def _import(args: argparse.Namespace) -> int:
     from ..drafters import attach, check_spec, parse_spec
+    from ..shipped import attach_shipped
 
     for spec in args.drafter:
         parse_spec(spec)  # a malformed spec is refused before anything is converted
@@ -90,6 +91,9 @@ def _import(args: argparse.Namespace) -> int:
     for spec in args.drafter:
         entry = attach(store, m.name, spec)
         print(f"attached {entry.kind} drafter {entry.name} to {m.name}")
+    if args.source in PACKAGED:
+        for entry in attach_shipped(store, m.name, args.source):
+            print(f"attached the shipped {entry.kind} drafter {entry.name} to {m.name}")
     if result.imported:
         print(f"imported {m.name}: {m.family}, {m.parameters / 1e6:.1f}M parameters, from {m.source}")
     else:

@@ -1,7 +1,8 @@
 """`pie serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one engine and N inferlet hosts.
 
     pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token T] [--api-key KEY ...]
-              [--workers N] [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K]
+              [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
+              [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K]
               [--drain-timeout S] [engine options]
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
@@ -9,6 +10,9 @@ ends the command (exit 2, the refusal on stderr) before the HTTP listener binds.
 the engine and hosts start in the background (``/health`` is 503 until they are up; "pie serve ready on URL"
 is printed when they are). SIGTERM stops accepting, lets running requests finish for ``--drain-timeout``
 seconds, cancels the rest, and stops the hosts and the engine.
+
+``--engines N`` (or ``--ray-address``) serves N engine replicas as Ray actors behind the cache-aware router
+(``pie_runtime/cluster/``); Ray is imported only then.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -36,7 +41,14 @@ def register(sub) -> None:
     p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
     p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
     p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
-    p.add_argument("--workers", type=int, default=1, help="inferlet host processes")
+    p.add_argument("--workers", type=int, default=1, help="inferlet host processes (per engine)")
+    p.add_argument(
+        "--engines", type=int, default=1, help="engine replicas as Ray actors behind a cache-aware router (needs [ray])"
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="a running Ray cluster (auto or HOST:PORT); default: a local instance"
+    )
+    p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs Ray reserves for each engine actor")
     p.add_argument("--inferlets", type=Path, action="append", default=[], help="a folder of custom inferlets")
     policy = p.add_mutually_exclusive_group()
     policy.add_argument("--draft-lookup", metavar="NGRAM:K", default=None, help="prompt-lookup speculation")
@@ -85,6 +97,8 @@ def engine_words(args: argparse.Namespace) -> list[str]:
         words.append("--no-prepack")
     if not getattr(args, "prefix_cache", True):
         words.append("--no-prefix-cache")
+    if getattr(args, "simulate_step_ms", 0.0):
+        words += ["--simulate-step-ms", str(args.simulate_step_ms)]
     return words
 
 
@@ -158,13 +172,27 @@ def serve(args: argparse.Namespace) -> int:
             clean_env=True,
         )
         uploads = Uploads(Path(upload_dir.name), limits)
-    backend = Backend(
-        EngineSpec(models, engine_words(args), listen=args.listen, token=args.token),
-        workers=args.workers,
-        inferlet_dirs=list(args.inferlets),
-        chat_template=template,
-        uploads=uploads,
-    )
+    spec = EngineSpec(models, engine_words(args), listen=args.listen, token=args.token)
+    common = dict(workers=args.workers, inferlet_dirs=list(args.inferlets), chat_template=template, uploads=uploads)
+    if args.engines > 1 or args.ray_address:
+        try:
+            from ..cluster.backend import ClusterBackend  # imports Ray: only here
+        except ImportError as e:
+            print(f"error: --engines needs Ray: pip install 'pie-runtime[ray]' ({e})", file=sys.stderr)
+            return 2
+        if args.listen:
+            print("error: --listen is for one engine; --engines' engines listen where Ray puts them", file=sys.stderr)
+            return 2
+        from ..cluster.backend import init_ray
+
+        # here, in the main thread and before uvicorn installs its signal handlers: Ray's own would otherwise
+        # turn SIGTERM into a crash instead of a drain
+        init_ray(args.ray_address, max(int(args.engines * args.engine_cpus + 0.999), os.cpu_count() or 1))
+        backend: Backend = ClusterBackend(
+            spec, args.engines, ray_address=args.ray_address, engine_cpus=args.engine_cpus, **common
+        )
+    else:
+        backend = Backend(spec, **common)
     app = create_app(backend, config, Quotas(keys, default))
     uv = _Uvicorn(
         uvicorn.Config(

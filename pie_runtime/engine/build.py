@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..drafters import check_attached, load_mtp_head
+from ..drafters import check_attached, load_eagle_head, load_mtp_head
 from ..models.compiled import compile_layers
 from ..models.families import state_shapes
 from ..models.kv_cache import KVCache
@@ -20,7 +20,7 @@ from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
 from .kv_pages import KVPages
 from .page_pool import PagePool
-from .pass_costs import measure_mtp_step_ms, measure_pass_costs, warm_up
+from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, measure_pass_costs, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
 from .state_slots import StateSlots
@@ -43,14 +43,27 @@ def build_served_model(
     pass_cost_rows: int = 0,
     compiled: bool = False,
     state_slots: int = DEFAULT_STATE_SLOTS,
+    tensor_parallel: int = 1,
 ) -> ServedModel:
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
-        lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
-        costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
-        compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
-    at once (each a slot of its state and a snapshot; models without recurrent state ignore it)."""
+    lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
+    costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
+    compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
+    at once (each a slot of its state and a snapshot; models without recurrent state ignore it);
+    ``tensor_parallel``: shard it over that many ranks (``tp_worker.py``; float32 and the Llama family only,
+    served without its MTP or EAGLE head, no prepacked or compiled copies)."""
+    if tensor_parallel > 1 and weights != "fp32":
+        raise ValueError(f"--tensor-parallel supports --weights fp32 only, not {weights}")
+    if tensor_parallel > 1 and compiled:
+        raise ValueError("--tensor-parallel does not combine with --compile")
     store = store or ModelStore()
-    if weights in ("int8", "int4") and store.get(name).config.recurrent:
+    recurrent = store.get(name).config.recurrent
+    if tensor_parallel > 1 and recurrent:
+        raise ValueError(
+            f"--tensor-parallel supports the Llama family only: {name} carries recurrent state "
+            f"({store.get(name).config.family})"
+        )
+    if weights in ("int8", "int4") and recurrent:
         # no int layers for these families yet: the engine's default format must still serve them, exactly
         log.warning("%s carries recurrent state: served in fp32 (the int formats cover the Llama family)", name)
         weights = "fp32"
@@ -60,20 +73,33 @@ def build_served_model(
     prepare_for_serving(loaded.model, weights, loaded.quantized)
     # The lm head is where the prepacked copy pays: 3.7 ms vs 2.7 ms at 1 row but 5.4 vs 13.2 at 9 rows
     # (SmolLM2, 2 cores); the layers' matmuls gained too little in a whole pass to be worth their memory.
-    packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head else 0
+    packed_bytes = prepack(loaded.model.lm_head) if prepack_lm_head and tensor_parallel == 1 else 0
     cfg = loaded.model.config
-    if kv_pages is None:
-        per_page = KVCache.bytes_per_page(cfg, page_size, torch_dtype)
-        # pages of a model without attention hold no bytes: the table only bounds a working set's rows
-        kv_pages = max(1, kv_bytes // per_page) if per_page else STATELESS_PAGES
-    kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device)
     shapes = state_shapes(cfg)
     if shapes and compiled:
         raise ValueError(f"--compile is not supported for {cfg.family} (a model with recurrent state)")
-    states = StateCache(shapes, state_slots, torch.float32, device) if shapes else None
     manifest = loaded.manifest
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
-    mtp = load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
+    # heads are not sharded: a tensor-parallel engine serves the target without them (mtp_depth 0)
+    sharded = tensor_parallel > 1
+    mtp = None if sharded else load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
+    eagle = None if sharded else load_eagle_head(store, manifest, loaded.model, torch_dtype, device)
+    extra = 1 if eagle is not None else 0  # the EAGLE draft layer's K/V live in the same pages
+    if kv_pages is None:
+        per_page = KVCache.bytes_per_page(cfg, page_size, torch_dtype, extra)
+        # pages of a model without attention hold no bytes: the table only bounds a working set's rows
+        kv_pages = max(1, kv_bytes // per_page) if per_page else STATELESS_PAGES
+    if sharded:
+        from .tp_worker import start_tensor_parallel
+
+        assert isinstance(loaded.model, LlamaForCausalLM)  # refused above for the families with recurrent state
+        runner, kv = start_tensor_parallel(
+            name, loaded.model, tensor_parallel, kv_pages, page_size, device, torch.get_num_threads()
+        )
+    else:
+        kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device, extra_layers=extra)
+        states = StateCache(shapes, state_slots, torch.float32, device) if shapes else None
+        runner = ModelRunner(loaded.model, kv, torch.device(device), states)
     info = ModelInfo(
         name=manifest.name,
         vocab_size=cfg.vocab_size,
@@ -84,6 +110,7 @@ def build_served_model(
         chat_template=manifest.tokenizer.chat_template,
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
+        eagle_depth=eagle.depth if eagle is not None else 0,
         prepacked_bytes=packed_bytes,
         weights=weights,
         weight_bytes=linear_bytes(loaded.model),
@@ -93,8 +120,8 @@ def build_served_model(
         state_bytes=StateCache.bytes_per_slot(shapes) if shapes else 0,
         state_granule=cfg.state_granule,
     )
-    runner = ModelRunner(loaded.model, kv, torch.device(device), states)
     runner.mtp = mtp
+    runner.eagle = eagle
     if compiled:
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused above for the families with recurrent state
         t0 = time.perf_counter()
@@ -104,11 +131,12 @@ def build_served_model(
     if pass_cost_rows:
         info.pass_cost_ms = measure_pass_costs(runner, kv_pages, pass_cost_rows)
         info.mtp_step_ms = measure_mtp_step_ms(runner)
+        info.eagle_step_ms = measure_eagle_step_ms(runner, kv_pages)
     return ServedModel(
         name=manifest.name,
         info=info,
         runner=runner,
-        pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages),
+        pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages, runner.copy_slots),
         tokenizer_json=loaded.tokenizer_path.read_text(),
         states=StateSlots(state_slots, runner) if shapes else None,
     )

@@ -11,6 +11,7 @@ import torch
 
 from ..models.context import Segment
 from ..protocol import ErrorCode, PieError
+from ..protocol.tree import fold_path
 from .channels import Txn
 from .jobs import FireJob, FireOutcome, StepStats
 from .programs import run_program
@@ -80,16 +81,25 @@ def _forward(
 
 
 def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
+    """One forward; with an EAGLE head, each working set's feature tail goes in and its new one is kept. With
+    recurrent state, a fire's rows run again after a forward that raised (``_state_lead``); only each chunk's own
+    rows are returned."""
     segments, tokens, positions, keep = [], [], [], []
     for c in chunks:
         j = c.job
         lead = _state_lead(sm, j)
         first = j.done - lead
-        segments.append(Segment(j.ws.pages, j.start + first, lead + c.rows, state=_slot(j)))
+        parents = None if j.parents is None else tuple(j.parents)
+        segments.append(Segment(j.ws.pages, j.start + first, lead + c.rows, parents, j.start, state=_slot(j)))
         tokens.extend(j.tokens[first : j.done + c.rows])
         positions.extend(j.positions[first : j.done + c.rows])
         keep.extend(range(len(tokens) - c.rows, len(tokens)))
-    hidden = sm.runner.forward(segments, tokens, positions)
+    if sm.runner.eagle is None:
+        hidden = sm.runner.forward(segments, tokens, positions)
+    else:  # an EAGLE head is refused on a model with recurrent state (drafters.py), so no lead rows here
+        hidden = sm.runner.forward(segments, tokens, positions, [c.job.ws.drafter_tail for c in chunks])
+        for c, tail in zip(chunks, sm.runner.tails(segments, hidden)):
+            c.job.ws.drafter_tail = tail
     for c in chunks:
         if (hold := c.job.ws.state) is not None:
             hold.ran = c.job.done + c.rows
@@ -163,6 +173,8 @@ def _read(sm: ServedModel, jobs: list[FireJob]) -> list[tuple[FireJob, list[dict
             torch.stack([j.hidden[row] for row in r.rows]),
             mask,
             [j.tokens[row + 1] if row + 1 < len(j.tokens) else -1 for row in r.rows] if r.at_accepted else None,
+            j.ws.pages if r.kind == "eagle" else None,
+            j.start,
         )
         for j in jobs
         for r, mask in zip(j.readouts, j.masks)
@@ -190,9 +202,16 @@ def _epilogue(sm: ServedModel, j: FireJob, logits: dict[tuple[int, ...], torch.T
     try:
         intrinsics = FireIntrinsics(sm.runner, j.hidden, j.tokens, logits)
         fold = run_program(j.program, intrinsics, txn, sm.runner.device)
-        if fold is not None and not 0 <= fold <= len(j.tokens):
-            raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}, outside [0, {len(j.tokens)}]")
+        path = None if fold is None else _device_path(fold, j)
         txn.commit()
     except PieError as e:
         return FireOutcome(j, error=e.with_traceback(None))  # its frames would keep the fire's tensors alive
-    return FireOutcome(j, device_fold=fold, txn=txn)
+    return FireOutcome(j, device_fold=path, txn=txn)
+
+
+def _device_path(fold: int | list[int], j: FireJob) -> list[int]:
+    """The window rows an epilogue's fold commits (a count, or a path of a tree window), checked."""
+    try:
+        return fold_path(fold, j.parents, len(j.tokens))
+    except PieError as e:
+        raise PieError(ErrorCode.PROGRAM_FAILED, f"the epilogue folds {fold}: {e.message}") from None

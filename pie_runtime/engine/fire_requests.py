@@ -19,7 +19,8 @@ import numpy as np
 
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
-from .fold import apply_fold
+from ..protocol.tree import Fold, fold_path, tree_depths
+from .fold import settle_fold
 from .jobs import FireJob, Handler
 from .programs import Program
 from .programs.requests import ProgramRequests
@@ -42,24 +43,21 @@ class FireRequests:
     def fire(self, client: bytes, req: m.Fire) -> None:
         """Queues the fire; its reply comes after the step that finishes it."""
         ws = self.sets.get(client, req.ws)
-        if req.settle is not None:
-            ws.check_settle(req.settle)
-        elif ws.pending_fold is not None:
+        settle = ws.check_settle(req.settle) if req.settle is not None else None
+        if settle is None and ws.pending_fold is not None:
             raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
         sm = self.models[ws.model]
         source = self.programs.source(client, req, ws)
         w = source.shape[0] if source is not None else len(req.tokens or [])
-        start = ws.committed + req.settle if req.settle is not None else sm.queue.planned_length(ws)
-        positions = self._check_window(sm, req, start, w)
+        start = ws.committed + len(settle) if settle is not None else sm.queue.planned_length(ws)
+        depths = self._check_tree(sm, req, source, w)
+        positions = self._check_window(sm, req, start, w, depths)
         self._check_readout_rows(req, w)
-        masks = [self._check_readout(r, w, sm) for r in req.readouts]
+        masks = [self._check_readout(r, w, sm, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
         self._check_granule(sm, fold, w)
         run = self.programs.check_run_ahead(client, req, program, bindings, source)
-        pending = ws.pending_fold
-        if req.settle is not None:
-            ws.committed, ws.pending_fold = start, None
         cached = 0
         try:
             if self._may_reuse(ws, req, start):
@@ -69,11 +67,9 @@ class FireRequests:
         except PieError:
             if cached:  # the mapped prefix goes back to the cache
                 sm.pages.release(ws)
-            if req.settle is not None:  # a refused fire leaves no trace, its settle included
-                ws.committed, ws.pending_fold = start - req.settle, pending
-            raise
-        if req.settle is not None:  # the deferred fold, settled now that the fire is accepted
-            apply_fold(sm, ws, start - req.settle, req.settle)
+            raise  # a refused fire leaves no trace, its settle included: that is applied only below
+        if settle is not None:  # reserve copies page contents only, so the settled path's rows are intact
+            settle_fold(sm, ws, settle)  # with recurrent state, restores and replays here (engine/fold.py)
         sm.queue.push(
             FireJob(
                 client=client,
@@ -85,6 +81,7 @@ class FireRequests:
                 masks=masks,
                 fold=fold,
                 start=start,
+                parents=None if req.parents is None else list(req.parents),
                 done=cached,
                 cached_rows=cached,
                 program=program,
@@ -104,6 +101,7 @@ class FireRequests:
             and not ws.in_flight
             and req.tokens is not None
             and req.settle is None
+            and req.parents is None
             and (req.positions is None or req.positions == list(range(len(req.tokens))))
         )
 
@@ -115,8 +113,26 @@ class FireRequests:
         return min([w - 1, *needed])
 
     @staticmethod
-    def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int) -> list[int]:
-        """The window's positions, once its tokens and rows are known to fit the model."""
+    def _check_tree(sm: ServedModel, req: m.Fire, source: object, w: int) -> list[int] | None:
+        """A tree window's row depths (protocol.tree), None for a chain: INVALID_TREE for parents that form no
+        tree of the window, LIMIT_EXCEEDED past MAX_TREE_ROWS, UNSUPPORTED for a channel-fed window or a model
+        with recurrent state (its state runs through rows in order, not along branches: engine/fold.py)."""
+        if req.parents is None:
+            return None
+        if source is not None:
+            raise PieError(ErrorCode.UNSUPPORTED, "a tree window embeds token ids, not a channel's cell")
+        if sm.states is not None:
+            raise PieError(
+                ErrorCode.UNSUPPORTED,
+                f"model {sm.name} carries recurrent state, which advances through a window's rows in order: "
+                "a tree fire needs a model with attention only (fire a chain instead)",
+            )
+        return tree_depths(req.parents, w)
+
+    @staticmethod
+    def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int, depths: list[int] | None) -> list[int]:
+        """The window's positions (a tree row's: ``start`` plus its depth), once its tokens and rows are known to
+        fit the model."""
         info = sm.info
         bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
         if bad is not None:
@@ -125,29 +141,33 @@ class FireRequests:
             raise PieError(
                 ErrorCode.CAPACITY, f"rows {start}..{start + w - 1} exceed the model's {info.max_positions} positions"
             )
-        positions = list(range(start, start + w)) if req.positions is None else req.positions
+        if req.positions is not None:
+            positions = req.positions
+        else:
+            positions = list(range(start, start + w)) if depths is None else [start + d for d in depths]
         if len(positions) != w or any(not 0 <= p < info.max_positions for p in positions):
             raise PieError(ErrorCode.INVALID_ARGUMENT, "positions need one value per token, each within capacity")
         return positions
 
     @staticmethod
-    def _fold(req: m.Fire, program, w: int) -> int | None:
-        """The fire's fold count, or None when it is deferred (to the host or to the epilogue)."""
+    def _fold(req: m.Fire, program, w: int) -> Fold | None:
+        """The fire's fold (a count, or a path of its tree), or None when it is deferred (to the host or to the
+        epilogue). A tree window folds no rows unless told which: its default fold is the empty path."""
         if req.fold == m.DEFERRED:
             return None
         if program is not None and program.folds:
             raise PieError(ErrorCode.INVALID_ARGUMENT, "a fire whose program folds needs fold=deferred")
-        fold = w if req.fold is None else req.fold
-        if not 0 <= fold <= w:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} outside [0, {w}]")
-        return fold
+        if req.fold is None:
+            return w if req.parents is None else []
+        fold_path(req.fold, req.parents, w)
+        return req.fold
 
     @staticmethod
-    def _check_granule(sm: ServedModel, fold: int | None, w: int) -> None:
+    def _check_granule(sm: ServedModel, fold: Fold | None, w: int) -> None:
         """A model whose state advances in granules of more than one row cannot leave rows of a fire out: its
         state cannot be replayed to a row inside a granule. Only whole fires fold there (no deferred fold)."""
         g = sm.info.state_granule
-        if g > 1 and (fold is None or fold < w):
+        if g > 1 and (fold is None or (fold if isinstance(fold, int) else len(fold)) < w):
             raise PieError(
                 ErrorCode.GRANULE,
                 f"model {sm.name}'s state advances in granules of {g} rows: a fire folds all its rows "
@@ -174,18 +194,26 @@ class FireRequests:
             )
 
     @staticmethod
-    def _check_readout(r: m.Readout, w: int, sm: ServedModel) -> np.ndarray | None:
+    def _check_readout(r: m.Readout, w: int, sm: ServedModel, parents: list[int] | None) -> np.ndarray | None:
         """Checks one readout against the window and the model; returns its mask, if it has one."""
         if any(not 0 <= row < w for row in r.rows):
             raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"readout rows must lie in the fire's window [0, {w})")
+        if r.at_accepted and parents is not None:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted reads a chain window, not a tree")
         if r.kind == "mtp" and sm.runner.mtp is None:
             raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
         if r.kind == "mtp" and r.k > sm.info.mtp_depth:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
-        if r.at_accepted and (r.kind != "mtp" or r.with_probs):
-            raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP readouts (no with_probs)")
+        if r.kind == "eagle" and sm.runner.eagle is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no EAGLE drafter")
+        if r.kind == "eagle" and r.k > sm.info.eagle_depth:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"Eagle({r.k}) past the drafter's depth {sm.info.eagle_depth}")
+        if r.at_accepted and (r.kind not in ("mtp", "eagle") or r.with_probs):
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP and Eagle readouts (no with_probs)"
+            )
         if r.at_accepted and r.rows and r.rows != list(range(r.rows[0], r.rows[0] + len(r.rows))):
-            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP readout reads consecutive rows")
+            raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP or Eagle readout reads consecutive rows")
         if r.mask is None:
             return None
         words = (sm.info.vocab_size + 31) // 32

@@ -12,10 +12,11 @@ import torch
 
 from ..protocol import PieError
 from ..protocol import messages as m
+from ..protocol.tree import Fold
 from .channels import Channel, Txn
 from .programs import Program
 from .programs.fire import RunState
-from .working_set import WorkingSet
+from .working_set import TreeWindow, WorkingSet
 
 Reply = tuple[bytes, dict]  # (client identity, reply map)
 Handler = Callable[[bytes, Any], dict | None]  # (client, the op's request model) → its reply; None: a step's
@@ -30,8 +31,9 @@ class FireJob:
     positions: list[int]
     readouts: list[m.Readout]
     masks: list[np.ndarray | None]  # one per readout: its packed allowed-token bitmask
-    fold: int | None  # None: deferred
+    fold: Fold | None  # a count or a path (protocol.tree); None: deferred
     start: int  # sequence index of the first row
+    parents: list[int] | None = None  # a tree window's parent rows (protocol.tree); None: a chain
     done: int = 0  # rows already run
     cached_rows: int = 0  # leading rows mapped from the prefix cache instead of run (counted in done)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # window row → final hidden state
@@ -39,6 +41,10 @@ class FireJob:
     bindings: list[Channel] = field(default_factory=list)
     source: Channel | None = None  # tokens come from this channel's front cell, taken when the fire runs
     run: RunState | None = None
+
+    @property
+    def tree(self) -> TreeWindow | None:
+        return TreeWindow(tuple(self.parents), tuple(self.tokens)) if self.parents is not None else None
 
     @property
     def writes(self) -> list[Channel]:
@@ -60,7 +66,7 @@ class FireOutcome:
 
     job: FireJob
     results: list[dict[str, np.ndarray]] = field(default_factory=list)  # one per readout; {} for no rows
-    device_fold: int | None = None
+    device_fold: list[int] | None = None  # the path the epilogue folds (checked), when it folds
     txn: Txn | None = None
     error: PieError | None = None
 

@@ -17,13 +17,15 @@ from .prefix_cache import PageChain, PrefixCache
 from .working_set import WorkingSet
 
 CopyPages = Callable[[list[int], list[int]], None]  # (source pages, destination pages)
+CopySlots = Callable[[list[int], list[int]], None]  # (source slots, destination slots): page * page_size + offset
 
 
 class KVPages:
-    def __init__(self, pool: PagePool, page_size: int, copy_pages: CopyPages):
+    def __init__(self, pool: PagePool, page_size: int, copy_pages: CopyPages, copy_slots: CopySlots | None = None):
         self.pool = pool
         self.page_size = page_size
         self.copy_pages = copy_pages
+        self.copy_slots = copy_slots
         self.cache: PrefixCache | None = None
 
     def enable_prefix_cache(self, model: str) -> None:
@@ -66,6 +68,14 @@ class KVPages:
             for i, p in zip(shared, dst):
                 ws.pages[i] = p
         ws.pages.extend(fresh[:grow])
+
+    def move_rows(self, ws: WorkingSet, src: list[int], dst: list[int]) -> None:
+        """Copies the K/V of rows ``src`` of ``ws`` onto rows ``dst`` (a tree fold's path, engine/fold.py). Every
+        destination lies past the committed rows, in pages the fire that wrote them reserved (private)."""
+        if self.copy_slots is None:
+            raise RuntimeError("this KVPages was built without a copy_slots callback")
+        ps = self.page_size
+        self.copy_slots([ws.pages[r // ps] * ps + r % ps for r in src], [ws.pages[r // ps] * ps + r % ps for r in dst])
 
     def map_prefix(self, ws: WorkingSet, tokens: Sequence[int], max_rows: int) -> int:
         """Maps the longest cached chain over ``tokens`` (at most ``max_rows`` rows) into the empty page table of

@@ -118,3 +118,30 @@ def measure_mtp_step_ms(runner: ModelRunner, repeats: int = 5) -> float:
         _sync(runner.device)
         times.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(times), 3)
+
+
+def measure_eagle_step_ms(runner: ModelRunner, kv_pages: int, context: int = 256, repeats: int = 5) -> float:
+    """ms of one more EAGLE draft on a row over a ``context``-row sequence (one draft layer step over the
+    pool layer's K/V and the lm head); 0.0 without an EAGLE head."""
+    if runner.eagle is None:
+        return 0.0
+    ps = runner.kv.page_size
+    pages = list(range(min(kv_pages, (context + ps - 1) // ps)))
+    dtype = next(runner.model.parameters()).dtype
+    feature = torch.ones(1, runner.model.config.hidden_size, dtype=dtype, device=runner.device)
+    first = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    index = torch.tensor([len(pages) * ps - 1], device=runner.device)
+
+    def one() -> None:
+        assert runner.eagle is not None
+        runner.eagle.draft(feature, first, index, pages, runner.kv, 2)
+
+    one()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        one()
+        _sync(runner.device)
+        times.append((time.perf_counter() - t0) * 1e3 / 2)
+    return round(statistics.median(times), 3)

@@ -1,14 +1,23 @@
 """The model runner: one batched forward over ragged rows on the device, then the readouts of the rows
-asked for. It turns engine-side plans (page tables, row lists) into tensors and tensors into numpy."""
+asked for. It turns engine-side plans (page tables, row lists) into tensors and tensors into numpy.
+
+With an EAGLE head (models/eagle.py) every forward also writes the draft layer's K/V of its rows into the
+pool's extra layer. Row p's input pairs the feature of row p-1 with token p: inside a segment that is the
+row before it; for a segment's first row it is the :class:`FeatureTail` its working set kept from the
+rows it ran last (execute.py), or zeros where that row is not among them (a fork's or a fresh working set's
+first row after prefix-cached pages, or a truncate back past them). Zeros cost only that row's draft-layer
+K/V some quality, never exactness: drafts are verified."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..models.context import ForwardContext, Segment
+from ..models.eagle import EagleHead
 from ..models.families import CausalLM
 from ..models.kv_cache import KVCache
 from ..models.mtp import MTPHead
@@ -24,7 +33,27 @@ class ReadoutRequest:
     spec: Readout
     hidden: torch.Tensor  # (R, H)
     mask: np.ndarray | None  # packed allowed-token bitmask (R, W)
-    next_tokens: list[int] | None = None  # at_accepted MTP: the window's token after each row (-1 past it)
+    next_tokens: list[int] | None = None  # at_accepted MTP/EAGLE: the window's token after each row (-1 past it)
+    pages: list[int] | None = None  # EAGLE: the working set's page table (its chains read the pool layer)
+    start: int = 0  # EAGLE: the sequence index of the fire's row 0
+
+
+# The last rows of a working set's forward whose features an EAGLE head keeps: a verify window's rows (its
+# deferred fold picks one of them as the last folded row) and a prefill chunk's last.
+TAIL_ROWS = 64
+
+
+@dataclass(frozen=True)
+class FeatureTail:
+    """EAGLE features of the last rows a working set ran: rows ``start .. start + len(features) - 1``."""
+
+    start: int
+    features: torch.Tensor  # (n, H)
+
+    def at(self, index: int) -> torch.Tensor | None:
+        """The feature of sequence index ``index``, or None when it is not among these rows."""
+        i = index - self.start
+        return self.features[i] if 0 <= i < len(self.features) else None
 
 
 class ModelRunner:
@@ -35,16 +64,28 @@ class ModelRunner:
         self.device = device
         self.vocab = model.config.vocab_size
         self.mtp: MTPHead | None = None  # the model's MTP drafter, when it has one
+        self.eagle: EagleHead | None = None  # the model's EAGLE drafter, when it has one
 
-    def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def forward(
+        self,
+        segments: list[Segment],
+        tokens: list[int],
+        positions: list[int],
+        tails: Sequence[object] | None = None,
+    ) -> torch.Tensor:
         """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V and advances the recurrent
-        state of the slot each segment names (``Segment.state``), returns (N, H) hidden."""
+        state of the slot each segment names (``Segment.state``), returns (N, H) hidden. With an EAGLE head it
+        writes the draft layer's K/V too; ``tails``: each segment's working set's :class:`FeatureTail` (module
+        docstring)."""
         if self.state is not None:  # slot → its live entry; a segment of no working set runs on the scratch
             segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
         ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            return self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]
+            hidden = self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]
+            if self.eagle is not None:
+                self._eagle_kv(segments, ids, hidden, ctx, tails or [None] * len(segments))
+        return hidden
 
     # ---- the recurrent-state pool's tensors, by slot (engine/state_slots.py's StateOps) ------------
 
@@ -66,8 +107,44 @@ class ModelRunner:
         s = self._states()
         s.copy([s.snapshot_of(slot)], [slot])
 
+    def _eagle_kv(
+        self,
+        segments: list[Segment],
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        tails: Sequence[object],
+    ) -> None:
+        assert self.eagle is not None
+        u = self.eagle.feature(hidden)
+        prev = torch.empty_like(u)
+        r = 0
+        for seg, tail in zip(segments, tails):
+            before = tail.at(seg.start - 1) if isinstance(tail, FeatureTail) else None
+            prev[r] = before if before is not None else 0.0
+            prev[r + 1 : r + seg.n_rows] = u[r : r + seg.n_rows - 1]
+            r += seg.n_rows
+        self.eagle.write_kv(prev, ids, ctx, self.kv)
+
+    @torch.inference_mode()
+    def tails(self, segments: list[Segment], hidden: torch.Tensor) -> list[FeatureTail | None]:
+        """Each segment's new :class:`FeatureTail` after a forward returned ``hidden``; None without EAGLE."""
+        if self.eagle is None:
+            return [None] * len(segments)
+        out: list[FeatureTail | None] = []
+        r = 0
+        for seg in segments:
+            keep = min(seg.n_rows, TAIL_ROWS)
+            rows = hidden[r + seg.n_rows - keep : r + seg.n_rows]
+            out.append(FeatureTail(seg.start + seg.n_rows - keep, self.eagle.feature(rows).clone()))
+            r += seg.n_rows
+        return out
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_pages(src, dst)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        self.kv.copy_slots(src, dst)
 
     @torch.inference_mode()
     def readouts(self, requests: list[ReadoutRequest]) -> tuple[list[dict[str, np.ndarray]], list[torch.Tensor | None]]:
@@ -93,7 +170,12 @@ class ModelRunner:
             mask = None
             if r.mask is not None:
                 mask = sampling.unpack_mask(torch.from_numpy(r.mask.astype(np.int32)).to(self.device), self.vocab)
-            out.append(self._mtp(r, logits, mask) if kind == "mtp" else self._kernel(r.spec, logits, mask))
+            if kind == "mtp":
+                out.append(self._mtp(r, logits, mask))
+            elif kind == "eagle":
+                out.append(self._eagle(r, logits, mask))
+            else:
+                out.append(self._kernel(r.spec, logits, mask))
         return out, raw
 
     def _kernel(self, spec: Readout, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
@@ -110,20 +192,43 @@ class ModelRunner:
         """tokens (R, 1+k): the target's greedy next token (under the row's mask), then k chained MTP
         drafts (argmax each); with_probs adds probs (R, k, V), each step's filtered draft distribution.
         at_accepted chains only from the row a greedy verifier stops at; other rows' drafts are -1."""
-        spec, mtp = r.spec, self.mtp
+        mtp = self.mtp
         assert mtp is not None, "fire admission refuses MTP readouts on a model without a head"
-        first = sampling.argmax(logits, mask)
-        steps: list[torch.Tensor] = []
-        if spec.at_accepted:
-            assert r.next_tokens is not None  # execute passes them for every at_accepted readout
-            agree = first[:-1].cpu() == torch.tensor(r.next_tokens[:-1], dtype=first.dtype)
-            n = int(torch.cumprod(agree.to(torch.int64), 0).sum()) if agree.numel() else 0
-            drafts = torch.full((first.shape[0], spec.k), -1, dtype=first.dtype, device=first.device)
-            drafts[n] = mtp.draft(r.hidden[n : n + 1], first[n : n + 1], spec.k)[0][0]
-        else:
-            drafts, steps = mtp.draft(r.hidden, first, spec.k)
-        out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
-        if spec.with_probs:
-            probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]
-            out["probs"] = torch.stack(probs, dim=1).cpu().numpy()
-        return out
+        return _chained(
+            r, sampling.argmax(logits, mask), lambda rows, first: mtp.draft(r.hidden[rows], first, r.spec.k)
+        )
+
+    def _eagle(self, r: ReadoutRequest, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
+        """As ``_mtp``, the drafts chained by the EAGLE head from each row's feature and the pool layer's K/V
+        of the rows up to it."""
+        eagle = self.eagle
+        assert eagle is not None and r.pages is not None, "fire admission refuses EAGLE readouts without a head"
+        index = torch.tensor(r.spec.rows, dtype=torch.int64, device=self.device) + r.start
+
+        def chain(rows: slice, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            assert eagle is not None and r.pages is not None
+            return eagle.draft(eagle.feature(r.hidden[rows]), first, index[rows], r.pages, self.kv, r.spec.k)
+
+        return _chained(r, sampling.argmax(logits, mask), chain)
+
+
+def _chained(r: ReadoutRequest, first: torch.Tensor, draft) -> dict[str, np.ndarray]:
+    """An MTP or EAGLE readout's result from the target's greedy tokens ``first`` (R,) and ``draft(rows,
+    first)`` (R', k) drafts and their k logits. tokens (R, 1+k): ``first``, then the k chained drafts;
+    with_probs adds probs (R, k, V). at_accepted chains only from the row a greedy verifier stops at (the
+    other rows' drafts are -1)."""
+    spec = r.spec
+    steps: list[torch.Tensor] = []
+    if spec.at_accepted:
+        assert r.next_tokens is not None  # execute passes them for every at_accepted readout
+        agree = first[:-1].cpu() == torch.tensor(r.next_tokens[:-1], dtype=first.dtype)
+        n = int(torch.cumprod(agree.to(torch.int64), 0).sum()) if agree.numel() else 0
+        drafts = torch.full((first.shape[0], spec.k), -1, dtype=first.dtype, device=first.device)
+        drafts[n] = draft(slice(n, n + 1), first[n : n + 1])[0][0]
+    else:
+        drafts, steps = draft(slice(None), first)
+    out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
+    if spec.with_probs:
+        probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]
+        out["probs"] = torch.stack(probs, dim=1).cpu().numpy()
+    return out

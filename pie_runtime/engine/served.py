@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
+from ..protocol.tree import fold_count
 from .channels import Channel
 from .jobs import FireJob
 from .kv_pages import KVPages
@@ -36,6 +37,7 @@ class FireQueue:
         job.ws.in_flight += 1
         if job.fold is None:
             job.ws.pending_fold = len(job.positions)  # refuses the next fire from now on
+            job.ws.pending_tree = job.tree
         self._jobs.append(job)
 
     def pop(self, job: FireJob) -> None:
@@ -55,7 +57,7 @@ class FireQueue:
 
     def planned_length(self, ws: WorkingSet) -> int:
         """Committed length of ``ws`` once every queued fire of it has folded (queued fires never defer)."""
-        return ws.committed + sum(j.fold or 0 for j in self._jobs if j.ws is ws)
+        return ws.committed + sum(fold_count(j.fold) for j in self._jobs if j.ws is ws and j.fold is not None)
 
 
 @dataclass

@@ -11,6 +11,10 @@ Auth (tcp://, ``--token``): a client is unauthenticated until a hello that fully
 and the engine's protocol version). Until then every message is refused ``unauthorized`` after a cheap look
 at its raw map (its ``op`` and ``token``), before the full validation of ``parse_request``: an
 unauthenticated client costs the engine one msgpack unpack a message, never a schema walk or a request.
+
+``simulate_step_s`` (the hidden ``--simulate-step-ms``, for scale-out measurements on few cores): each step
+also sleeps that long before its replies go out, as if its forward ran on a device of its own. The CPU is
+free meanwhile, so several such engines on one machine scale as separate devices would.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hmac
 import logging
 import signal
+import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -30,12 +35,13 @@ log = logging.getLogger("pie.engine")
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, address: str, token: str | None = None):
+    def __init__(self, core: EngineCore, address: str, token: str | None = None, simulate_step_s: float = 0.0):
         if address.startswith("tcp://") and not token:
             raise ValueError("a tcp:// address needs an auth token (--token)")
         self.core = core
         self.address = address
         self.token = token
+        self.simulate_step_s = simulate_step_s
         self.authed: set[bytes] = set()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -59,7 +65,10 @@ class EngineServer:
                 poller.poll(timeout)
                 self._drain()
                 if self.core.has_work():
-                    for client, reply in self.core.step():
+                    replies = self.core.step()
+                    if self.simulate_step_s:
+                        time.sleep(self.simulate_step_s)
+                    for client, reply in replies:
                         self._send(client, reply)
         finally:
             self.sock.disable_monitor()

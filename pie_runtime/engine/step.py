@@ -17,6 +17,7 @@ import time
 
 from ..protocol import ErrorCode, PieError
 from ..protocol.arrays import encode_array
+from ..protocol.tree import fold_path
 from .channels import ChannelTable, poison
 from .execute import contained, execute
 from .fold import apply_fold
@@ -112,12 +113,12 @@ class Step:
             if o.error is not None:
                 replies.extend(self._fail(sm, j, o.error))
                 continue
-            fold = j.fold if j.fold is not None else o.device_fold
             self._wrote(sm, j)
-            if fold is not None:
-                apply_fold(sm, ws, j.start, fold)
-                if j.fold is None:
-                    ws.pending_fold = None  # settled on the device, as ws_fold would
+            if j.fold is not None:
+                apply_fold(sm, ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
+            elif o.device_fold is not None:  # settled on the device, as ws_fold would
+                ws.pending_fold, ws.pending_tree = None, None
+                apply_fold(sm, ws, j.start, o.device_fold, j.tree)
             self.stats.fires += 1
             self._unqueue(sm, j)
             if j.run is not None:
@@ -136,7 +137,9 @@ class Step:
                 "step_rows": step_rows,  # the batch this fire ran in: what a draft-length planner sees as load
             }
             if o.device_fold is not None:
-                reply["fold"] = o.device_fold
+                reply["fold"] = len(o.device_fold)
+                if j.parents is not None:
+                    reply["fold_path"] = o.device_fold
             if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)
                 reply["replayed_rows"] = ws.replayed_rows
             replies.append((j.client, reply))
@@ -208,7 +211,7 @@ class Step:
     def _finish(self, sm: ServedModel, j: FireJob, reply: dict) -> Reply:
         """Ends a fire that will not run (a stopped run-ahead round): its rows were never written."""
         if j.fold is None:
-            j.ws.pending_fold = None
+            j.ws.pending_fold, j.ws.pending_tree = None, None
         self._unqueue(sm, j)
         return (j.client, reply)
 
@@ -221,9 +224,9 @@ class Step:
         ran = bool(j.tokens) and j.remaining == 0
         if j.fold is not None and ran:
             self._wrote(sm, j)
-            apply_fold(sm, j.ws, j.start, j.fold)
+            apply_fold(sm, j.ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
         elif j.ws.state is not None and j.ws.state.fire is j:
-            apply_fold(sm, j.ws, j.ws.committed, 0)  # its rows fold nothing: the state from before it comes back
+            apply_fold(sm, j.ws, j.ws.committed, [])  # its rows fold nothing: the state from before it comes back
         replies = [self._finish(sm, j, {"id": j.req_id, "ok": False, "error": err.to_wire()})]
         if j.fold is not None and not ran:
             after = PieError(

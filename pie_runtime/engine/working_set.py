@@ -11,8 +11,18 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..protocol import ErrorCode, PieError
+from ..protocol.tree import Fold, fold_path
 from .prefix_cache import PageChain
 from .state_slots import SlotHold
+
+
+@dataclass(frozen=True)
+class TreeWindow:
+    """The window of a tree fire (protocol.tree), kept while its fold is open: what a fold path is checked
+    against and which tokens its rows hold once folded."""
+
+    parents: tuple[int, ...]
+    tokens: tuple[int, ...]
 
 
 @dataclass
@@ -23,20 +33,26 @@ class WorkingSet:
     pages: list[int] = field(default_factory=list)
     committed: int = 0
     pending_fold: int | None = None  # window size of a fire whose fold is deferred and not yet settled
+    pending_tree: TreeWindow | None = None  # that fire's tree, when it has one
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
     chain: PageChain = field(default_factory=PageChain)  # what the prefix cache can name of its rows
     state: SlotHold | None = None  # its recurrent-state slot (models with recurrent state only)
     replayed_rows: int = 0  # rows its folds replayed so far (engine/fold.py), reported in fire and fold replies
+    # an EAGLE head's features of the last rows run (engine/runner.py's FeatureTail), opaque here
+    drafter_tail: object | None = None
 
-    def check_settle(self, n: int) -> None:
-        """Refuses to settle the deferred fold with ``n`` rows unless that fold is answered and ``n`` fits it."""
+    def check_settle(self, fold: Fold) -> list[int]:
+        """Refuses to settle the deferred fold with ``fold`` (a count or a path) unless that fold is answered and
+        ``fold`` fits its window; returns the window rows it commits, in order."""
         if self.in_flight:
             raise PieError(ErrorCode.BUSY, "fold after the deferred fire has been answered")
         if self.pending_fold is None:
             raise PieError(ErrorCode.NO_PENDING_FOLD, f"working set {self.id} has no deferred fold to settle")
-        if n > self.pending_fold:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {n} exceeds the fire's {self.pending_fold} rows")
+        if isinstance(fold, int) and fold > self.pending_fold:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} exceeds the fire's {self.pending_fold} rows")
+        parents = self.pending_tree.parents if self.pending_tree is not None else None
+        return fold_path(fold, parents, self.pending_fold)
 
 
 class WorkingSetTable:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from .channels import ChannelTable
-from .fold import apply_fold
+from .fold import settle_fold
 from .jobs import Handler, Reply
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
@@ -58,6 +58,7 @@ class WorkingSetRequests:
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
         child.state = hold
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
+        child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": child.id, "committed": child.committed}
 
@@ -74,10 +75,9 @@ class WorkingSetRequests:
 
     def fold(self, client: bytes, req: m.WsFold) -> dict:
         ws = self.sets.get(client, req.ws)
-        ws.check_settle(req.n)
+        path = ws.check_settle(req.n)
         sm = self.models[ws.model]
-        apply_fold(sm, ws, ws.committed, req.n)
-        ws.pending_fold = None
+        settle_fold(sm, ws, path)
         sm.pages.trim(ws)
         reply = {"committed": ws.committed}
         if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)

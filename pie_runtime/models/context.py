@@ -5,6 +5,10 @@ A *slot* is a flat index into the page pool: ``page * page_size + offset``. Row 
 that starts at sequence index ``start`` lives at sequence index ``start + i``; it writes its K/V into that
 index's slot and attends every key at sequence index ``<= start + i`` (causal over the page table).
 
+A segment of a *tree window* (docs/architecture.md, "Tree windows") carries the window's parent rows and the
+sequence index its row 0 sits at: a row then attends every key before the window and, inside the window,
+only itself and its ancestors, whichever chunk of the window wrote them.
+
 A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
 advance (``Segment.state``); the context lays those out as a :class:`StateLayout`.
 """
@@ -29,6 +33,8 @@ class Segment:
     page_table: list[int]  # physical page ids, in sequence order
     start: int
     n_rows: int
+    parents: tuple[int, ...] | None = None  # a tree window's parent row of each window row (-1: a root)
+    window: int = 0  # with parents: sequence index of the window's row 0 (start - window rows already ran)
     state: int | None = None  # state-pool entry the rows advance (models with recurrent state)
 
 
@@ -113,10 +119,17 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
         kl = seg.start + seg.n_rows
         used = (kl + page_size - 1) // page_size
         key_pages[i, :used] = torch.tensor(seg.page_table[:used], dtype=torch.int64)
-        idx = torch.arange(kl)
-        # query row r sits at sequence index start + r and sees keys 0..start + r
-        qi = torch.arange(seg.start, kl).unsqueeze(1)
-        mask[i, 0, : seg.n_rows, :kl] = idx.unsqueeze(0) <= qi
+        if seg.parents is None:
+            idx = torch.arange(kl)
+            # query row r sits at sequence index start + r and sees keys 0..start + r
+            qi = torch.arange(seg.start, kl).unsqueeze(1)
+            mask[i, 0, : seg.n_rows, :kl] = idx.unsqueeze(0) <= qi
+        else:
+            first = seg.start - seg.window  # window row of the segment's row 0
+            mask[i, 0, : seg.n_rows, : seg.window] = True
+            mask[i, 0, : seg.n_rows, seg.window : kl] = ancestor_mask(seg.parents)[
+                first : first + seg.n_rows, : kl - seg.window
+            ]
         mask[i, 0, seg.n_rows :, 0] = True  # padding rows attend something, so softmax stays finite
     return AttentionGroup(
         query_rows=query_rows.to(device),
@@ -125,3 +138,13 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
         mask=mask.to(device),
         valid_rows=query_rows[query_valid].to(device),
     )
+
+
+def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """(w, w) bool: row i's entry j is True when window row j is i or one of its ancestors."""
+    w = len(parents)
+    out = torch.eye(w, dtype=torch.bool)
+    for row, parent in enumerate(parents):
+        if parent >= 0:
+            out[row] |= out[parent]
+    return out

@@ -1,5 +1,8 @@
 """The paged KV pool's tensors: per attention layer, K and V for ``num_pages * page_size`` slots. Which pages belong
-to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes."""
+to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes.
+
+``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
+(an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too."""
 
 from __future__ import annotations
 
@@ -9,18 +12,26 @@ from .config import AnyConfig
 
 
 class KVCache:
-    def __init__(self, cfg: AnyConfig, num_pages: int, page_size: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self,
+        cfg: AnyConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device="cpu",
+        extra_layers: int = 0,
+    ):
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (cfg.kv_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.kv_layers + extra_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_page(cfg: AnyConfig, page_size: int, dtype: torch.dtype) -> int:
-        """0 for a model without attention layers."""
+    def bytes_per_page(cfg: AnyConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        """0 for a model without attention layers (and no extra layers)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.kv_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * (cfg.kv_layers + extra_layers) * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     @property
     def nbytes(self) -> int:
@@ -31,5 +42,13 @@ class KVCache:
         ps = self.page_size
         s = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in src]).to(self.k.device)
         d = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in dst]).to(self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy single rows between slots, every layer (a tree fold moving its path's rows into place). The
+        sources are read in full before any destination is written, so the two may overlap."""
+        s = torch.tensor(src, dtype=torch.int64, device=self.k.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]

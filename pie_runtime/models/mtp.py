@@ -127,12 +127,13 @@ def read_config(weights: Path) -> MTPConfig:
     return MTPConfig.model_validate_json(config_path(weights).read_text())
 
 
-def save_mtp(module: MTPModule, weights: Path) -> None:
+def save_mtp(module: MTPModule, weights: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Writes the tensors in ``dtype`` (bfloat16 halves the file; the engine casts to its own dtype)."""
     from safetensors.torch import save_file
 
     weights = Path(weights)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().contiguous() for k, v in module.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(weights), metadata={"format": "pt", "pie": "mtp"})
     config_path(weights).write_text(module.config.model_dump_json(indent=2))
 

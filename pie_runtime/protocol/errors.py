@@ -33,6 +33,7 @@ class ErrorCode(str, Enum):
     PROGRAM_FAILED = "program_failed"  # an epilogue failed at run time (e.g. a gather index out of range)
     LIMIT_EXCEEDED = "limit_exceeded"  # a request past one of the engine's limits; the message names the limit
     EMPTY_MASK = "empty_mask"  # a readout row whose allowed-token mask allows no token
+    INVALID_TREE = "invalid_tree"  # a fire's parents that form no tree, or a fold path that is no path of it
     INTERNAL = "internal"
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .arrays import decode_array
 from .dtypes import ChannelDtype
 
-PROTOCOL_VERSION = 2  # 2: spec_report, MTP at_accepted, pass costs in hello
+PROTOCOL_VERSION = 3  # 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree)
 Deferred = Literal["deferred"]
 DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
 
@@ -32,7 +32,7 @@ class WireArray(_Msg):
         return decode_array(self.model_dump())
 
 
-ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp"]
+ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp", "eagle"]
 
 # The sampler's ranges, shared by the engine's sampler and the SDK's filter_distribution: a temperature
 # below MIN_TEMPERATURE (0 included) is greedy (one-hot at the argmax), one above MAX_TEMPERATURE is
@@ -52,9 +52,9 @@ class Readout(_Msg):
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
-    k: int = Field(default=1, ge=1, le=16)  # MTP draft depth
-    with_probs: bool = False  # MTP: also return the draft distribution at each step
-    # MTP, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
+    k: int = Field(default=1, ge=1, le=16)  # MTP or EAGLE draft depth
+    with_probs: bool = False  # MTP, EAGLE: also return the draft distribution at each step
+    # MTP or EAGLE, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
     # window's next token (the row a greedy verifier keeps going from); the other rows' drafts are -1
     at_accepted: bool = False
     mask: WireArray | None = None
@@ -91,10 +91,15 @@ class WsRelease(_Req):
     ws: int
 
 
+_Count = Annotated[int, Field(ge=0)]
+
+
 class WsFold(_Req):
+    """Settles a deferred fold: ``n`` leading rows, or a path of window rows (a tree fire's, protocol.tree)."""
+
     op: Literal["ws_fold"]
     ws: int
-    n: int = Field(ge=0)
+    n: _Count | list[int]
 
 
 class WsTruncate(_Req):
@@ -119,19 +124,21 @@ class RunAhead(_Msg):
 class Fire(_Req):
     """One ForwardPass: embed ``tokens`` (or the front cell of channel ``tokens_from``) at rows
     ``committed ..`` of working set ``ws``, read out, run the epilogue ``program``, fold.
-    ``fold``: None folds every row, an int folds that many, ``"deferred"`` leaves it for ``ws_fold`` or,
-    when the program folds, for the epilogue. ``settle`` settles the working set's pending deferred fold with
-    that count first, saving the ``ws_fold`` round trip. ``bindings`` are the channel handles of the
-    program's slots."""
+    ``fold``: None folds every row, an int folds that many, a list of rows folds that path of a tree window,
+    ``"deferred"`` leaves it for ``ws_fold`` or, when the program folds, for the epilogue. ``settle`` settles
+    the working set's pending deferred fold with that count (or path) first, saving the ``ws_fold`` round
+    trip. ``parents`` makes the window a token tree (protocol.tree): one parent row per row, -1 for a row
+    that follows the committed sequence. ``bindings`` are the channel handles of the program's slots."""
 
     op: Literal["fire"]
     ws: int
     tokens: list[int] | None = Field(default=None, min_length=1)
     tokens_from: int | None = None
     positions: list[int] | None = None
+    parents: list[int] | None = None
     readouts: list[Readout] = []
-    fold: int | Deferred | None = None
-    settle: int | None = Field(default=None, ge=0)
+    fold: int | list[int] | Deferred | None = None
+    settle: _Count | list[int] | None = None
     program: str | None = None
     bindings: list[int] = []
     run_ahead: RunAhead | None = None
@@ -232,6 +239,10 @@ class SpecReport(_Req):
     rounds_with_rejection: _SPEC_COUNT
     skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
     replayed_rows: _SPEC_COUNT = 0
+    draft_rows: _SPEC_COUNT = 0
+    tree_rounds: _SPEC_COUNT = 0
+    tree_rows: _SPEC_COUNT = 0
+    tree_depth: _SPEC_COUNT = 0
     decode_tokens: _SPEC_COUNT = 0
     decode_s: _SPEC_SPAN = 0.0
     prefill_ms: _SPEC_SPAN = 0.0
@@ -246,6 +257,8 @@ class SpecReport(_Req):
             raise ValueError("a position accepted more drafts than it was proposed")
         if self.rounds_with_rejection > self.rounds:
             raise ValueError("more rejecting rounds than rounds")
+        if self.tree_rounds > self.rounds:
+            raise ValueError("more tree rounds than rounds")
         return self
 
 
@@ -295,6 +308,8 @@ class ModelInfo(BaseModel):
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic
     pass_cost_ms: list[float] = []  # [w-1]: ms of one sequence's w-row pass + lm head, measured at start
     mtp_step_ms: float = 0.0  # ms of one more MTP(k) draft on a row, measured at start
+    eagle_depth: int = 0  # > 0 when the model serves Eagle(k) readouts
+    eagle_step_ms: float = 0.0  # ms of one more Eagle(k) draft on a row, measured at start
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
     weight_bytes: int = 0  # bytes of the projections and lm head as served

@@ -29,6 +29,10 @@ class SpecCounters:
     skipped: dict[str, int] = field(default_factory=dict)  # reason → plain steps
     # rows the engine replayed to fold fewer rows than a fire ran (models with recurrent state: engine/fold.py)
     replayed_rows: int = 0
+    draft_rows: int = 0  # draft rows of every round's verify window (a chain's drafts, a tree's nodes), summed
+    tree_rounds: int = 0  # rounds that verified a token tree (counted in rounds too)
+    tree_rows: int = 0  # draft rows of those rounds' windows, summed
+    tree_depth: int = 0  # depth of the path each kept, summed (its accepted drafts)
 
     @classmethod
     def names(cls) -> set[str]:
@@ -53,6 +57,10 @@ class SpecCounters:
         self.replayed_rows = add_capped(self.replayed_rows, other.replayed_rows)
         for reason, n in other.skipped.items():
             self.skipped[reason] = add_capped(self.skipped.get(reason, 0), n)
+        self.draft_rows = add_capped(self.draft_rows, other.draft_rows)
+        self.tree_rounds = add_capped(self.tree_rounds, other.tree_rounds)
+        self.tree_rows = add_capped(self.tree_rows, other.tree_rows)
+        self.tree_depth = add_capped(self.tree_depth, other.tree_depth)
 
     def figures(self) -> dict:
         """The counters and what dashboards read from them."""
@@ -67,4 +75,9 @@ class SpecCounters:
             "rejecting_round_share": self.rounds_with_rejection / self.rounds if self.rounds else 0.0,
             "replayed_rows": self.replayed_rows,
             "skipped": dict(self.skipped),
+            "rows_per_round": 1 + self.draft_rows / self.rounds if self.rounds else 0.0,  # verify window rows, mean
+            "accepted_depth": self.accepted / self.rounds if self.rounds else 0.0,  # drafts kept per round, mean
+            "tree_rounds": self.tree_rounds,
+            "tree_rows": self.tree_rows / self.tree_rounds if self.tree_rounds else 0.0,  # mean rows a tree round
+            "tree_depth": self.tree_depth / self.tree_rounds if self.tree_rounds else 0.0,  # mean accepted depth
         }

@@ -172,16 +172,18 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         prefix: str,
         stream: Callable[..., AsyncIterator[str]],
         respond: Callable[..., BaseModel],
+        session: str | None = None,
     ) -> Response:
         """A completion or chat request (``prompt``, ``stream`` and ``respond`` are its dialect's): admit, run,
-        and answer whole or as a stream."""
+        and answer whole or as a stream. ``session`` (the ``x-session-id`` header, else the request's ``user``)
+        keeps a conversation on one engine under ``--engines N``."""
         arrival = time.monotonic()
         runs = server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
         job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
         lease = server.admit(key, job)
-        events = runs.events(job.inferlet, job.args, lease, arrival=arrival)
+        events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
             first = await prime(events)
@@ -190,12 +192,16 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         return JSONResponse(respond(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True))
 
     @v1.post("/completions")
-    async def completions(req: CompletionRequest, key: str = Depends(api_key)) -> Response:
-        return await generate(req, key, completion_prompt, "cmpl", completion_stream, completion_response)
+    async def completions(
+        req: CompletionRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+    ) -> Response:
+        return await generate(req, key, completion_prompt, "cmpl", completion_stream, completion_response, x_session_id)
 
     @v1.post("/chat/completions")
-    async def chat(req: ChatRequest, key: str = Depends(api_key)) -> Response:
-        return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response)
+    async def chat(
+        req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+    ) -> Response:
+        return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
 
     add_inferlet_routes(v1, server, api_key)
     app.include_router(v1)

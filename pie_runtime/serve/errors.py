@@ -18,6 +18,7 @@ RUN_FAILURES: dict[str, tuple[int, str]] = {
     "bad_arguments": (400, "invalid_request_error"),
     "inferlet_error": (500, "server_error"),
     "host_crashed": (500, "server_error"),
+    "engine_lost": (503, "server_error"),  # pie serve --engines: the run's engine died (cluster/pool.py)
     "cancelled": (409, "cancelled_error"),
     "timeout": (504, "timeout_error"),
     "overloaded": (503, "overloaded_error"),

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from inferlet.args import parse_arg_dict
+from inferlet.errors import UsageError
 from inferlet.runtime import Entry, Session, jsonable, load_module, run_in_context
 
 from . import control as c
@@ -97,6 +98,8 @@ class Host:
             reply: c.Result | c.Error = c.Result(run=run_id, result=jsonable(result))
         except asyncio.CancelledError:
             reply = c.Error(run=run_id, code="cancelled", message="the run was cancelled")
+        except UsageError as e:  # what the request asks cannot be served here: the caller's to change
+            reply = c.Error(run=run_id, code="bad_arguments", message=str(e))
         except Exception as e:  # noqa: BLE001 -- whatever the inferlet raised fails its run only
             traceback.print_exc()
             reply = c.Error(run=run_id, code="inferlet_error", message=_describe(e))

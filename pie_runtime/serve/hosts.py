@@ -46,7 +46,9 @@ from .limits import HostLimits, host_env
 
 __all__ = ["HostLimits", "HostPool", "RunEvent", "RunFailed"]
 
-FailCode = Literal["inferlet_error", "host_crashed", "cancelled", "timeout", "bad_arguments", "overloaded", "not_found"]
+FailCode = Literal[
+    "inferlet_error", "host_crashed", "cancelled", "timeout", "bad_arguments", "overloaded", "not_found", "engine_lost"
+]
 
 
 class RunFailed(Exception):
@@ -166,10 +168,17 @@ class HostPool:
         return out
 
     async def run(
-        self, inferlet: str, args: dict, *, run_id: str | None = None, timeout: float | None = None
+        self,
+        inferlet: str,
+        args: dict,
+        *,
+        run_id: str | None = None,
+        timeout: float | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Streams the run's "text" events, then exactly one "result"; raises RunFailed. Leaving the loop
-        early (or the consumer being cancelled) cancels the run."""
+        early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
+        with one engine; ``cluster.pool.ClusterPool`` routes by it."""
         if self._draining:
             raise RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
@@ -229,14 +238,15 @@ class HostPool:
             self._abandon(run)
         await self._idle.wait()
 
-    async def close(self) -> None:
-        """Stops every host (asked, then killed) and waits for each to exit: no child outlives this."""
+    async def close(self, kill: bool = False) -> None:
+        """Stops every host (asked, then killed; ``kill``: killed at once, as when their engine is gone and
+        they could not release anything) and waits for each to exit: no child outlives this."""
         self._draining = True
         self._closed = True
         for run in list(self._waiting):
             self._finish(run, RunFailed("cancelled", "the server closed"))
         for host in list(self._hosts.values()):
-            if host.is_ready:
+            if host.is_ready and not kill:
                 self._post(host, c.Stop())
             else:  # not connected yet: a Stop would be dropped by the socket
                 self._kill(host, "the pool closed")

@@ -17,10 +17,11 @@ The SDK reaches the engine only through the wire protocol; it never imports engi
 from pie_runtime.protocol import ErrorCode, PieError
 
 from .channels import Channel
+from .errors import UsageError
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .model import Model
 from .programs import Program, trace
-from .readouts import MTP, Argmax, Distribution, Hidden, Logits, Sample
+from .readouts import MTP, Argmax, Distribution, Eagle, Hidden, Logits, Sample
 from .runtime import connect, emit, main, model
 from .tokenizer import StreamDecoder, Tokenizer
 from .working_set import WorkingSet
@@ -28,6 +29,7 @@ from .working_set import WorkingSet
 __all__ = [
     "DEFERRED",
     "MTP",
+    "Eagle",
     "Argmax",
     "Channel",
     "Distribution",
@@ -43,6 +45,7 @@ __all__ = [
     "Sample",
     "StreamDecoder",
     "Tokenizer",
+    "UsageError",
     "WorkingSet",
     "connect",
     "emit",

@@ -31,8 +31,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from .args import DecodeArgs
 from .draft_length import DraftPlanner
 from .drafter import Drafter, Proposal
@@ -43,10 +41,12 @@ from .readouts import Logits
 from .runtime import inferlet_name
 from .sampler import PlainSampler, Verifier
 from .speculative import SpecStats
+from .tree import TokenTree
 from .working_set import WorkingSet
 
-# step(window, drafts, q) fires ``window`` (its last len(drafts) rows are the drafts) and returns the emitted tokens
-Step = Callable[[list[int], list[int], np.ndarray | None], Awaitable[list[int]]]
+# step(window, proposal) fires ``window`` (its last proposal.tokens rows are a chain's drafts; a tree proposal's
+# window is [last] and the tree's rows follow it) and returns the emitted tokens
+Step = Callable[[list[int], Proposal], Awaitable[list[int]]]
 
 
 @dataclass
@@ -122,9 +122,9 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
         t0 = time.perf_counter()
         window = prompt[ws.committed :]  # a fork holds all but the prompt's last token already
         if fallback:
-            new = await step(window, [], None)
+            new = await step(window, Proposal())
         else:
-            new, _ = await asyncio.gather(step(window, [], None), drafter.prefill(prompt))
+            new, _ = await asyncio.gather(step(window, Proposal()), drafter.prefill(prompt))
         run.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.round_ms.clear()
         t_decode = time.perf_counter()
@@ -147,16 +147,34 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             else:
                 t = time.perf_counter()
                 proposal = await drafter.propose(seq, min(want, out.room - 1))
+                proposal = fit_tree(proposal, out.room - 1, model.max_positions - ws.committed - 1)
                 run.draft_ms.append((time.perf_counter() - t) * 1e3)
-                if not proposal.tokens:
+                if not proposal.rows:
                     stats.skip("no_draft")
-            new = await step([seq[-1]] + proposal.tokens, proposal.tokens, proposal.q)
-            planner.observe(len(proposal.tokens), len(new) - 1)
-            planner.observe_load(ws.step_rows, 1 + len(proposal.tokens))
+            new = await step([seq[-1]] + proposal.tokens, proposal)
+            if proposal.tree is not None:
+                planner.observe_tree(proposal.tree.max_depth, len(new) - 1)
+            else:
+                planner.observe(len(proposal.tokens), len(new) - 1)
+            planner.observe_load(ws.step_rows, 1 + proposal.rows)
         run.decode_s = time.perf_counter() - t_decode
     finally:
         await drafter.close()
         await ws.release()
+
+
+def fit_tree(proposal: Proposal, depth: int, rows: int) -> Proposal:
+    """A tree proposal cut to what the round may use: no node deeper than ``depth`` (the output's room less the
+    target's own token), at most ``rows`` draft rows (the model's capacity). A tree that is a chain becomes one."""
+    tree = proposal.tree
+    if tree is None:
+        return proposal
+    tree = tree.pruned(depth, rows)
+    if not len(tree):
+        return Proposal()
+    if tree.is_chain() and not tree.child_q:
+        return Proposal(tree.chain())
+    return Proposal(tree=tree)
 
 
 async def speculate(
@@ -176,8 +194,11 @@ async def speculate(
     fallback = args.fallback_reasons()
     plain = PlainSampler(args, run.prompt, verifier.rng) if fallback else None
 
-    async def step(window: list[int], drafts: list[int], q: np.ndarray | None) -> list[int]:
+    async def step(window: list[int], proposal: Proposal) -> list[int]:
         """One fire over ``window`` (whose last len(drafts) rows are the drafts); returns the emitted tokens."""
+        if proposal.tree is not None and plain is None:
+            return await tree_step(window[-1], proposal.tree)
+        drafts, q = proposal.tokens, proposal.q
         rows = list(range(len(window) - len(drafts) - 1, len(window)))
         fp = ForwardPass(ws).embed(window)
         masks = drafter.masks(drafts)
@@ -196,6 +217,22 @@ async def speculate(
         if drafts:
             stats.record(v)
             ws.settle(len(window) - len(drafts) + v.accepted)
+        return v.tokens
+
+    async def tree_step(last: int, tree: TokenTree) -> list[int]:
+        """One tree window ``[last] + tree``, a readout on every row, verified; folds the kept path."""
+        tokens, parents = tree.window(last)
+        fp = ForwardPass(ws).embed(tokens).tree(parents)
+        for kind in drafter.readouts(verifier):
+            fp.readout(range(len(tokens)), kind)
+        fp.fold(DEFERRED)
+        t0 = time.perf_counter()
+        res = await fp.submit()
+        run.round_ms.append((time.perf_counter() - t0) * 1e3)
+        v = verifier.verify_tree(tree, res.readouts[0])
+        drafter.observe(res, v)
+        stats.record_tree(v, tree.max_depth)
+        ws.settle(v.path)
         return v.tokens
 
     await drive_rounds(run, drafter, k, step, fallback)

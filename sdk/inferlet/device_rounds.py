@@ -25,7 +25,7 @@ import time
 from .args import DecodeArgs
 from .channels import Channel
 from .decode import Run, drive_rounds, speculate
-from .drafter import Drafter
+from .drafter import Drafter, Proposal
 from .forward import ForwardPass
 from .model import Model
 from .programs import Builder, Program, Sym, concat, trace, where
@@ -69,7 +69,9 @@ async def verify_rounds(model: Model, args: DecodeArgs, drafter: Drafter, k: int
     stats, ws = run.stats, run.ws
     programs: dict[int, Program] = {}  # drafts → the accept rule over that window
 
-    async def step(window: list[int], drafts: list[int], q: object = None) -> list[int]:
+    async def step(window: list[int], proposal: Proposal) -> list[int]:
+        assert proposal.tree is None, "device rounds verify chains"
+        drafts = proposal.tokens
         fp = ForwardPass(ws).embed(window)
         m = len(drafts)
         if m == 0:  # the prefill or a plain step: read the last row, fold all

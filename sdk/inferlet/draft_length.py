@@ -27,6 +27,12 @@ state from before the round and replays the rows it keeps (engine/fold.py), one 
 adds that pass, weighted by the chance the round rejects a draft: for k drafts,
 ``(1 - Π_{i<=k} α_i) * pass_cost(E[rows kept | a rejection])``, which shortens windows where drafts miss.
 
+A drafter that can also propose a token tree (inferlet.tree, ``--tree`` widths per depth) asks ``use_tree``
+each round: the tree of ``rows`` draft rows and ``depth`` levels emits 1 + Σ_d Π_{i<=d} β_i tokens, β_d the
+acceptance of depth d given depth d-1 was kept, observed on tree rounds (``observe_tree``) with the prior
+1 - (1 - α_d)^w_d (at least one of the w_d candidates at that depth right, each as likely as the chain's
+draft). It takes the tree when that, over the tree's cost, beats the best chain's tokens per millisecond.
+
 Whether to draft at all is decided on a slower estimate (``slow_decay``, about five drafting rounds): a drafter
 near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
 otherwise flip to plain steps after two unlucky rounds. When drafting does not pay the round is a plain
@@ -68,6 +74,8 @@ class DraftPlanner:
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
         self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
         self.replay = replay  # a rejecting round costs a replay of its kept rows (recurrent state)
+        self.tree_hits: list[float] = []  # [d]: discounted tree rounds whose kept path reached depth d+1
+        self.tree_trials: list[float] = []  # [d]: discounted tree rounds that tried depth d+1 (reached depth d)
 
     @property
     def adaptive(self) -> bool:
@@ -131,6 +139,51 @@ class DraftPlanner:
             if rate > best:
                 best_k, best = k, rate
         return best_k
+
+    def tree_alpha(self, d: int, width: int) -> float:
+        """β_d: acceptance at depth d+1 of a tree given depth d was kept, with one round's worth of prior."""
+        alpha = self.position_alpha(min(d, self.max_k - 1)) if self.max_k else self.alpha
+        prior = 1.0 - (1.0 - alpha) ** width
+        hits = self.tree_hits[d] if d < len(self.tree_hits) else 0.0
+        trials = self.tree_trials[d] if d < len(self.tree_trials) else 0.0
+        return min((hits + prior) / (trials + 1.0), 0.999)
+
+    def tree_expected_tokens(self, widths: list[int]) -> float:
+        total, survive = 1.0, 1.0
+        for d, w in enumerate(widths):
+            survive *= self.tree_alpha(d, w)
+            total += survive
+        return total
+
+    def use_tree(self, widths: list[int], rows: int, draft_fires: int = 0) -> bool:
+        """Whether a tree of ``widths`` (``rows`` draft rows, ``draft_fires`` drafter steps) is expected to emit
+        more tokens per ms than the best chain. Without a cost curve, always; with recurrent state (``replay``),
+        never: the engine refuses tree fires there (a state advances through rows in order), so rounds are chains."""
+        if self.replay:
+            return False
+        if not self.adaptive:
+            return True
+        k = self.best()
+        chain = self.expected_tokens(k) / self.round_cost(k)
+        cost = self.pass_cost(self.load + 1 + rows) - (self.pass_cost(self.load) if self.load else 0.0)
+        tree = self.tree_expected_tokens(widths) / (cost + draft_fires * self.draft_cost_ms + self.overhead_ms)
+        return tree >= chain
+
+    def observe_tree(self, depth: int, accepted: int) -> None:
+        """A verified tree round of ``depth`` levels whose kept path is ``accepted`` nodes deep."""
+        grow = depth - len(self.tree_hits)
+        if grow > 0:
+            self.tree_hits.extend([0.0] * grow)
+            self.tree_trials.extend([0.0] * grow)
+        for d in range(len(self.tree_hits)):
+            self.tree_hits[d] *= self.decay
+            self.tree_trials[d] *= self.decay
+        for d in range(min(accepted + 1, depth)):
+            self.tree_trials[d] += 1.0
+            self.tree_hits[d] += 1.0 if d < accepted else 0.0
+        rejected = 1 if accepted < depth else 0  # whether to draft at all: a tree round is a trial too
+        self.slow_hits = self.slow_hits * self.slow_decay + accepted
+        self.slow_trials = self.slow_trials * self.slow_decay + accepted + rejected
 
     def drafting_pays(self) -> bool:
         """One draft at the slowly forgotten acceptance beats a plain step."""

@@ -12,12 +12,21 @@ from .forward import PassResult
 from .readouts import ReadoutSpec
 from .sampler import Verifier
 from .speculative import VerifyResult
+from .tree import TokenTree, TreeVerdict
 
 
 @dataclass
 class Proposal:
+    """A round's drafts: a chain of ``tokens`` (with ``q``), or a token ``tree`` verified in one tree window."""
+
     tokens: list[int] = field(default_factory=list)
     q: np.ndarray | None = None  # (len(tokens), V) drafter probabilities; None for point-mass drafts
+    tree: TokenTree | None = None
+
+    @property
+    def rows(self) -> int:
+        """Draft rows of the verify window."""
+        return len(self.tree) if self.tree is not None else len(self.tokens)
 
 
 class Drafter:
@@ -41,7 +50,7 @@ class Drafter:
         """Readouts on every row of a fire; the first is verified (Argmax, Distribution, or MTP when greedy)."""
         return [verifier.kind()]
 
-    def observe(self, res: PassResult, verified: VerifyResult) -> None:
+    def observe(self, res: PassResult, verified: VerifyResult | TreeVerdict) -> None:
         """Sees each fire's readouts and verdict (an MTP drafter keeps the next round's drafts from them)."""
 
     async def commit(self, new_tokens: list[int], seq: list[int], committed: int) -> None:

@@ -1,4 +1,5 @@
-"""ForwardPass: one fire over a working set's window: embed tokens, choose readouts, choose the fold."""
+"""ForwardPass: one fire over a working set's window: embed tokens, choose readouts, choose the fold. A window
+may be a token tree (``tree(parents)``, pie_runtime.protocol.tree), folded by a path of its rows."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class PassResult:
     readouts: list[ReadoutResult] = field(default_factory=list)
     committed: int = 0
     fold: int | None = None  # the fold count the epilogue chose, when it folds
+    fold_path: list[int] | None = None  # ... and, in a tree window, the path of rows it folded
     run: dict | None = None  # a run-ahead's {rounds, tokens, reason}
     cached_rows: int = 0  # window rows the engine took from its prefix cache instead of computing them
 
@@ -75,7 +77,8 @@ class ForwardPass:
         self._tokens: list[int] = []
         self._positions: list[int] | None = None
         self._readouts: list[dict] = []
-        self._fold: int | str | None = None
+        self._fold: int | list[int] | str | None = None
+        self._parents: list[int] | None = None
         self._source: Channel | None = None
         self._program: Program | None = None
         self._bindings: list[Channel] = []
@@ -109,9 +112,17 @@ class ForwardPass:
         self._readouts.append(spec)
         return self
 
-    def fold(self, n: int | str) -> ForwardPass:
-        """How many rows to commit: an int, or DEFERRED to settle later with ``ws.fold(n)``."""
-        self._fold = n
+    def tree(self, parents) -> ForwardPass:
+        """Makes the window a token tree: ``parents[i]`` is the window row row i follows (-1: the committed
+        sequence), before it. Row i sits at position committed + its depth and attends its ancestors only;
+        the fire folds nothing unless ``fold`` names a path."""
+        self._parents = [int(p) for p in parents]
+        return self
+
+    def fold(self, n: int | list[int] | str) -> ForwardPass:
+        """What to commit: a count of leading rows, a path of a tree window's rows (root first), or DEFERRED to
+        settle later with ``ws.fold(n)`` or ``ws.settle(n)``."""
+        self._fold = n if isinstance(n, (int, str)) else [int(r) for r in n]
         return self
 
     def embed_from(self, channel: Channel) -> ForwardPass:
@@ -167,6 +178,8 @@ class ForwardPass:
             fields["tokens"] = self._tokens
         if self._positions is not None:
             fields["positions"] = self._positions
+        if self._parents is not None:
+            fields["parents"] = self._parents
         if self._program is not None:
             fields["program"] = await self._program.register()
             fields["bindings"] = [ch.handle for ch in self._bindings]
@@ -188,4 +201,6 @@ class ForwardPass:
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})
             for spec, res in zip(self._readouts, reply["results"])
         ]
-        return PassResult(results, reply["committed"], reply.get("fold"), reply.get("run"), cached)
+        return PassResult(
+            results, reply["committed"], reply.get("fold"), reply.get("fold_path"), reply.get("run"), cached
+        )

@@ -8,8 +8,11 @@ Saxena 2023, "Prompt Lookup Decoding". The drafter is a point mass (see `inferle
     return []
 
 `lookup_drafts` searches the whole sequence each call (numpy, O(len * max_ngram)); `NgramIndex`
-keeps a hash of every n-gram's most recent position and answers in O(max_ngram) per round, for
+keeps a hash of every n-gram's most recent positions and answers in O(max_ngram) per round, for
 long generations. Both return the same drafts.
+
+For a token tree (inferlet.tree), `NgramIndex.draft_paths` returns the continuations of several earlier
+occurrences, best first: the longest matching n first, the most recent occurrence first within an n.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+MAX_OCCURRENCES = 8  # earlier occurrences an n-gram keeps (the most recent ones), for a tree's branches
 
 
 def _check(max_ngram: int, min_ngram: int) -> None:
@@ -59,8 +64,8 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.tokens: list[int] = []
-        # n-gram tuple -> end position of its most recent occurrence that has a following token.
-        self._last_end: dict[tuple[int, ...], int] = {}
+        # n-gram tuple -> end positions of its most recent occurrences that have a following token (last: newest).
+        self._ends: dict[tuple[int, ...], list[int]] = {}
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -73,15 +78,27 @@ class NgramIndex:
             # become lookup targets; the suffix itself is never indexed before this point.
             end = len(toks) - 1
             for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
-                self._last_end[tuple(toks[end - n + 1 : end + 1])] = end
+                ends = self._ends.setdefault(tuple(toks[end - n + 1 : end + 1]), [])
+                ends.append(end)
+                if len(ends) > MAX_OCCURRENCES:
+                    del ends[0]
             toks.append(int(tok))
 
     def draft(self, k: int) -> list[int]:
+        paths = self.draft_paths(k, 1)
+        return paths[0] if paths else []
+
+    def draft_paths(self, k: int, count: int) -> list[list[int]]:
+        """Up to ``count`` distinct continuations of up to ``k`` tokens, best first (module docstring)."""
         toks = self.tokens
-        if k <= 0:
+        if k <= 0 or count <= 0:
             return []
+        out: list[list[int]] = []
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
-            end = self._last_end.get(tuple(toks[-n:]))
-            if end is not None:
-                return toks[end + 1 : end + 1 + k]
-        return []
+            for end in reversed(self._ends.get(tuple(toks[-n:]), [])):
+                path = toks[end + 1 : end + 1 + k]
+                if path not in out:
+                    out.append(path)
+                    if len(out) == count:
+                        return out
+        return out

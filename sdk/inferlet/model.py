@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pie_runtime.protocol.messages import ModelInfo
 
 from .client import Client
+from .errors import UsageError
 from .tokenizer import Tokenizer
 from .working_set import WorkingSet
 
@@ -42,6 +43,32 @@ class Model:
     def mtp_depth(self) -> int:
         """> 0 when the model serves MTP(k) readouts, up to this k."""
         return self.info.mtp_depth
+
+    def require_mtp(self, depth: int) -> None:
+        """Raises :class:`UsageError` when this model serves no MTP head ``depth`` drafts deep, naming the
+        commands that attach or train one."""
+        if self.mtp_depth == 0:
+            raise UsageError(
+                f"model {self.name} has no MTP head: attach one with `pie model drafter attach {self.name} mtp:FILE` "
+                f"(train it with `pie drafter train --model {self.name} --kind mtp --corpus TEXT --out FILE`), "
+                "then restart the engine"
+            )
+        if depth > self.mtp_depth:
+            raise UsageError(
+                f"--draft-length {depth} is past the MTP depth of {self.name}'s head ({self.mtp_depth}): "
+                f"use --draft-length {self.mtp_depth} or less, or train a deeper head with "
+                f"`pie drafter train --model {self.name} --kind mtp --depth {depth} ...`"
+            )
+
+    @property
+    def eagle_depth(self) -> int:
+        """> 0 when the model serves Eagle(k) readouts, up to this k."""
+        return self.info.eagle_depth
+
+    @property
+    def eagle_step_ms(self) -> float:
+        """Engine-measured ms of one more Eagle(k) draft."""
+        return self.info.eagle_step_ms
 
     @property
     def recurrent(self) -> bool:

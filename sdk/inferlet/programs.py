@@ -240,7 +240,8 @@ class Builder:
         return x if isinstance(x, Sym) else self.const(x, CHANNEL_DTYPES[ch.dtype])
 
     def fold(self, n) -> None:
-        """Commits the first ``n`` rows of the window (n: a scalar int), decided on the device."""
+        """Commits the first ``n`` rows of the window (n: a scalar int), or, for a tree window, the path of rows
+        ``n`` holds before its first negative entry (n: a 1-d int), decided on the device."""
         self.effect("fold", self.lift(n))
 
 

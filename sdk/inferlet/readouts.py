@@ -60,7 +60,19 @@ class MTP:
     kind = "mtp"
 
 
-ReadoutSpec = Logits | Argmax | Distribution | Sample | Hidden | MTP  # what to read; its wire ``kind`` names it
+@dataclass(frozen=True)
+class Eagle:
+    """k chained drafts of the model's EAGLE head from each row (the target's feature at the row, its draft
+    layer over the sequence so far); the result is shaped as MTP's: tokens (R, 1+k), column 0 the target's
+    argmax. with_probs and at_accepted as for MTP."""
+
+    k: int = 1
+    with_probs: bool = False
+    at_accepted: bool = False
+    kind = "eagle"
+
+
+ReadoutSpec = Logits | Argmax | Distribution | Sample | Hidden | MTP | Eagle  # its wire ``kind`` names it
 
 
 def to_wire(kind: ReadoutSpec) -> dict:

@@ -32,6 +32,7 @@ from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
 from .client import Client, Holdings, holding, release_holding
+from .errors import UsageError
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -77,7 +78,11 @@ class Session:
     def model(self, name: str | None = None) -> Model:
         key = name or self.default
         if key not in self.models:
-            raise KeyError(f"the engine serves no model {key!r} (it serves {', '.join(self.models)})")
+            raise UsageError(
+                f"the engine serves no model {key!r} (it serves {', '.join(self.models)}); a draft model is "
+                f"served when attached to the target: `pie model drafter attach TARGET draft:{key}`, then restart "
+                "the engine"
+            )
         return self.models[key]
 
     def close(self) -> None:
@@ -225,8 +230,11 @@ def run_file(path: str, engine: str, words: list[str], result_path: str | None, 
     except BaseException as e:  # any failure of user code is reported, not raised
         if isinstance(e, KeyboardInterrupt):
             raise
-        traceback.print_exc()
-        payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if isinstance(e, UsageError):  # the user's to fix: one line, no traceback
+            payload = {"ok": False, "error": str(e)}
+        else:
+            traceback.print_exc()
+            payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         code = 1
     if result_path:
         Path(result_path).write_text(json.dumps(payload))

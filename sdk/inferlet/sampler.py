@@ -15,6 +15,7 @@ from .args import CompletionArgs
 from .forward import PassResult, ReadoutResult
 from .readouts import Argmax, Distribution, Logits, ReadoutSpec, Sample
 from .speculative import VerifyResult, filter_distribution, verify_greedy, verify_sampled
+from .tree import TokenTree, TreeVerdict, verify_tree_greedy, verify_tree_sampled
 
 
 def logprob_entry(logits: np.ndarray, token: int, top: int) -> dict:
@@ -46,12 +47,21 @@ class Verifier:
         return Argmax() if self.greedy else Distribution(a.temperature, a.top_k, a.top_p)
 
     def verify(self, drafts: list[int], readout: ReadoutResult, q: np.ndarray | None = None) -> VerifyResult:
-        if self.greedy:  # Argmax tokens (R,), or MTP tokens (R, 1+k) whose column 0 is the argmax
+        if self.greedy:  # Argmax tokens (R,), or MTP/Eagle tokens (R, 1+k) whose column 0 is the argmax
             tokens = readout.tokens
             assert tokens is not None, f"a greedy run verifies Argmax or MTP tokens, not {readout.kind}"
             return verify_greedy(drafts, tokens[:, 0] if tokens.ndim == 2 else tokens)
         assert readout.probs is not None, f"a sampled run verifies a Distribution, not {readout.kind}"
         return verify_sampled(drafts, readout.probs, q, self.rng)
+
+    def verify_tree(self, tree: TokenTree, readout: ReadoutResult) -> TreeVerdict:
+        """``verify`` for a tree window (inferlet.tree): the readout has one row per window row."""
+        if self.greedy:
+            tokens = readout.tokens
+            assert tokens is not None, f"a greedy run verifies Argmax or MTP tokens, not {readout.kind}"
+            return verify_tree_greedy(tree, tokens[:, 0] if tokens.ndim == 2 else tokens)
+        assert readout.probs is not None, f"a sampled run verifies a Distribution, not {readout.kind}"
+        return verify_tree_sampled(tree, readout.probs, self.rng)
 
 
 class PlainSampler:

@@ -33,11 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pie_runtime.protocol.messages import MAX_TEMPERATURE, MIN_TEMPERATURE
 from pie_runtime.protocol.spec_counters import SpecCounters
+
+if TYPE_CHECKING:
+    from .tree import TreeVerdict
 
 
 def filter_distribution(
@@ -195,10 +199,20 @@ class SpecStats(SpecCounters):
     def record(self, result: VerifyResult) -> None:
         self.rounds += 1
         self.proposed += result.proposed
+        self.draft_rows += result.proposed
         self.accepted += result.accepted
         self.add_positions([1] * result.proposed, [1] * result.accepted + [0] * (result.proposed - result.accepted))
         if result.accepted < result.proposed:
             self.rounds_with_rejection += 1
+
+    def record_tree(self, verdict: TreeVerdict, depth: int) -> None:
+        """A verified tree round: its draft rows, and the depth of the path it kept; as a chain round would
+        count, it proposed one draft per depth of the tree (``depth``) and accepted the kept path's."""
+        self.record(VerifyResult(verdict.tokens, verdict.accepted, depth))
+        self.draft_rows += verdict.rows - 1 - depth
+        self.tree_rounds += 1
+        self.tree_rows += verdict.rows - 1
+        self.tree_depth += verdict.accepted
 
     def skip(self, reason: str) -> None:
         """Count a step that did not speculate, e.g. 'penalties', 'near_capacity', 'no_draft'."""
@@ -224,6 +238,10 @@ class SpecStats(SpecCounters):
             "replayed_rows": self.replayed_rows,
             "proposed_per_position": list(self.proposed_per_position),
             "accepted_per_position": list(self.accepted_per_position),
+            "draft_rows": self.draft_rows,
+            "tree_rounds": self.tree_rounds,
+            "tree_rows": self.tree_rows,
+            "tree_depth": self.tree_depth,
         }
 
     @classmethod
@@ -237,4 +255,8 @@ class SpecStats(SpecCounters):
             rounds_with_rejection=d["rounds_with_rejection"],
             skipped=dict(d["skipped"]),
             replayed_rows=int(d.get("replayed_rows", 0)),
+            draft_rows=d.get("draft_rows", 0),
+            tree_rounds=d.get("tree_rounds", 0),
+            tree_rows=d.get("tree_rows", 0),
+            tree_depth=d.get("tree_depth", 0),
         )

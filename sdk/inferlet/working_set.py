@@ -20,7 +20,7 @@ class WorkingSet:
         self.committed = committed
         self.pending_fold = False
         self.released = False
-        self._settle: int | None = None  # a fold to settle with the next fire
+        self._settle: int | list[int] | None = None  # a fold (count or tree path) to settle with the next fire
         self.cached_rows = 0  # rows of its fires the engine took from its prefix cache (a fire reply's cached_rows)
         self.step_rows = 0  # rows of the engine step its last fire ran in, its own included (the engine's load)
         # rows the engine replayed to fold fewer rows than a fire ran, so far (models with recurrent state)
@@ -38,14 +38,14 @@ class WorkingSet:
         reply = await self.model.client.request("ws_fork", ws=await self.handle())
         return WorkingSet(self.model, reply["ws"], reply["committed"])
 
-    def settle(self, n: int) -> None:
+    def settle(self, n: int | list[int]) -> None:
         """Settles a deferred fold with the next fire instead of a message of its own: commits the first
-        ``n`` rows of the last fire (``await fold(n)`` does it at once)."""
+        ``n`` rows of the last fire, or the path of rows ``n`` of its tree (``await fold(n)`` does it at once)."""
         if not self.pending_fold or self._settle is not None:
             raise RuntimeError("no deferred fold to settle")
-        self._settle, self.committed, self.pending_fold = n, self.committed + n, False
+        self._settle, self.committed, self.pending_fold = n, self.committed + _count(n), False
 
-    def take_settle(self) -> int | None:
+    def take_settle(self) -> int | list[int] | None:
         """The fold the next fire must carry (and forget)."""
         n, self._settle = self._settle, None
         return n
@@ -53,12 +53,13 @@ class WorkingSet:
     async def _flush_settle(self) -> None:
         n = self.take_settle()
         if n is not None:
-            self.committed -= n
+            self.committed -= _count(n)
             self.pending_fold = True
             await self.fold(n)
 
-    async def fold(self, n: int) -> int:
-        """Settles a deferred fold: commits the first ``n`` rows of the last fire."""
+    async def fold(self, n: int | list[int]) -> int:
+        """Settles a deferred fold: commits the first ``n`` rows of the last fire, or the path of rows ``n`` of
+        its tree."""
         reply = await self.model.client.request("ws_fold", ws=await self.handle(), n=n)
         self.committed, self.pending_fold = reply["committed"], False
         self.replayed_rows = int(reply.get("replayed_rows") or self.replayed_rows)
@@ -75,3 +76,7 @@ class WorkingSet:
         if self._handle is not None and not self.released:
             await self.model.client.request("ws_release", ws=self._handle)
         self.released = True
+
+
+def _count(fold: int | list[int]) -> int:
+    return fold if isinstance(fold, int) else len(fold)

@@ -176,11 +176,11 @@ def faulty_forward(c: Core, monkeypatch, exc: Exception) -> list[int]:
     real = runner.forward
     sizes: list[int] = []
 
-    def forward(segments, tokens, positions):
+    def forward(segments, tokens, positions, tails=None):
         sizes.append(len(tokens))
         if GUILTY in tokens:
             raise exc
-        return real(segments, tokens, positions)
+        return real(segments, tokens, positions, tails)
 
     monkeypatch.setattr(runner, "forward", forward)
     return sizes

@@ -54,7 +54,9 @@ def tiny_served_model(num_pages: int) -> ServedModel:
         eos_token_ids=[],
         chat_template=None,
     )
-    return ServedModel("tiny", info, runner, KVPages(PagePool(num_pages), PAGE, runner.copy_pages), "{}")
+    return ServedModel(
+        "tiny", info, runner, KVPages(PagePool(num_pages), PAGE, runner.copy_pages, runner.copy_slots), "{}"
+    )
 
 
 class Core:

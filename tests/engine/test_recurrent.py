@@ -176,6 +176,38 @@ def test_drafters_with_recurrent_state_are_refused_at_attach_and_at_engine_start
         check_mtp(store.get(f"tiny-{family}"), tmp_path / "head.safetensors")
 
 
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_a_tree_fire_is_refused_and_a_chain_fold_still_replays(family, store):
+    c = Core(store, family)
+    ws = c.call("ws_open")["ws"]
+    c.fire(ws, PROMPT)
+    with pytest.raises(Exception) as refused:  # a state advances through rows in order, not along branches
+        c.request("fire", ws=ws, tokens=[3, 4, 5], parents=[-1, 0, 0], fold=[0, 2])
+    assert getattr(refused.value, "code", None) == ErrorCode.UNSUPPORTED
+    r = c.fire(ws, [3, 4, 5], fold=[0, 1])  # a chain's path: the replay as for a count
+    assert r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == 2
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_eagle_heads_and_tensor_parallelism_are_refused_on_a_recurrent_target(family, store, tmp_path):
+    from pie_runtime.drafters import DrafterRefused, attach
+    from pie_runtime.store import DrafterEntry
+
+    (tmp_path / "head.safetensors").write_bytes(b"")
+    with pytest.raises(DrafterRefused, match="recurrent state"):
+        attach(store, f"tiny-{family}", f"eagle:{tmp_path / 'head.safetensors'}")
+    target = store.get(f"tiny-{family}")
+    entry = DrafterEntry(kind="eagle", name="eagle", path="drafters/eagle/head.safetensors")
+    store.write_manifest(target.model_copy(update={"drafters": [entry]}))
+    try:
+        with pytest.raises(DrafterRefused, match="recurrent state"):
+            build_served_model(f"tiny-{family}", store=store, kv_pages=8, prepack_lm_head=False)
+    finally:
+        store.write_manifest(target)
+    with pytest.raises(ValueError, match="recurrent state"):
+        build_served_model(f"tiny-{family}", store=store, kv_pages=8, prepack_lm_head=False, tensor_parallel=2)
+
+
 def test_speculative_inferlets_fall_back_to_plain_steps_on_a_granule_model(store, tmp_path):
     """A model whose state advances 4 rows at a time: cacheback runs one token a step, counts each step in
     ``skipped["granule"]`` and returns text-completion's tokens (engine in this thread, inferlets in another)."""

@@ -1,6 +1,6 @@
 """Fixtures of the speculative inferlets' tests: one engine serving the default model (with a briefly trained
-MTP head attached, in a private store) and a draft model cut from it (layers 0..1 + final norm, sharing its
-embedding), and a way to call an inferlet in-process."""
+MTP head and EAGLE head attached, in a private store) and a draft model cut from it (layers 0..1 + final
+norm, sharing its embedding), and a way to call an inferlet in-process."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def write_slice(folder: Path, source: Path, layers: int = 2) -> None:
 
 
 @pytest.fixture(scope="session")
-def spec_home(pie_home, mtp_head, tmp_path_factory) -> Path:
-    """A store of its own: the default model (files linked, manifest copied) with the session's MTP head
-    attached, and the slice draft model. The real store's default model stays without drafters."""
+def spec_home(pie_home, mtp_head, eagle_head, tmp_path_factory) -> Path:
+    """A store of its own: the default model (files linked, manifest copied) with the session's MTP and EAGLE
+    heads attached, and the slice draft model. The real store's default model stays without drafters."""
     if not (pie_home / "models" / SLICE).exists():
         ckpt = pie_home / "slice-ckpt"
         write_slice(ckpt, ModelStore().path(DEFAULT_MODEL))
@@ -75,6 +75,7 @@ def spec_home(pie_home, mtp_head, tmp_path_factory) -> Path:
     link_model((pie_home / "models" / DEFAULT_MODEL).resolve(), home / "models" / DEFAULT_MODEL)
     link_model(pie_home / "models" / SLICE, home / "models" / SLICE)
     attach(ModelStore(home / "models"), DEFAULT_MODEL, f"mtp:{mtp_head}", "head")
+    attach(ModelStore(home / "models"), DEFAULT_MODEL, f"eagle:{eagle_head}", "eagle")
     return home
 
 

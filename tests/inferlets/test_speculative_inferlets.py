@@ -11,7 +11,7 @@ import pytest
 
 import inferlet
 from tests.conftest import run
-from tests.drafter_fixtures import MTP_DEPTH
+from tests.drafter_fixtures import EAGLE_DEPTH, MTP_DEPTH
 from tests.inferlets.conftest import SLICE, call, call_many
 
 PROMPTS = [
@@ -105,11 +105,33 @@ def test_mtp_greedy_equals_text_completion(spec_engine, reference):
     assert all(s["proposed"] <= draft_length * s["rounds"] for s in stats)
 
 
+def test_eagle_greedy_equals_text_completion(spec_engine, reference):
+    """The EAGLE head (trained for a few steps by the session fixture) drafts from the target's features, its
+    draft layer's K/V in the pool's extra layer; the output is the target's greedy text whatever it proposes."""
+    assert asyncio.run(_model_facts(spec_engine.address))["eagle_depth"] == EAGLE_DEPTH
+    got = call_many(
+        spec_engine.address,
+        "eagle-speculative-decoding",
+        [{**p, "max_tokens": MAX, "draft_length": EAGLE_DEPTH, "draft_schedule": "fixed"} for p in PROMPTS],
+    )
+    for want, res in zip(reference, got):
+        assert res["token_ids"] == want["token_ids"]
+        assert (res["text"], res["finish_reason"]) == (want["text"], want["finish_reason"])
+    stats = [r["stats"] for r in got]
+    assert sum(s["proposed"] for s in stats) > 0 and sum(s["accepted"] for s in stats) > 0
+    assert all(s["proposed"] <= EAGLE_DEPTH * s["rounds"] for s in stats)
+
+
 async def _model_facts(address: str) -> dict:
     session = await inferlet.connect(address)
     try:
         m = inferlet.model()
-        return {"mtp_depth": m.mtp_depth, "max_positions": m.max_positions, "vocab": m.vocab_size}
+        return {
+            "mtp_depth": m.mtp_depth,
+            "eagle_depth": m.eagle_depth,
+            "max_positions": m.max_positions,
+            "vocab": m.vocab_size,
+        }
     finally:
         session.client.close()
 
@@ -211,7 +233,12 @@ def _assert_follows(samples: list[int], p: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,extra", [("cacheback-speculative-decoding", {}), ("draft-model-speculative-decoding", {"draft": SLICE})]
+    "name,extra",
+    [
+        ("cacheback-speculative-decoding", {}),
+        ("draft-model-speculative-decoding", {"draft": SLICE}),
+        ("eagle-speculative-decoding", {"draft_schedule": "fixed"}),
+    ],
 )
 def test_sampled_tokens_follow_the_target(spec_engine, name, extra):
     runs = call_many(

@@ -146,3 +146,38 @@ def test_a_replay_makes_rejecting_rounds_dearer_and_windows_shorter():
     assert plain.replay_cost(4) == 0.0 and replay.replay_cost(0) == 0.0
     assert replay.replay_cost(4) > 0.0 and replay.round_cost(4) > plain.round_cost(4)
     assert replay.best() <= plain.best()
+
+
+# ---- chain or tree ---------------------------------------------------------------------------
+
+
+def test_a_tree_wins_where_wide_windows_are_free_and_the_first_draft_often_misses():
+    p = DraftPlanner(8, FLAT, prior_alpha=0.3)
+    assert p.use_tree([4, 1, 1, 1], rows=16)  # prior: one of 4 candidates right beats a single guess
+    for _ in range(20):  # tree rounds that keep nothing teach it otherwise
+        p.observe_tree(4, 0)
+    assert not p.use_tree([4, 1, 1, 1], rows=16)
+
+
+def test_a_chain_wins_where_rows_cost_their_share():
+    p = DraftPlanner(8, LINEAR)
+    assert not p.use_tree([3, 2, 1], rows=15)
+
+
+def test_tree_rounds_learn_per_depth_acceptance():
+    p = DraftPlanner(4, FLAT, decay=1.0)
+    for _ in range(30):
+        p.observe_tree(3, 2)  # always keeps two levels, never the third
+    assert p.tree_alpha(0, 2) > 0.9 and p.tree_alpha(1, 2) > 0.9 and p.tree_alpha(2, 2) < 0.1
+    assert p.tree_expected_tokens([2, 2, 2]) == pytest.approx(
+        1 + p.tree_alpha(0, 2) * (1 + p.tree_alpha(1, 2)), abs=0.05
+    )
+
+
+def test_without_costs_a_tree_drafter_always_drafts_its_tree():
+    assert DraftPlanner(4, []).use_tree([2, 2], rows=6)
+
+
+def test_with_recurrent_state_rounds_are_chains():  # the engine refuses tree fires on such a model
+    assert not DraftPlanner(4, [], replay=True).use_tree([2, 2], rows=6)
+    assert not DraftPlanner(8, FLAT, prior_alpha=0.3, replay=True).use_tree([4, 1, 1, 1], rows=16)

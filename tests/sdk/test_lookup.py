@@ -112,3 +112,12 @@ def test_long_sequence_agrees_and_is_fast():
         assert index.draft(5) == want
         index.extend([tokens[i]])
     assert index.draft(5) == tokens[1100:1105]
+
+
+def test_tree_paths_are_several_occurrences_longest_match_first():
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 7, 3, 2, 8, 1, 2, 9, 4, 1, 2]
+    index = NgramIndex(2, 1, tokens)
+    # [1, 2] ends at 7 (→ 9 4) and at 1 (→ 7 3), newest first; then [2] alone ends at 4 (→ 8 1)
+    assert index.draft_paths(2, 5) == [[9, 4], [7, 3], [8, 1]]
+    assert index.draft_paths(2, 1) == [index.draft(2)]

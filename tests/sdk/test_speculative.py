@@ -419,6 +419,11 @@ def test_stats():
         "rejecting_round_share": 2 / 3,
         "replayed_rows": 0,
         "skipped": {"penalties": 2, "no_draft": 1},
+        "rows_per_round": 1 + 8 / 3,
+        "accepted_depth": 4 / 3,
+        "tree_rounds": 0,
+        "tree_rows": 0.0,
+        "tree_depth": 0.0,
         "decode_tokens_per_s": 123.0,
         "prefill_ms": 4.5,
     }

@@ -116,8 +116,9 @@ KERNELS: dict[str, Callable] = {  # op → its torch function; the intrinsics an
 
 
 @torch.inference_mode()
-def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device) -> int | None:
-    """Runs ``prog`` for one fire; channel effects go to ``txn``. Returns the fold count it set, if any.
+def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device) -> int | list[int] | None:
+    """Runs ``prog`` for one fire; channel effects go to ``txn``. Returns the fold it set (a count or a path),
+    if any.
 
     Any failure is a PROGRAM_FAILED (or the PieError a channel raised) carrying no traceback or chained
     exception, so that nothing refers to the program's values once it returns or raises: each value is dropped
@@ -138,7 +139,13 @@ def run_program(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device)
         del err  # no cycle error → traceback → this frame → error
 
 
-def _run(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device, values: list) -> int | None:
+def _path(rows: torch.Tensor) -> list[int]:
+    """A fold path from a row-list value: its entries before the first negative one."""
+    path = rows.tolist()
+    return path[: next((i for i, r in enumerate(path) if r < 0), len(path))]
+
+
+def _run(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device, values: list) -> int | list[int] | None:
     fold = None
     for i, node in enumerate(prog.nodes):
         op, a = node["op"], node.get("attrs", {})
@@ -169,8 +176,8 @@ def _run(prog: Program, fire: Intrinsics, txn: Txn, device: torch.device, values
             elif op in ("put", "set"):
                 (txn.put if op == "put" else txn.set)(a["slot"], ins[0])
                 out = None
-            elif op == "fold":
-                fold = int(ins[0])
+            elif op == "fold":  # a count, or a tree window's path: the rows before the first negative entry
+                fold = int(ins[0]) if ins[0].dim() == 0 else _path(ins[0])
                 out = None
             else:
                 out = KERNELS[op](*ins, a)

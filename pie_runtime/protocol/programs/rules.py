@@ -198,8 +198,9 @@ def _channel_op(i: int, op: str, ins: list[Spec], a: dict, dims: ModelDims) -> S
 
 @rule("fold")
 def _fold(i: int, op: str, ins: list[Spec], a: dict, dims: ModelDims) -> None:
-    if ins[0] != Spec((), "int"):
-        raise bad(i, "fold takes a scalar int")
+    spec = ins[0]  # a count, or a path of a tree window: its rows before the first negative entry
+    if spec.kind != "int" or not (spec.shape == () or (len(spec.shape) == 1 and spec.shape[0] <= MAX_ROWS)):
+        raise bad(i, f"fold takes a scalar int (a count) or a 1-d int of at most {MAX_ROWS} rows (a path)")
     return None
 
 

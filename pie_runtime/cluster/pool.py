@@ -1,0 +1,270 @@
+"""``ClusterPool``: what ``pie serve --engines N`` hands its runs to, in place of one ``HostPool``. Same
+interface (``run``, ``cancel``, ``inferlets``, ``drain``, ``close``), over N engine actors, each with its own
+``HostPool`` of inferlet hosts on the engine's wire.
+
+- **Placement**: each run is placed by the router actor (``router.py``: session key, cache-aware, imbalance
+  guard, refusals) on the prompt's token ids; its working sets live on that engine for the whole run, since
+  its host speaks only to that engine.
+- **Health**: a watcher per engine asks its actor for ``health()`` every ``health_interval`` seconds; a dead
+  actor or engine, or no answer within ``health_timeout``, marks the engine **lost**: the router places
+  nothing there, its runs end with ``engine_lost`` at once (none waits on a dead socket), its hosts are killed.
+- **Retry**: a run with a text ``prompt`` (every completion) that lost its engine is run once more on another
+  engine from its prompt. Text already streamed is not sent twice: the retry's text must begin with it (a
+  greedy or seeded run does) and only the rest goes out; a retry that parts from it fails ``engine_lost``.
+- **Rejoin**: Ray restarts the actor (``max_restarts``), which starts a new engine; the watcher then starts
+  a new host pool on it and the router adds it back, with an empty cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..serve.hosts import HostPool, RunEvent, RunFailed
+from ..serve.limits import HostLimits
+from .ray_actors import EngineHealth, EngineInfo
+from .router import NoEngine
+
+log = logging.getLogger("pie.cluster")
+
+
+@dataclass
+class EngineSlot:
+    """One engine actor as the server sees it."""
+
+    name: str
+    actor: Any  # ray ActorHandle of EngineActor
+    info: EngineInfo | None = None
+    pool: HostPool | None = None
+    live: bool = False
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    health: EngineHealth | None = None
+    generation: int = 0  # joins so far: a run placed before a rejoin is not counted against the new engine
+    events: list[tuple[float, str]] = field(default_factory=list)  # (time.time(), what): the timeline
+
+
+@dataclass
+class _Placed:
+    slot: EngineSlot
+    run_id: str
+
+
+class ClusterPool:
+    def __init__(
+        self,
+        slots: list[EngineSlot],
+        router: Any,  # ray ActorHandle of RouterActor
+        encode: Callable[[str], list[int]],
+        page_size: int,
+        workers: int = 1,
+        *,
+        inferlet_dirs: list[Path] | None = None,
+        limits: HostLimits | None = None,
+        health_interval: float = 0.25,
+        health_timeout: float = 1.5,
+        host_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.slots = {s.name: s for s in slots}
+        self.router = router
+        self.encode = encode
+        self.page_size = page_size
+        self.workers = workers
+        self.inferlet_dirs = list(inferlet_dirs or [])
+        self.limits = limits
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.host_options = dict(host_options or {})
+        self.retries = 0  # runs run again after their engine was lost
+        self.placements: list[tuple[str, str, str]] = []  # (run id, engine, reason), in order: for tests and bench
+        self._placed: dict[str, _Placed] = {}
+        self._watchers: list[asyncio.Task] = []
+        self._draining = False
+        self._closed = False
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        """Starts each engine's host pool, adds the engines to the router and starts watching them."""
+        await asyncio.gather(*(self._join(s) for s in self.slots.values()))
+        self._watchers = [asyncio.create_task(self._watch(s)) for s in self.slots.values()]
+
+    async def _join(self, slot: EngineSlot) -> None:
+        info: EngineInfo = await slot.actor.info.remote()
+        pool = HostPool(
+            info.address,
+            self.workers,
+            token=info.token,
+            inferlet_dirs=self.inferlet_dirs,
+            limits=self.limits,
+            **self.host_options,
+        )
+        await pool.start()
+        slot.info, slot.pool = info, pool
+        slot.generation += 1
+        slot.lost = asyncio.Event()
+        slot.live = True
+        await self.router.add.remote(slot.name)
+        slot.events.append((time.time(), f"joined (engine pid {info.engine_pid})"))
+        log.info("engine %s joined at %s", slot.name, info.address)
+
+    async def _lose(self, slot: EngineSlot, why: str) -> None:
+        slot.live = False
+        slot.lost.set()
+        slot.events.append((time.time(), f"lost: {why}"))
+        log.warning("engine %s lost: %s", slot.name, why)
+        await self.router.lose.remote(slot.name)
+        pool, slot.pool = slot.pool, None
+        if pool is not None:
+            await pool.close(kill=True)
+
+    async def _watch(self, slot: EngineSlot) -> None:
+        while not self._closed:
+            health: EngineHealth | None
+            try:
+                health = await asyncio.wait_for(slot.actor.health.remote(), self.health_timeout)
+                why = "" if health is not None and health.alive else "its engine process died"
+            except TimeoutError:
+                health, why = None, f"no health report within {self.health_timeout} s"
+            except Exception as e:  # noqa: BLE001 - Ray's actor errors: the actor died or is restarting
+                health, why = None, f"{type(e).__name__}"
+            if slot.live and why:
+                await self._lose(slot, why)
+            elif slot.live and health is not None and not health.stale:
+                slot.health = health
+                await self.router.report.remote(slot.name, health.free_pages)
+            elif not slot.live and health is not None and health.alive and not self._closed:
+                with contextlib.suppress(Exception):  # not up yet: the next round tries again
+                    await self._join(slot)  # the restarted actor's new engine
+            await asyncio.sleep(self.health_interval)
+
+    # --- the HostPool interface ---
+
+    def inferlets(self) -> dict[str, Path]:
+        for s in self.slots.values():
+            if s.pool is not None:
+                return s.pool.inferlets()
+        return HostPool("ipc:///nowhere", inferlet_dirs=self.inferlet_dirs).inferlets()
+
+    async def run(
+        self,
+        inferlet: str,
+        args: dict,
+        *,
+        run_id: str | None = None,
+        timeout: float | None = None,
+        session: str | None = None,
+    ) -> AsyncIterator[RunEvent]:
+        """As ``HostPool.run``, on the engine the router picks; a lost engine fails the run ``engine_lost``
+        after its one retry (see the module docstring)."""
+        if self._draining:
+            raise RunFailed("overloaded", "the server is shutting down")
+        run_id = run_id or uuid.uuid4().hex
+        prompt = args.get("prompt")
+        tokens = self.encode(prompt) if isinstance(prompt, str) else []
+        n = int(args.get("n", 1) or 1)
+        pages = n * math.ceil((len(tokens) + int(args.get("max_tokens", 0) or 0)) / self.page_size)
+        sent = ""  # text the consumer has had
+        tried: list[str] = []
+        while True:
+            try:
+                placement = await self.router.place.remote(tokens, session, pages, tried)
+            except NoEngine as e:
+                raise RunFailed("overloaded", str(e)) from None
+            slot = self.slots[placement.engine]
+            tried.append(slot.name)
+            self.placements.append((run_id, slot.name, placement.reason))
+            replay = sent
+            try:
+                async for ev in self._on(slot, inferlet, args, run_id, timeout):
+                    if ev.kind == "text" and replay:
+                        keep = min(len(replay), len(ev.text))
+                        if ev.text[:keep] != replay[:keep]:
+                            raise RunFailed("engine_lost", "the retry on another engine parted from the text sent")
+                        replay, ev = replay[keep:], RunEvent("text", text=ev.text[keep:])
+                        if not ev.text:
+                            continue
+                    if ev.kind == "text":
+                        sent += ev.text
+                    yield ev
+                return
+            except RunFailed as e:
+                if e.code != "engine_lost" or not isinstance(prompt, str) or len(tried) > 1:
+                    raise
+                self.retries += 1
+                log.warning("run %s lost engine %s; running it again from its prompt", run_id, slot.name)
+
+    async def _on(
+        self, slot: EngineSlot, inferlet: str, args: dict, run_id: str, timeout: float | None
+    ) -> AsyncIterator[RunEvent]:
+        """The run's events from ``slot``'s hosts, cut short with ``engine_lost`` the moment it is lost."""
+        pool, lost, generation = slot.pool, slot.lost, slot.generation
+        try:
+            if pool is None or lost.is_set():
+                raise RunFailed("engine_lost", f"engine {slot.name} is gone")
+            self._placed[run_id] = _Placed(slot, run_id)
+            events = pool.run(inferlet, args, run_id=run_id, timeout=timeout).__aiter__()
+            lost_wait = asyncio.ensure_future(lost.wait())
+            try:
+                while True:
+                    step = asyncio.ensure_future(events.__anext__())
+                    await asyncio.wait([step, lost_wait], return_when=asyncio.FIRST_COMPLETED)
+                    if lost.is_set():
+                        step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await step
+                        raise RunFailed("engine_lost", f"engine {slot.name} was lost mid-run")
+                    try:
+                        ev = step.result()
+                    except StopAsyncIteration:
+                        return
+                    yield ev
+            finally:
+                lost_wait.cancel()
+                with contextlib.suppress(BaseException):
+                    await events.aclose()  # type: ignore[attr-defined]
+        except RunFailed as e:
+            if lost.is_set() and e.code != "engine_lost":  # the hosts were killed with the engine
+                raise RunFailed("engine_lost", f"engine {slot.name} was lost mid-run") from None
+            raise
+        finally:
+            self._placed.pop(run_id, None)
+            if slot.generation == generation and not lost.is_set():
+                await self.router.done.remote(slot.name)
+
+    async def cancel(self, run_id: str) -> bool:
+        placed = self._placed.get(run_id)
+        if placed is None or placed.slot.pool is None:
+            return False
+        return await placed.slot.pool.cancel(run_id)
+
+    def running(self) -> int:
+        return len(self._placed)
+
+    def waiting(self) -> int:
+        return sum(s.pool.waiting() for s in self.slots.values() if s.pool is not None)
+
+    async def drain(self, timeout: float) -> None:
+        self._draining = True
+        pools = [s.pool for s in self.slots.values() if s.pool is not None]
+        await asyncio.gather(*(p.drain(timeout) for p in pools))
+
+    async def close(self) -> None:
+        self._draining = self._closed = True
+        for w in self._watchers:
+            w.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        pools = [s.pool for s in self.slots.values() if s.pool is not None]
+        await asyncio.gather(*(p.close() for p in pools))
+
+    def engine_of(self, run_id: str) -> str | None:
+        """The engine a running run is on (for operators and tests)."""
+        placed = self._placed.get(run_id)
+        return placed.slot.name if placed is not None else None

@@ -1,0 +1,71 @@
+"""Drafters that ship with the project for a packaged model, so that speculation with a trained drafter works
+on the first run: their files (``pie_runtime/assets/drafters/``), the sha256 each must have, and attaching
+them when the packaged model is imported (``pie model import smollm2-135m``, or the first use of the default
+model). A file whose digest differs from the recorded one is refused, never attached.
+
+A user who detaches a shipped drafter keeps it detached: only an import attaches it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .store import DrafterEntry, ModelStore, StoreError, sha256_file
+
+ASSETS = Path(__file__).parent / "assets" / "drafters"
+
+
+@dataclass(frozen=True)
+class ShippedDrafter:
+    name: str  # the drafter's name once attached
+    kind: str  # "mtp"
+    file: str  # under ASSETS; an MTP head's JSON config lies beside it
+    sha256: str  # of ``file``, checked before attaching
+
+    @property
+    def path(self) -> Path:
+        return ASSETS / self.file
+
+
+SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
+    "smollm2-135m": (
+        ShippedDrafter(
+            name="smollm2-135m-mtp",
+            kind="mtp",
+            file="smollm2-135m-mtp.safetensors",
+            sha256="288c77c18381d2aa1af69c266c4a3d6cdb32291144a96581c7775ea336d8db03",
+        ),
+    ),
+}
+
+
+class ShippedDrafterCorrupt(StoreError):
+    """A shipped drafter's file is missing or does not have its recorded digest."""
+
+
+def check_shipped(drafter: ShippedDrafter) -> Path:
+    """The drafter's file, once its digest is the recorded one."""
+    path = drafter.path
+    if not path.is_file():
+        raise ShippedDrafterCorrupt(f"the shipped drafter {drafter.name} is missing ({path}): reinstall pie_runtime")
+    digest = sha256_file(path)
+    if digest != drafter.sha256:
+        raise ShippedDrafterCorrupt(
+            f"the shipped drafter {path} has sha256 {digest[:12]}..., not the recorded {drafter.sha256[:12]}...: "
+            "reinstall pie_runtime"
+        )
+    return path
+
+
+def attach_shipped(store: ModelStore, model: str, packaged: str | None = None) -> list[DrafterEntry]:
+    """Attaches to stored model ``model``, imported from packaged model ``packaged`` (default: the same name),
+    the shipped drafters it has no drafter of that name for; returns what was attached."""
+    from .drafters import attach
+
+    have = {d.name for d in store.get(model).drafters}
+    out = []
+    for drafter in SHIPPED.get(packaged or model, ()):
+        if drafter.name not in have:
+            out.append(attach(store, model, f"{drafter.kind}:{check_shipped(drafter)}", drafter.name))
+    return out

@@ -1,0 +1,9 @@
+"""What an inferlet raises when its user must change something before it can run: a missing drafter, an
+argument the model cannot serve. ``pie run`` prints it as one line (no traceback) and ``pie serve`` answers it
+as a 400 ``invalid_request_error``; any other exception is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """A one-line message saying what is missing and the command that provides it."""
