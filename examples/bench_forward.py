@@ -29,7 +29,7 @@ PAGE_SIZE = 16
 
 def ours_decode(loaded: LoadedModel, prompt: list[int], batch: int, tokens: int) -> float:
     """Seconds for ``tokens`` greedy decode steps of ``batch`` sequences (prefill not counted)."""
-    model = loaded.model
+    model = loaded.llama
     pages_per_seq = (len(prompt) + tokens) // PAGE_SIZE + 1
     kv = KVCache(model.config, pages_per_seq * batch, PAGE_SIZE, torch.float32)
     tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]

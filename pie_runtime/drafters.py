@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .models import eagle as eagle_file
+from .models.config import ModelConfig
 from .models.eagle import EagleConfig, EagleHead, load_eagle
 from .models.mtp import MTPConfig, MTPHead, config_path, load_mtp, read_config
 from .store import (
@@ -37,7 +38,7 @@ from .store import (
 # config keys or families that mark a model keeping recurrent state (Mamba, RWKV, hybrids ...): such a
 # draft model cannot roll back a rejected draft by simply not folding its rows
 RECURRENT_KEYS = ("recurrent", "state", "state_size", "ssm_state_size", "recurrent_state", "has_recurrent_state")
-RECURRENT_FAMILIES = ("mamba", "mamba2", "rwkv", "jamba", "recurrent_gemma", "griffin", "xlstm")
+RECURRENT_FAMILIES = ("mamba", "mamba2", "lfm2", "rwkv", "jamba", "recurrent_gemma", "griffin", "xlstm")
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp.json"
 HEAD_KINDS = ("mtp", "eagle")  # drafters that are a file bound to the target (not a store model)
@@ -69,6 +70,12 @@ def check_mtp(target: Manifest, weights: Path) -> MTPConfig:
     if not weights.is_file() or not config_path(weights).is_file():
         raise DrafterRefused(f"MTP head {weights} needs its weights file and {config_path(weights).name} beside it")
     try:
+        marker = recurrent_marker(json.loads(config_path(weights).read_text()))
+    except (OSError, ValueError):
+        marker = None  # read_config below says what is wrong with it
+    if marker:  # our MTP module is stateless; one that carried state could not fork and rewind per draft
+        raise DrafterRefused(f"MTP head {weights.name} carries recurrent state ({marker}); only stateless heads")
+    try:
         cfg = read_config(weights)
     except (OSError, ValueError) as e:
         raise DrafterRefused(f"MTP config {config_path(weights)} is unreadable: {str(e).splitlines()[0]}") from e
@@ -96,6 +103,13 @@ def check_mtp(target: Manifest, weights: Path) -> MTPConfig:
 def check_eagle(target: Manifest, weights: Path) -> EagleConfig:
     """An EAGLE head trained for exactly this target (digest, vocab, width, attention geometry, the KV pool
     layer it writes), whose tensors fit its config."""
+    tc = target.config
+    # its draft layer keeps K/V per position beside the target's; a recurrent state cannot rewind per draft
+    if not isinstance(tc, ModelConfig):
+        raise DrafterRefused(
+            f"model {target.name!r} carries recurrent state (family {tc.family!r}): an EAGLE head needs a target "
+            "with attention only"
+        )
     weights = Path(weights)
     cfg_file = eagle_file.config_path(weights)
     if not weights.is_file() or not cfg_file.is_file():
@@ -104,7 +118,6 @@ def check_eagle(target: Manifest, weights: Path) -> EagleConfig:
         cfg = eagle_file.read_config(weights)
     except (OSError, ValueError) as e:
         raise DrafterRefused(f"EAGLE config {cfg_file} is unreadable: {str(e).splitlines()[0]}") from e
-    tc = target.config
     if cfg.target_digest != target_digest(target):
         raise DrafterRefused(
             f"EAGLE head {weights.name} was trained for another target (weights sha256 {cfg.target_digest[:12]}..., "

@@ -11,15 +11,17 @@ from pathlib import Path
 
 import torch
 
-from .models.config import ModelConfig
+from .models.config import AnyConfig, ModelConfig
 
 
-def transformers_llama(store_dir: Path, c: ModelConfig, scratch: Path):
+def transformers_llama(store_dir: Path, c: AnyConfig, scratch: Path):
     """transformers' LlamaForCausalLM over the weights a store entry holds, in float32: the weights file is
     linked into ``scratch`` beside a config.json written from ``c``, or, when the store keeps quantized blocks
     (a GGUF import), their float32 dequantization is written there (what the fp32 engine serves, bit for bit)."""
     import transformers
 
+    if not isinstance(c, ModelConfig):
+        raise ValueError(f"transformers_llama runs Llama-family models, not {c.family}")
     config = transformers.LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,

@@ -33,8 +33,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .models.checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes, count_parameters
-from .models.config import ModelConfig, UnsupportedModelError
+from .models.config import AnyConfig, UnsupportedModelError
+from .models.families import CausalLM, build_causal_lm, embedding_weight
 from .models.llama import LlamaForCausalLM
+from .models.mamba import MambaForCausalLM
 from .models.quant import GGUF_KINDS, GroupQuant, QuantError
 from .models.rope import Rotary
 
@@ -87,7 +89,7 @@ class Manifest(BaseModel):
 
     name: str
     family: str
-    config: ModelConfig
+    config: AnyConfig
     files: dict[str, str]  # file name → sha256 hex digest
     source: str
     imported_at: str  # ISO 8601, UTC
@@ -388,27 +390,35 @@ def _current(manifest: Manifest) -> bool:
 @dataclass
 class LoadedModel:
     manifest: Manifest
-    model: LlamaForCausalLM  # eval mode, on the requested device and dtype
+    model: CausalLM  # eval mode, on the requested device and dtype
     tokenizer_path: Path
     # the stored quantized weights (Hugging Face names, q/k rows already in Hugging Face order), on the CPU,
     # for building int4/int8 layers without requantizing; empty for float-only stores
     quantized: dict[str, GroupQuant] = field(default_factory=dict)
 
     @property
-    def config(self) -> ModelConfig:
+    def config(self) -> AnyConfig:
         return self.manifest.config
 
+    @property
+    def llama(self) -> LlamaForCausalLM:
+        """The model, for tools that handle the Llama family only (drafter training, the transformers bench)."""
+        if not isinstance(self.model, LlamaForCausalLM):
+            raise StoreError(f"model {self.manifest.name!r} is a {self.manifest.family} model, not a Llama-family one")
+        return self.model
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> LlamaForCausalLM:
+
+def build_model(cfg: AnyConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> CausalLM:
     """A model holding ``state`` without paying for a random initialisation first."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.rotary = Rotary(cfg)  # plain tensors, not module state: rebuild them off the meta device
+        model = build_causal_lm(cfg)
+    if not isinstance(model, MambaForCausalLM):
+        model.rotary = Rotary(model.config)  # plain tensors, not module state: rebuild them off the meta device
     check_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()})
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = embedding_weight(model)
     model.requires_grad_(False)
     return model.eval()
 

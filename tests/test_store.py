@@ -402,3 +402,27 @@ def test_default_model_is_reimported_from_an_old_format_store(home, checkpoint):
     for name, w in want.items():
         assert bitwise_equal(state[name], w), name
     assert len(loaded.quantized) == 211
+
+
+@pytest.mark.parametrize("family", ["mamba", "lfm2"])
+def test_refuses_damaged_recurrent_checkpoints(family, home, tmp_path, capsys):
+    """The families with recurrent state are refused as the Llama family is: a missing tensor, a config whose
+    shapes differ from the weights, and their unsupported variants (Mamba2, a scaled LFM2 rope)."""
+    from tests.models.tiny_models import write_tiny_checkpoint
+
+    good = tmp_path / "good"
+    write_tiny_checkpoint(good, family)
+    holey = copy_of(good, tmp_path / "holey")
+    state = load_file(holey / "model.safetensors")
+    name = next(k for k in sorted(state) if k.endswith("conv.weight") or k.endswith("conv1d.weight"))
+    del state[name]
+    save_file(state, holey / "model.safetensors")
+    refuse(["model", "import", str(holey)], capsys, home, f"missing tensor {name}")
+    wide = copy_of(good, tmp_path / "wide")
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(cfg | {"hidden_size": 96}))
+    refuse(["model", "import", str(wide)], capsys, home, "has shape")
+    other = copy_of(good, tmp_path / "other")
+    bad = {"model_type": "mamba2"} if family == "mamba" else {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    (other / "config.json").write_text(json.dumps(cfg | bad))
+    refuse(["model", "import", str(other)], capsys, home, "unsupported")

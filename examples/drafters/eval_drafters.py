@@ -41,15 +41,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target = load_model(args.model)
-    head = MTPHead(load_mtp(Path(args.mtp)), target.model) if args.mtp else None
-    draft = load_model(args.draft).model if args.draft else None
+    head = MTPHead(load_mtp(Path(args.mtp)), target.llama) if args.mtp else None
+    draft = load_model(args.draft).llama if args.draft else None
     k = args.depth
     table = {}
     for corpus in args.corpus:
         _, held = distill.corpus_tokens(target.tokenizer_path, Path(corpus))
-        text = distill.teacher_windows(target.model, distill.spaced_windows(held, args.text_tokens // 256, 256))
+        text = distill.teacher_windows(target.llama, distill.spaced_windows(held, args.text_tokens // 256, 256))
         prompts = [w[:32] for w in distill.spaced_windows(held, args.prompts, 64)]
-        greedy = distill.teacher_generations(target.model, prompts, args.new)
+        greedy = distill.teacher_generations(target.llama, prompts, args.new)
         for kind, data, start in (("text", text, 0), ("greedy", greedy, 31)):  # greedy: from the last prompt token
             row: dict[str, int | list[float]] = {"rows": int(data.tokens[:, start:].numel())}
             if head is not None:

@@ -176,6 +176,8 @@ def summary(m: dict) -> dict:
         f"{ref}_digest": digest(base["token_ids"]),
         "greedy_match": spec["token_ids"] == base["token_ids"] if m["greedy"] else None,
     }
+    if s.get("replayed_rows"):  # a model with recurrent state: rows its rejecting rounds replayed
+        out["replayed_rows"] = s["replayed_rows"]
     if "round_ms" in s and s["round_ms"]:
         out["round_ms_mean"] = round(statistics.fmean(s["round_ms"]), 2)
         out["round_ms_median"] = round(statistics.median(s["round_ms"]), 2)

@@ -184,6 +184,8 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
     if name == DEFAULT_MODEL:
         ensure_default_model()
     store = ModelStore()
+    if store.get(name).config.recurrent:
+        raise StoreError(f"model {name!r} carries recurrent state: drafter training supports the Llama family only")
     loaded = load_model(name, store=store)
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
@@ -217,7 +219,7 @@ def _teacher_pass(
     )
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(
-        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
+        loaded.llama, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
     )
     command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {
@@ -242,7 +244,7 @@ def _train_mtp(run: _Run) -> str:
         run.continued_from(args.init, read_config(Path(args.init)).training)
         args.depth = init.config.depth
     module = distill.train_mtp(
-        run.loaded.model,
+        run.loaded.llama,
         run.train,
         run.heldout,
         depth=args.depth,
@@ -258,7 +260,7 @@ def _train_mtp(run: _Run) -> str:
         bf16=run.bf16,
         init=init,
     )
-    agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
+    agree = distill.mtp_agreement(MTPHead(module, run.loaded.llama), run.heldout, args.depth, conditional=True)
     return run.write_head(module, "mtp", agree, save_mtp, config_path)
 
 
@@ -266,14 +268,17 @@ def _train_eagle(run: _Run) -> str:
     """Trains and writes an EAGLE head; returns its drafter spec (``eagle:FILE``)."""
     from ..distill.eagle import eagle_agreement, train_eagle
     from ..models.eagle import config_path, load_eagle, read_config, save_eagle
+    from ..models.llama import LlamaForCausalLM
 
     args, name = run.args, run.name
+    target = run.loaded.model
+    assert isinstance(target, LlamaForCausalLM)  # a target with recurrent state is refused before training
     init = None
     if args.init:
         init = load_eagle(Path(args.init))
         run.continued_from(args.init, read_config(Path(args.init)).training)
     module = train_eagle(
-        run.loaded.model,
+        target,
         run.train,
         run.heldout,
         depth=args.depth,
@@ -289,7 +294,7 @@ def _train_eagle(run: _Run) -> str:
         init=init,
     )
     depth = module.config.depth
-    agree = eagle_agreement(module, run.loaded.model, run.heldout, depth, conditional=True)
+    agree = eagle_agreement(module, target, run.heldout, depth, conditional=True)
     return run.write_head(module, "eagle", agree, save_eagle, config_path)
 
 
@@ -301,7 +306,7 @@ def _train_draft(run: _Run) -> str:
     out = args.out or f"{run.name}-draft"
     layers = [int(x) for x in args.layers.split(",")]
     draft = distill.train_draft(
-        run.loaded.model,
+        run.loaded.llama,
         run.train,
         run.heldout,
         layers=layers,

@@ -40,6 +40,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
+    p.add_argument(
+        "--state-slots",
+        type=int,
+        default=64,
+        help="models with recurrent state (mamba, lfm2): working sets held at once, each a state and its "
+        "snapshot (default 64; printed at start)",
+    )
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
     p.add_argument(
@@ -113,6 +120,7 @@ def run_engine(args) -> int:
                 kv_bytes=args.kv_memory << 20,
                 prepack_lm_head=args.prepack,
                 pass_cost_rows=args.pass_cost_rows,
+                state_slots=args.state_slots,
                 tensor_parallel=args.tensor_parallel,
             )
             for n in names
@@ -134,6 +142,13 @@ def run_engine(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if s.info.state_slots:
+            print(
+                f"{s.name}: recurrent state ({s.info.family}), {s.info.state_slots} slots x "
+                f"{2 * s.info.state_bytes / 2**20:.2f} MiB (state and snapshot); prefix cache off",
+                file=sys.stderr,
+                flush=True,
+            )
         if s.info.prepacked_bytes:
             print(
                 f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",

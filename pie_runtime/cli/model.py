@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from ..models.config import Lfm2Config, MambaConfig
 from ..store import DEFAULT_MODEL, PACKAGED, Manifest, ModelStore, StoreError, import_model
 
 
@@ -160,10 +161,18 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  quantized   {m.quantized_summary()}  (store format {m.format_version})")
     print(f"  vocab       {c.vocab_size:,}")
     print(f"  context     {c.max_position_embeddings:,}")
-    print(
-        f"  shape       {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads, "
-        f"{c.num_key_value_heads} kv heads, head dim {c.head_dim}, mlp {c.intermediate_size}"
-    )
+    if isinstance(c, MambaConfig):
+        print(
+            f"  shape       {c.num_hidden_layers} state-space layers, hidden {c.hidden_size}, inner "
+            f"{c.intermediate_size}, state {c.state_size}, conv kernel {c.conv_kernel}"
+        )
+    else:
+        convs = sum(t == "conv" for t in c.layer_types) if isinstance(c, Lfm2Config) else 0
+        print(
+            f"  shape       {c.num_hidden_layers} layers{f' ({convs} short-conv)' if convs else ''}, hidden "
+            f"{c.hidden_size}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, head dim "
+            f"{c.head_dim}, mlp {c.intermediate_size}"
+        )
     print(
         f"  tokens      bos {m.tokenizer.bos_token_id}, eos {m.tokenizer.eos_token_ids}, "
         f"chat template {'yes' if m.tokenizer.chat_template else 'no'}"

@@ -37,6 +37,7 @@ def engine_args(args) -> list[str]:
         out += ["--threads", str(args.threads)]
     out += ["--compile" if args.compile else "--no-compile"]
     out += [] if args.prefix_cache else ["--no-prefix-cache"]
+    out += ["--state-slots", str(args.state_slots)]
     if getattr(args, "tensor_parallel", 1) > 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
     return out

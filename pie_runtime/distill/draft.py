@@ -29,7 +29,9 @@ def draft_from_target(target: LlamaForCausalLM, layers: list[int]) -> LlamaForCa
         state |= {f"model.layers.{new}.{k[len(prefix) :]}": v for k, v in src.items() if k.startswith(prefix)}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return build_model(cfg, {k: v.clone().float() for k, v in state.items()}, torch.float32, "cpu")
+    draft = build_model(cfg, {k: v.clone().float() for k, v in state.items()}, torch.float32, "cpu")
+    assert isinstance(draft, LlamaForCausalLM)
+    return draft
 
 
 class DraftStudent(Student):

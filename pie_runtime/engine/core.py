@@ -1,7 +1,8 @@
 """The engine core: the parts an engine is made of, and the request each op goes to.
 
     models      ServedModels: per model, its runner, KV pages (kv_pages.py, with its prefix cache unless
-                ``prefix_cache=False``: prefix_cache.py) and fire queue (served.py)
+                ``prefix_cache=False`` or the model carries recurrent state: prefix_cache.py), its state
+                slots (state_slots.py) and fire queue (served.py)
     sets        WorkingSetTable: every client's working sets (working_set.py)
     channels    ChannelTable: device channels and the host takes waiting on them (channels.py)
     requests    working sets (ws_requests.py), fires (fire_requests.py), programs and channels
@@ -58,7 +59,7 @@ class EngineCore:
         }
         self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(), **self.programs.ops()}
         for sm in self.models:
-            if prefix_cache:
+            if prefix_cache and not sm.info.recurrent:  # a recurrent state is not addressable by page
                 sm.pages.enable_prefix_cache(sm.name)
             if not sm.info.hidden_size:
                 sm.info.hidden_size = sm.runner.model.config.hidden_size
@@ -131,6 +132,10 @@ class EngineCore:
                     "queued": len(sm.queue),
                     "prefix_cache": self._prefix_stats(sm).model_dump(),
                     "kv": m.KVStats(pages_used=sm.pages.used, pages_total=sm.pages.total).model_dump(),
+                    "state_slots": {
+                        "used": sm.states.used if sm.states is not None else 0,
+                        "total": sm.states.total if sm.states is not None else 0,
+                    },
                 }
                 for sm in self.models
             },

@@ -19,6 +19,7 @@ from .programs.fire import FireIntrinsics
 from .runner import ReadoutRequest
 from .scheduler import Chunk
 from .served import ServedModel
+from .state_slots import DIRTY
 
 log = logging.getLogger("pie.engine")
 
@@ -80,20 +81,50 @@ def _forward(
 
 
 def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
-    """One forward; with an EAGLE head, each working set's feature tail goes in and its new one is kept."""
-    segments, tokens, positions = [], [], []
+    """One forward; with an EAGLE head, each working set's feature tail goes in and its new one is kept. With
+    recurrent state, a fire's rows run again after a forward that raised (``_state_lead``); only each chunk's own
+    rows are returned."""
+    segments, tokens, positions, keep = [], [], [], []
     for c in chunks:
         j = c.job
+        lead = _state_lead(sm, j)
+        first = j.done - lead
         parents = None if j.parents is None else tuple(j.parents)
-        segments.append(Segment(j.ws.pages, j.start + j.done, c.rows, parents, j.start))
-        tokens.extend(j.tokens[j.done : j.done + c.rows])
-        positions.extend(j.positions[j.done : j.done + c.rows])
+        segments.append(Segment(j.ws.pages, j.start + first, lead + c.rows, parents, j.start, state=_slot(j)))
+        tokens.extend(j.tokens[first : j.done + c.rows])
+        positions.extend(j.positions[first : j.done + c.rows])
+        keep.extend(range(len(tokens) - c.rows, len(tokens)))
     if sm.runner.eagle is None:
-        return sm.runner.forward(segments, tokens, positions)
-    hidden = sm.runner.forward(segments, tokens, positions, [c.job.ws.drafter_tail for c in chunks])
-    for c, tail in zip(chunks, sm.runner.tails(segments, hidden)):
-        c.job.ws.drafter_tail = tail
-    return hidden
+        hidden = sm.runner.forward(segments, tokens, positions)
+    else:  # an EAGLE head is refused on a model with recurrent state (drafters.py), so no lead rows here
+        hidden = sm.runner.forward(segments, tokens, positions, [c.job.ws.drafter_tail for c in chunks])
+        for c, tail in zip(chunks, sm.runner.tails(segments, hidden)):
+            c.job.ws.drafter_tail = tail
+    for c in chunks:
+        if (hold := c.job.ws.state) is not None:
+            hold.ran = c.job.done + c.rows
+    return hidden if len(keep) == hidden.shape[0] else hidden[keep]
+
+
+def _slot(j: FireJob) -> int | None:
+    return j.ws.state.slot if j.ws.state is not None else None
+
+
+def _state_lead(sm: ServedModel, j: FireJob) -> int:
+    """Rows of ``j`` already run that this forward runs again (0 but after a forward that raised): with
+    recurrent state, a fire's first rows save the state (the snapshot), and a forward that raised leaves the
+    state unknown, so the retry restores the snapshot and runs the fire's earlier rows again before its chunk."""
+    hold, states = j.ws.state, sm.states
+    if hold is None or states is None:
+        return 0
+    lead = 0
+    if hold.fire is not j:
+        states.begin(hold, j, j.start, j.tokens, j.positions)
+    elif hold.ran != j.done:
+        sm.runner.restore_state(hold.slot)
+        lead = j.done
+    hold.ran = DIRTY
+    return lead
 
 
 def _advance(chunks: list[Chunk[FireJob]], hidden: torch.Tensor) -> list[FireJob]:

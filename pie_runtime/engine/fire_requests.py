@@ -50,12 +50,13 @@ class FireRequests:
         source = self.programs.source(client, req, ws)
         w = source.shape[0] if source is not None else len(req.tokens or [])
         start = ws.committed + len(settle) if settle is not None else sm.queue.planned_length(ws)
-        depths = self._check_tree(req, source, w)
+        depths = self._check_tree(sm, req, source, w)
         positions = self._check_window(sm, req, start, w, depths)
         self._check_readout_rows(req, w)
         masks = [self._check_readout(r, w, sm, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
+        self._check_granule(sm, fold, w)
         run = self.programs.check_run_ahead(client, req, program, bindings, source)
         cached = 0
         try:
@@ -68,7 +69,7 @@ class FireRequests:
                 sm.pages.release(ws)
             raise  # a refused fire leaves no trace, its settle included: that is applied only below
         if settle is not None:  # reserve copies page contents only, so the settled path's rows are intact
-            settle_fold(sm.pages, ws, settle)
+            settle_fold(sm, ws, settle)  # with recurrent state, restores and replays here (engine/fold.py)
         sm.queue.push(
             FireJob(
                 client=client,
@@ -112,13 +113,20 @@ class FireRequests:
         return min([w - 1, *needed])
 
     @staticmethod
-    def _check_tree(req: m.Fire, source: object, w: int) -> list[int] | None:
+    def _check_tree(sm: ServedModel, req: m.Fire, source: object, w: int) -> list[int] | None:
         """A tree window's row depths (protocol.tree), None for a chain: INVALID_TREE for parents that form no
-        tree of the window, LIMIT_EXCEEDED past MAX_TREE_ROWS, UNSUPPORTED for a channel-fed window."""
+        tree of the window, LIMIT_EXCEEDED past MAX_TREE_ROWS, UNSUPPORTED for a channel-fed window or a model
+        with recurrent state (its state runs through rows in order, not along branches: engine/fold.py)."""
         if req.parents is None:
             return None
         if source is not None:
             raise PieError(ErrorCode.UNSUPPORTED, "a tree window embeds token ids, not a channel's cell")
+        if sm.states is not None:
+            raise PieError(
+                ErrorCode.UNSUPPORTED,
+                f"model {sm.name} carries recurrent state, which advances through a window's rows in order: "
+                "a tree fire needs a model with attention only (fire a chain instead)",
+            )
         return tree_depths(req.parents, w)
 
     @staticmethod
@@ -153,6 +161,18 @@ class FireRequests:
             return w if req.parents is None else []
         fold_path(req.fold, req.parents, w)
         return req.fold
+
+    @staticmethod
+    def _check_granule(sm: ServedModel, fold: Fold | None, w: int) -> None:
+        """A model whose state advances in granules of more than one row cannot leave rows of a fire out: its
+        state cannot be replayed to a row inside a granule. Only whole fires fold there (no deferred fold)."""
+        g = sm.info.state_granule
+        if g > 1 and (fold is None or (fold if isinstance(fold, int) else len(fold)) < w):
+            raise PieError(
+                ErrorCode.GRANULE,
+                f"model {sm.name}'s state advances in granules of {g} rows: a fire folds all its rows "
+                f"(asked {'deferred' if fold is None else fold} of {w})",
+            )
 
     @staticmethod
     def _check_readout_rows(req: m.Fire, w: int) -> None:

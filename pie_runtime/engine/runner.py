@@ -11,16 +11,17 @@ K/V some quality, never exactness: drafts are verified."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..models.context import ForwardContext, Segment
 from ..models.eagle import EagleHead
+from ..models.families import CausalLM
 from ..models.kv_cache import KVCache
-from ..models.llama import LlamaForCausalLM
 from ..models.mtp import MTPHead
+from ..models.state_cache import StateCache
 from ..protocol.messages import Readout
 from . import sampling
 
@@ -56,9 +57,10 @@ class FeatureTail:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device):
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, state: StateCache | None = None):
         self.model = model
         self.kv = kv
+        self.state = state  # the recurrent-state pool's tensors (models with recurrent state only)
         self.device = device
         self.vocab = model.config.vocab_size
         self.mtp: MTPHead | None = None  # the model's MTP drafter, when it has one
@@ -71,16 +73,39 @@ class ModelRunner:
         positions: list[int],
         tails: Sequence[object] | None = None,
     ) -> torch.Tensor:
-        """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V, returns (N, H) hidden.
-        With an EAGLE head it writes the draft layer's K/V too; ``tails``: each segment's working set's
-        :class:`FeatureTail` (module docstring)."""
+        """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V and advances the recurrent
+        state of the slot each segment names (``Segment.state``), returns (N, H) hidden. With an EAGLE head it
+        writes the draft layer's K/V too; ``tails``: each segment's working set's :class:`FeatureTail` (module
+        docstring)."""
+        if self.state is not None:  # slot → its live entry; a segment of no working set runs on the scratch
+            segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
         ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(self.model.embed(ids), ctx, self.kv)
+            hidden = self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]
             if self.eagle is not None:
                 self._eagle_kv(segments, ids, hidden, ctx, tails or [None] * len(segments))
         return hidden
+
+    # ---- the recurrent-state pool's tensors, by slot (engine/state_slots.py's StateOps) ------------
+
+    def _states(self) -> StateCache:
+        assert self.state is not None, "only a model with recurrent state has a state pool"
+        return self.state
+
+    def zero_state(self, slot: int) -> None:
+        self._states().zero([slot])
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self._states().copy([src], [dst])
+
+    def snapshot_state(self, slot: int) -> None:
+        s = self._states()
+        s.copy([slot], [s.snapshot_of(slot)])
+
+    def restore_state(self, slot: int) -> None:
+        s = self._states()
+        s.copy([s.snapshot_of(slot)], [slot])
 
     def _eagle_kv(
         self,

@@ -1,4 +1,5 @@
-"""The models an engine serves: each with its runner, its KV pages and its queue of accepted fires.
+"""The models an engine serves: each with its runner, its KV pages, its recurrent-state slots (models with
+recurrent state) and its queue of accepted fires.
 
 A model's queue holds fires oldest first; a working set's fires run in submission order, and a fire counts
 toward its working set's ``in_flight`` from acceptance until it is answered (or dropped with the set).
@@ -18,6 +19,7 @@ from .jobs import FireJob
 from .kv_pages import KVPages
 from .runner import ModelRunner
 from .scheduler import heads
+from .state_slots import StateSlots
 from .working_set import WorkingSet
 
 
@@ -66,6 +68,7 @@ class ServedModel:
     pages: KVPages
     tokenizer_json: str
     queue: FireQueue = field(default_factory=FireQueue)
+    states: StateSlots | None = None  # the recurrent-state slots (models with recurrent state only)
 
 
 class ServedModels:

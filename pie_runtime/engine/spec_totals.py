@@ -29,6 +29,7 @@ SKIP_REASONS = frozenset(
         "penalties",  # fallbacks: sampling a run never speculates with (args.fallback_reasons)
         "logit_bias",
         "logprobs",
+        "granule",  # the model's state advances in granules of more than one row: one token a step
         OTHER,
     }
 )

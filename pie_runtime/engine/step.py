@@ -115,10 +115,10 @@ class Step:
                 continue
             self._wrote(sm, j)
             if j.fold is not None:
-                apply_fold(sm.pages, ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
+                apply_fold(sm, ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
             elif o.device_fold is not None:  # settled on the device, as ws_fold would
                 ws.pending_fold, ws.pending_tree = None, None
-                apply_fold(sm.pages, ws, j.start, o.device_fold, j.tree)
+                apply_fold(sm, ws, j.start, o.device_fold, j.tree)
             self.stats.fires += 1
             self._unqueue(sm, j)
             if j.run is not None:
@@ -140,6 +140,8 @@ class Step:
                 reply["fold"] = len(o.device_fold)
                 if j.parents is not None:
                     reply["fold_path"] = o.device_fold
+            if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)
+                reply["replayed_rows"] = ws.replayed_rows
             replies.append((j.client, reply))
         return replies
 
@@ -194,7 +196,7 @@ class Step:
 
     @staticmethod
     def _run_reply(j: FireJob, run: RunState) -> dict:
-        return {
+        reply = {
             "id": j.req_id,
             "ok": True,
             "results": [],
@@ -202,6 +204,9 @@ class Step:
             "pending_fold": None,
             "run": run.summary(),
         }
+        if j.ws.state is not None:
+            reply["replayed_rows"] = j.ws.replayed_rows
+        return reply
 
     def _finish(self, sm: ServedModel, j: FireJob, reply: dict) -> Reply:
         """Ends a fire that will not run (a stopped run-ahead round): its rows were never written."""
@@ -219,7 +224,9 @@ class Step:
         ran = bool(j.tokens) and j.remaining == 0
         if j.fold is not None and ran:
             self._wrote(sm, j)
-            apply_fold(sm.pages, j.ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
+            apply_fold(sm, j.ws, j.start, fold_path(j.fold, j.parents, len(j.positions)), j.tree)
+        elif j.ws.state is not None and j.ws.state.fire is j:
+            apply_fold(sm, j.ws, j.ws.committed, [])  # its rows fold nothing: the state from before it comes back
         replies = [self._finish(sm, j, {"id": j.req_id, "ok": False, "error": err.to_wire()})]
         if j.fold is not None and not ran:
             after = PieError(

@@ -145,6 +145,7 @@ def worker_main(
     dev = _rank_device(device, rank)
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=world, timeout=_TIMEOUT)
     model = load_model(name, dtype=torch.float32, device=dev, keep_quantized=False).model
+    assert isinstance(model, LlamaForCausalLM)  # build.py refuses tensor parallelism for the other families
     shard(model, rank, world)
     kv = KVCache(local_config(model.config, rank, world), kv_pages, page_size, torch.float32, str(dev))
     runner = ModelRunner(model, kv, dev)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..protocol import ErrorCode, PieError
 from ..protocol.tree import Fold, fold_path
 from .prefix_cache import PageChain
+from .state_slots import SlotHold
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class WorkingSet:
     in_flight: int = 0  # fires accepted and not yet answered
     released: bool = False
     chain: PageChain = field(default_factory=PageChain)  # what the prefix cache can name of its rows
+    state: SlotHold | None = None  # its recurrent-state slot (models with recurrent state only)
+    replayed_rows: int = 0  # rows its folds replayed so far (engine/fold.py), reported in fire and fold replies
     # an EAGLE head's features of the last rows run (engine/runner.py's FeatureTail), opaque here
     drafter_tail: object | None = None
 

@@ -1,5 +1,8 @@
 """The working-set requests: ``ws_open``, ``ws_fork``, ``ws_release``, ``ws_fold``, ``ws_truncate``, and the
-release of a departed client's working sets. Each checks everything before it changes anything.
+release of a departed client's working sets. Each checks everything before it changes anything. A working set
+of a model with recurrent state holds a state slot (engine/state_slots.py): open takes one, fork copies the
+parent's state into another, release frees it; truncate, which would need the state at an earlier row, is
+refused.
 
 A client holds at most ``MAX_WORKING_SETS`` working sets at once (open and fork refuse more with
 ``limit_exceeded``), so one client cannot grow the engine's tables without bound."""
@@ -39,16 +42,21 @@ class WorkingSetRequests:
     def open(self, client: bytes, req: m.WsOpen) -> dict:
         sm = self.models.get(req.model)
         self._check_room(client)
+        hold = sm.states.open() if sm.states is not None else None  # out_of_state_slots before any change
         ws = self.sets.open(client, sm.name)
+        ws.state = hold
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": sm.name, "committed": 0}
 
     def fork(self, client: bytes, req: m.WsFork) -> dict:
         parent = self.sets.idle(client, req.ws)
         self._check_room(client)
-        kv = self.models[parent.model].pages
+        sm = self.models[parent.model]
+        kv = sm.pages
+        hold = sm.states.fork(parent.state) if sm.states is not None and parent.state is not None else None
         pages = kv.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
+        child.state = hold
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
         child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
         self._held[client] = self._held.get(client, 0) + 1
@@ -68,15 +76,24 @@ class WorkingSetRequests:
     def fold(self, client: bytes, req: m.WsFold) -> dict:
         ws = self.sets.get(client, req.ws)
         path = ws.check_settle(req.n)
-        kv = self.models[ws.model].pages
-        settle_fold(kv, ws, path)
-        kv.trim(ws)
-        return {"committed": ws.committed}
+        sm = self.models[ws.model]
+        settle_fold(sm, ws, path)
+        sm.pages.trim(ws)
+        reply = {"committed": ws.committed}
+        if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)
+            reply["replayed_rows"] = ws.replayed_rows
+        return reply
 
     def truncate(self, client: bytes, req: m.WsTruncate) -> dict:
         ws = self.sets.idle(client, req.ws)
         if req.n > ws.committed:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"truncate to {req.n} past committed length {ws.committed}")
+        if ws.state is not None and req.n < ws.committed:
+            raise PieError(
+                ErrorCode.UNSUPPORTED,
+                f"model {ws.model} carries recurrent state, which cannot be cut back to an earlier row; "
+                "fork the working set before the rows you may drop instead",
+            )
         self.models[ws.model].pages.truncate(ws, req.n)
         return {"committed": ws.committed}
 
@@ -96,6 +113,8 @@ class WorkingSetRequests:
             err = PieError(ErrorCode.UNKNOWN_WORKING_SET, f"working set {ws.id} was released in flight")
             self.outbox.extend((j.client, {"id": j.req_id, "ok": False, "error": err.to_wire()}) for j in dropped)
         sm.pages.release(ws)
+        if sm.states is not None and ws.state is not None:
+            sm.states.release(ws.state)
         if dropped and self.channels is not None:
             self.outbox.extend(self.channels.serve(self.models.writes))
 

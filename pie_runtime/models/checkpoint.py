@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .config import AnyConfig
+from .families import build_causal_lm
 from .quant import GroupQuant
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -39,7 +39,7 @@ class Converted:
     """A checkpoint in the store's layout, still in memory."""
 
     family: str
-    config: ModelConfig
+    config: AnyConfig
     tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, no lm_head when embeddings are tied
     tokenizer_json: str
     tokenizer: TokenizerInfo
@@ -49,17 +49,17 @@ class Converted:
     quantized: dict[str, GroupQuant] = field(default_factory=dict)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: AnyConfig) -> dict[str, tuple[int, ...]]:
     """Name → shape of every tensor a checkpoint for ``cfg`` must hold (built on the meta device: no memory)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = build_causal_lm(cfg)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
 
 
-def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_shapes(cfg: AnyConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse a checkpoint whose tensor names or shapes differ from what ``cfg`` builds."""
     want = expected_shapes(cfg)
     missing = sorted(set(want) - set(shapes))
@@ -74,7 +74,7 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
             raise CheckpointError(f"tensor {name} has shape {tuple(shape)}, the config needs {want[name]}")
 
 
-def drop_ignored(names: list[str], cfg: ModelConfig) -> list[str]:
+def drop_ignored(names: list[str], cfg: AnyConfig) -> list[str]:
     """Names minus recomputed buffers and, for tied embeddings, the duplicate lm_head."""
     out = [n for n in names if not n.endswith(IGNORED_SUFFIXES)]
     if cfg.tie_word_embeddings:

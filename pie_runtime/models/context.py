@@ -8,6 +8,9 @@ index's slot and attends every key at sequence index ``<= start + i`` (causal ov
 A segment of a *tree window* (docs/architecture.md, "Tree windows") carries the window's parent rows and the
 sequence index its row 0 sits at: a row then attends every key before the window and, inside the window,
 only itself and its ancestors, whichever chunk of the window wrote them.
+
+A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
+advance (``Segment.state``); the context lays those out as a :class:`StateLayout`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .recurrent import StateLayout
 
 # Segments with at most this many query rows are padded into one attention call; longer ones (prefill
 # chunks) get a call of their own so that a decode row never pays for a prefill's padding.
@@ -30,6 +35,7 @@ class Segment:
     n_rows: int
     parents: tuple[int, ...] | None = None  # a tree window's parent row of each window row (-1: a root)
     window: int = 0  # with parents: sequence index of the window's row 0 (start - window rows already ran)
+    state: int | None = None  # state-pool entry the rows advance (models with recurrent state)
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class ForwardContext:
     positions: torch.Tensor  # (N,) int64 RoPE position of each row
     write_slots: torch.Tensor  # (N,) int64 slot each row's K/V is written to
     groups: tuple[AttentionGroup, ...]
+    states: StateLayout | None = None  # each segment's recurrent state, when its segments name one
 
     @staticmethod
     def build(
@@ -82,10 +89,17 @@ class ForwardContext:
         groups = tuple(
             _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device) for plan in plans
         )
+        entries = [s.state for s in segments]
+        states = None
+        if any(e is not None for e in entries):
+            if any(e is None for e in entries):
+                raise ValueError("either every segment names its recurrent state or none does")
+            states = StateLayout.build(row_start, [s.n_rows for s in segments], entries, device)  # type: ignore[arg-type]
         return ForwardContext(
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             groups=groups,
+            states=states,
         )
 
 

@@ -1,6 +1,6 @@
 """Convert a Hugging Face checkpoint folder (config.json, one or sharded safetensors, tokenizer.json) of a
-Llama-family model (llama, mistral, qwen2, qwen3) into the store's layout: float32 tensors under their
-own names, checked name by name and shape by shape against the config before any weight is read."""
+Llama-family model (llama, mistral, qwen2, qwen3), a Mamba or an LFM2 into the store's layout: float32 tensors
+under their own names, checked name by name and shape by shape against the config before any weight is read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes, drop_ignored
-from .config import ModelConfig
+from .config import config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -92,7 +92,7 @@ def convert_hf(folder: Path, *, progress: bool = True) -> Converted:
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a checkpoint folder")
     hf_config = _read_json(folder / "config.json")
-    cfg = ModelConfig.from_hf(hf_config)  # refuses an unknown model_type
+    cfg = config_from_hf(hf_config)  # refuses an unknown model_type
     tok_path = folder / "tokenizer.json"
     try:
         tokenizer_json = tok_path.read_text()

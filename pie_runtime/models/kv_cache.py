@@ -1,4 +1,4 @@
-"""The paged KV pool's tensors: per layer, K and V for ``num_pages * page_size`` slots. Which pages belong
+"""The paged KV pool's tensors: per attention layer, K and V for ``num_pages * page_size`` slots. Which pages belong
 to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes.
 
 ``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from .config import AnyConfig
 
 
 class KVCache:
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: AnyConfig,
         num_pages: int,
         page_size: int,
         dtype: torch.dtype,
@@ -23,15 +23,15 @@ class KVCache:
     ):
         self.num_pages = num_pages
         self.page_size = page_size
-        layers = cfg.num_hidden_layers + extra_layers
-        shape = (layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.kv_layers + extra_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    def bytes_per_page(cfg: AnyConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        """0 for a model without attention layers (and no extra layers)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * (cfg.num_hidden_layers + extra_layers) * page_size * cfg.kv_size * elem
+        return 2 * (cfg.kv_layers + extra_layers) * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     @property
     def nbytes(self) -> int:

@@ -182,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
-        """hidden: (N, H) input embeddings → (N, H) final hidden states after the last norm."""
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv: KVCache, state: object = None) -> torch.Tensor:
+        """hidden: (N, H) input embeddings → (N, H) final hidden states after the last norm. ``state``: the
+        recurrent-state pool, which this family does not use (the engine passes every family the same)."""
         cos, sin = self.rotary.cos_sin(ctx.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, ctx, kv)

@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from .config import ModelConfig
+from .families import CausalLM, final_norm
 from .linear import Linear
-from .llama import MLP, LlamaForCausalLM, RMSNorm
+from .llama import MLP, RMSNorm
 
 
 class MTPConfig(BaseModel):
@@ -91,16 +92,17 @@ class MTPModule(nn.Module):
 class MTPHead:
     """An MTP module bound to its target: ``step`` chains one prediction, ``draft`` chains k."""
 
-    def __init__(self, module: MTPModule, target: LlamaForCausalLM):
+    def __init__(self, module: MTPModule, target: CausalLM):
         self.module = module
         self.target = target
         self.depth = module.config.depth
+        self.norm = final_norm(target)
 
     @torch.inference_mode()
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """(R, H) normed hidden of the rows, (R,) the token after each → (R, H) normed hidden one further."""
         out = self.module(hidden, self.target.embed(tokens))
-        return self.target.model.norm(out)
+        return self.norm(out)
 
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, first: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from .config import ModelConfig, UnsupportedModelError
+from .config import Lfm2Config, ModelConfig, UnsupportedModelError
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig | Lfm2Config) -> torch.Tensor:
     """(head_dim // 2,) float64 inverse frequencies after any rope scaling."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -38,7 +38,7 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class Rotary:
     """cos/sin for arbitrary per-row positions, computed once per forward and shared by every layer."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig | Lfm2Config):
         self.inv_freq = inverse_frequencies(cfg).float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from typing import Literal, cast, get_args
 import torch
 from torch import nn
 
+from .families import CausalLM
 from .linear import Linear
 from .llama import DecoderLayer, LlamaForCausalLM
 from .quant import GroupQuant, Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -49,15 +50,18 @@ def load_dtype(fmt: str) -> torch.dtype:
     return torch.float32 if fmt in ("int8", "int4") else ACTIVATION_DTYPE[fmt]
 
 
-def prepare_for_serving(
-    model: LlamaForCausalLM, fmt: str, quantized: dict[str, GroupQuant] | None = None
-) -> LlamaForCausalLM:
+def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQuant] | None = None) -> CausalLM:
     """Fuses and converts ``model`` in place (inference only: it no longer loads a Hugging Face state dict).
-    ``quantized``: the checkpoint's own quantized tensors by Hugging Face name (a GGUF's blocks)."""
+    ``quantized``: the checkpoint's own quantized tensors by Hugging Face name (a GGUF's blocks). The families
+    with recurrent state (Mamba, LFM2) are served in fp32 or bf16 (loaded in that dtype, unfused)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if fmt == "fp32":
         return model  # the reference format stays as loaded: transformers' float32 math, op for op
+    if not isinstance(model, LlamaForCausalLM):
+        if fmt != "bf16":
+            raise ValueError(f"{model.config.family} models are served in fp32 or bf16, not {fmt}")
+        return model
     blocks = quantized or {}
     for i, layer in enumerate(cast(list[DecoderLayer], list(model.model.layers))):
         attn, mlp = layer.self_attn, layer.mlp

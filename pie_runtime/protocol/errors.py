@@ -19,6 +19,8 @@ class ErrorCode(str, Enum):
     NO_PENDING_FOLD = "no_pending_fold"
     BUSY = "busy"  # a control op on a working set with fires in flight
     OUT_OF_PAGES = "out_of_pages"  # the KV pool cannot hold the request
+    OUT_OF_STATE_SLOTS = "out_of_state_slots"  # every recurrent-state slot is held (one per working set)
+    GRANULE = "granule"  # a fold that splits the state's granule (a model whose state advances in chunks)
     CAPACITY = "capacity"  # past the model's maximum positions
     UNAUTHORIZED = "unauthorized"  # tcp:// engines want their token in hello
     UNSUPPORTED = "unsupported"  # e.g. MTP readout on a model without an MTP drafter

@@ -238,6 +238,7 @@ class SpecReport(_Req):
     accepted_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
     rounds_with_rejection: _SPEC_COUNT
     skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
+    replayed_rows: _SPEC_COUNT = 0
     draft_rows: _SPEC_COUNT = 0
     tree_rounds: _SPEC_COUNT = 0
     tree_rows: _SPEC_COUNT = 0
@@ -313,6 +314,11 @@ class ModelInfo(BaseModel):
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
     weight_bytes: int = 0  # bytes of the projections and lm head as served
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
+    family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)
+    recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran replays them
+    state_slots: int = 0  # working sets the recurrent-state pool holds at once (0: no recurrent state)
+    state_bytes: int = 0  # one working set's state (its snapshot doubles it)
+    state_granule: int = 1  # rows the state advances by; > 1: a fire folds all its rows, no speculation
 
 
 class PrefixCacheStats(BaseModel):

@@ -27,6 +27,8 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds keeping draft i+1
     rounds_with_rejection: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason → plain steps
+    # rows the engine replayed to fold fewer rows than a fire ran (models with recurrent state: engine/fold.py)
+    replayed_rows: int = 0
     draft_rows: int = 0  # draft rows of every round's verify window (a chain's drafts, a tree's nodes), summed
     tree_rounds: int = 0  # rounds that verified a token tree (counted in rounds too)
     tree_rows: int = 0  # draft rows of those rounds' windows, summed
@@ -52,6 +54,7 @@ class SpecCounters:
         self.accepted = add_capped(self.accepted, other.accepted)
         self.add_positions(other.proposed_per_position, other.accepted_per_position)
         self.rounds_with_rejection = add_capped(self.rounds_with_rejection, other.rounds_with_rejection)
+        self.replayed_rows = add_capped(self.replayed_rows, other.replayed_rows)
         for reason, n in other.skipped.items():
             self.skipped[reason] = add_capped(self.skipped.get(reason, 0), n)
         self.draft_rows = add_capped(self.draft_rows, other.draft_rows)
@@ -70,6 +73,7 @@ class SpecCounters:
                 a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self.proposed_per_position)
             ],
             "rejecting_round_share": self.rounds_with_rejection / self.rounds if self.rounds else 0.0,
+            "replayed_rows": self.replayed_rows,
             "skipped": dict(self.skipped),
             "rows_per_round": 1 + self.draft_rows / self.rounds if self.rounds else 0.0,  # verify window rows, mean
             "accepted_depth": self.accepted / self.rounds if self.rounds else 0.0,  # drafts kept per round, mean

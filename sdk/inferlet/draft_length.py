@@ -22,6 +22,11 @@ rows of the step its last fire ran in, from the fire reply's ``step_rows``). Whe
 rows on a CPU) that is about what it costs alone; in a full step every extra row costs its full share, so a
 round drafts less, or nothing, and speculation does not slow a busy server.
 
+On a model with recurrent state (``replay``: Mamba, LFM2) a rejection is not free: the engine restores the
+state from before the round and replays the rows it keeps (engine/fold.py), one more pass over them. The planner
+adds that pass, weighted by the chance the round rejects a draft: for k drafts,
+``(1 - Π_{i<=k} α_i) * pass_cost(E[rows kept | a rejection])``, which shortens windows where drafts miss.
+
 A drafter that can also propose a token tree (inferlet.tree, ``--tree`` widths per depth) asks ``use_tree``
 each round: the tree of ``rows`` draft rows and ``depth`` levels emits 1 + Σ_d Π_{i<=d} β_i tokens, β_d the
 acceptance of depth d given depth d-1 was kept, observed on tree rounds (``observe_tree``) with the prior
@@ -52,6 +57,7 @@ class DraftPlanner:
         slow_decay: float = 0.8,
         prior_alpha: float = 0.5,
         overhead_ms: float = 1.0,
+        replay: bool = False,
     ):
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
@@ -67,6 +73,7 @@ class DraftPlanner:
         self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
         self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
+        self.replay = replay  # a rejecting round costs a replay of its kept rows (recurrent state)
         self.tree_hits: list[float] = []  # [d]: discounted tree rounds whose kept path reached depth d+1
         self.tree_trials: list[float] = []  # [d]: discounted tree rounds that tried depth d+1 (reached depth d)
 
@@ -101,9 +108,24 @@ class DraftPlanner:
         return total
 
     def round_cost(self, k: int) -> float:
-        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead."""
+        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
+        recurrent state the expected replay of the kept rows after a rejection."""
         rows = self.pass_cost(self.load + 1 + k) - (self.pass_cost(self.load) if self.load else 0.0)
-        return rows + k * self.draft_cost_ms + self.overhead_ms
+        return rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k)
+
+    def replay_cost(self, k: int) -> float:
+        """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts."""
+        if not self.replay or k == 0:
+            return 0.0
+        survive, p_reject, kept_if_rejected = 1.0, 0.0, 0.0
+        for i in range(k):  # draft i+1 rejected after i kept: the replay runs `last` and those i drafts
+            reject = survive * (1 - self.position_alpha(i))
+            p_reject += reject
+            kept_if_rejected += reject * (1 + i)
+            survive *= self.position_alpha(i)
+        if p_reject <= 0:
+            return 0.0
+        return p_reject * self.pass_cost(max(1, round(kept_if_rejected / p_reject)))
 
     def observe_load(self, step_rows: int, own_rows: int) -> None:
         """The engine ran this run's last fire (``own_rows`` rows) in a step of ``step_rows`` rows."""
@@ -135,7 +157,10 @@ class DraftPlanner:
 
     def use_tree(self, widths: list[int], rows: int, draft_fires: int = 0) -> bool:
         """Whether a tree of ``widths`` (``rows`` draft rows, ``draft_fires`` drafter steps) is expected to emit
-        more tokens per ms than the best chain. Without a cost curve, always."""
+        more tokens per ms than the best chain. Without a cost curve, always; with recurrent state (``replay``),
+        never: the engine refuses tree fires there (a state advances through rows in order), so rounds are chains."""
+        if self.replay:
+            return False
         if not self.adaptive:
             return True
         k = self.best()

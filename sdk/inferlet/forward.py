@@ -196,6 +196,7 @@ class ForwardPass:
         cached = int(reply.get("cached_rows") or 0)  # absent from engines without a prefix cache
         self.ws.cached_rows += cached
         self.ws.step_rows = int(reply.get("step_rows") or 0)
+        self.ws.replayed_rows = int(reply.get("replayed_rows") or self.ws.replayed_rows)  # a running total
         results = [
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})
             for spec, res in zip(self._readouts, reply["results"])

@@ -71,6 +71,17 @@ class Model:
         return self.info.eagle_step_ms
 
     @property
+    def recurrent(self) -> bool:
+        """Whether a working set carries recurrent state (Mamba, LFM2): a fold of fewer rows than a fire ran
+        costs the engine a replay of the folded rows."""
+        return self.info.recurrent
+
+    @property
+    def state_granule(self) -> int:
+        """Rows the model's state advances by; above 1 a fire folds all its rows, so no round can speculate."""
+        return self.info.state_granule
+
+    @property
     def hidden_size(self) -> int:
         return self.info.hidden_size
 

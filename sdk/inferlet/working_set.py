@@ -23,6 +23,8 @@ class WorkingSet:
         self._settle: int | list[int] | None = None  # a fold (count or tree path) to settle with the next fire
         self.cached_rows = 0  # rows of its fires the engine took from its prefix cache (a fire reply's cached_rows)
         self.step_rows = 0  # rows of the engine step its last fire ran in, its own included (the engine's load)
+        # rows the engine replayed to fold fewer rows than a fire ran, so far (models with recurrent state)
+        self.replayed_rows = 0
 
     async def handle(self) -> int:
         if self._handle is None:
@@ -60,6 +62,7 @@ class WorkingSet:
         its tree."""
         reply = await self.model.client.request("ws_fold", ws=await self.handle(), n=n)
         self.committed, self.pending_fold = reply["committed"], False
+        self.replayed_rows = int(reply.get("replayed_rows") or self.replayed_rows)
         return self.committed
 
     async def truncate(self, n: int) -> int:

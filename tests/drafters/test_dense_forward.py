@@ -67,7 +67,9 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     for k, s in shapes.items():
         noise = torch.randn(s, generator=g)
         state[k] = 1 + 0.1 * noise if k.endswith("norm.weight") else 0.15 * noise
-    return build_model(cfg, state, torch.float32, "cpu")
+    model = build_model(cfg, state, torch.float32, "cpu")
+    assert isinstance(model, LlamaForCausalLM)
+    return model
 
 
 def paged_hidden(model: LlamaForCausalLM, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:

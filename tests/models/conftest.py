@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, write_tiny_checkpoint
+from tiny_models import ALL_FAMILIES, write_tiny_checkpoint
 
 from pie_runtime.cli.main import main as pie
 from pie_runtime.models.context import ForwardContext, Segment
@@ -25,7 +25,7 @@ def tiny_store(tmp_path_factory) -> tuple[ModelStore, dict[str, Path]]:
     folders = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIE_HOME", str(home))
-        for family in FAMILIES:
+        for family in ALL_FAMILIES:
             folder = root / f"ckpt-{family}"
             write_tiny_checkpoint(folder, family)
             assert pie(["model", "import", str(folder), "--name", f"tiny-{family}"]) == 0

@@ -1,13 +1,14 @@
 """Logits of our paged forward equal Hugging Face transformers' on the same checkpoint (fp32, 1e-4 + 1e-5
-relative): tiny random llama / mistral / qwen2 / qwen3 checkpoints imported through `pie model import`, and
-SmolLM2 from the store. Each is checked in one pass, in uneven chunks over a scattered page table, and as a
-batch of two prompts of different lengths, with and without the engine's oneDNN-prepacked lm head."""
+relative): tiny random llama / mistral / qwen2 / qwen3 / mamba / lfm2 checkpoints imported through
+`pie model import`, and SmolLM2 from the store. Each is checked in one pass, in uneven chunks over a scattered
+page table (a recurrent state carried across the chunks), and as a batch of two prompts of different lengths,
+with and without the engine's oneDNN-prepacked lm head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import FAMILIES, TINY_VOCAB, run_chunks
+from tiny_models import ALL_FAMILIES, TINY_VOCAB, run_chunks
 
 from pie_runtime.models.linear import prepack, unpack
 from pie_runtime.reference import transformers_llama
@@ -52,7 +53,7 @@ def check_modes(model, hf_model, prompt_a: list[int], prompt_b: list[int]) -> No
     torch.testing.assert_close(out_b, ref_b, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_tiny_checkpoint_matches_transformers(family, tiny_store):
     import transformers
 

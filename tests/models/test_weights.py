@@ -15,7 +15,7 @@ from pie_runtime.cli.engine import WEIGHT_FORMATS as CLI_FORMATS
 from pie_runtime.distill.data import find_corpus
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
-from pie_runtime.models.llama import DecoderLayer
+from pie_runtime.models.llama import DecoderLayer, LlamaForCausalLM
 from pie_runtime.models.quant import Int4Linear, Int8Linear
 from pie_runtime.models.weights import ACTIVATION_DTYPE, WEIGHT_FORMATS, load_dtype, prepare_for_serving
 from pie_runtime.reference import transformers_llama
@@ -31,9 +31,11 @@ def test_the_cli_offers_exactly_the_formats_the_models_serve():
     assert tuple(CLI_FORMATS) == WEIGHT_FORMATS
 
 
-def prepared(name: str, fmt: str, store=None):
+def prepared(name: str, fmt: str, store=None) -> LlamaForCausalLM:
     loaded = load_model(name, dtype=load_dtype(fmt), store=store, keep_quantized=fmt in ("int8", "int4"))
-    return prepare_for_serving(loaded.model, fmt, loaded.quantized)
+    model = prepare_for_serving(loaded.model, fmt, loaded.quantized)
+    assert isinstance(model, LlamaForCausalLM)
+    return model
 
 
 def logits_of(model, segments: list[Segment], ids: list[int], kv: KVCache) -> torch.Tensor:

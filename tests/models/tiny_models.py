@@ -9,10 +9,13 @@ from pathlib import Path
 import torch
 
 from pie_runtime.models.context import ForwardContext, Segment
+from pie_runtime.models.families import CausalLM, state_shapes
 from pie_runtime.models.kv_cache import KVCache
-from pie_runtime.models.llama import LlamaForCausalLM
+from pie_runtime.models.state_cache import StateCache
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+RECURRENT_FAMILIES = ("mamba", "lfm2")  # state-space / hybrid: a recurrent state beside (or instead of) KV pages
+ALL_FAMILIES = FAMILIES + RECURRENT_FAMILIES
 TINY_VOCAB = 300
 
 
@@ -51,6 +54,39 @@ def hf_config(family: str):
         return transformers.MistralConfig(**common, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)  # pyright: ignore[reportCallIssue]
     if family == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)  # pyright: ignore[reportCallIssue]
+    if family == "mamba":
+        return transformers.MambaConfig(
+            vocab_size=TINY_VOCAB,
+            hidden_size=64,
+            state_size=8,
+            num_hidden_layers=3,
+            conv_kernel=4,
+            expand=2,
+            layer_norm_epsilon=1e-5,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+            use_associative_scan=False,
+        )
+    if family == "lfm2":
+        return transformers.Lfm2Config(
+            vocab_size=TINY_VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            block_multiple_of=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            conv_L_cache=3,
+            max_position_embeddings=256,
+            norm_eps=1e-5,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+        )
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6, tie_word_embeddings=True)  # pyright: ignore[reportCallIssue]
     raise ValueError(family)
@@ -74,16 +110,19 @@ def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> None:
 
 
 def run_chunks(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     chunks: list[list[int]],
     page_size: int,
     page_tables: list[list[int]],
 ) -> list[torch.Tensor]:
     """Feed each prompt through the paged cache in steps; step s feeds chunks[p][s] rows of prompt p (all
-    prompts of a step in one forward). Returns each prompt's (T, V) logits, one row per token."""
+    prompts of a step in one forward). Returns each prompt's (T, V) logits, one row per token. A recurrent
+    model's prompts advance state-pool entries (in reverse order, so that entry and batch order differ)."""
     num_pages = max(max(t) for t in page_tables) + 1
     kv = KVCache(model.config, num_pages, page_size, torch.float32)
+    shapes = state_shapes(model.config)
+    state = StateCache(shapes, len(prompts)) if shapes else None
     done = [0] * len(prompts)
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     for step in range(max(len(c) for c in chunks)):
@@ -92,12 +131,13 @@ def run_chunks(
             if step >= len(chunks[p]):
                 continue
             n = chunks[p][step]
-            segments.append(Segment(page_tables[p], done[p], n))
+            entry = len(prompts) - 1 - p if state is not None else None
+            segments.append(Segment(page_tables[p], done[p], n, state=entry))
             ids += prompt[done[p] : done[p] + n]
             owners.append((p, n))
             done[p] += n
         ctx = ForwardContext.build(segments, page_size)
-        hidden = model.forward(model.embed(torch.tensor(ids)), ctx, kv)
+        hidden = model.forward(model.embed(torch.tensor(ids)), ctx, kv, state)  # type: ignore[arg-type]
         logits = model.logits(hidden)
         row = 0
         for p, n in owners:

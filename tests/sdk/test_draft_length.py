@@ -137,6 +137,17 @@ def test_a_full_step_stops_a_weak_drafter():
     assert not p.drafting_pays()
 
 
+def test_a_replay_makes_rejecting_rounds_dearer_and_windows_shorter():
+    flat = [10.0 + 0.5 * w for w in range(1, 17)]  # a CPU-like curve: wider windows nearly free
+    plain, replay = DraftPlanner(8, flat), DraftPlanner(8, flat, replay=True)
+    for p in (plain, replay):
+        for _ in range(6):
+            p.observe(4, 1)  # drafts miss often
+    assert plain.replay_cost(4) == 0.0 and replay.replay_cost(0) == 0.0
+    assert replay.replay_cost(4) > 0.0 and replay.round_cost(4) > plain.round_cost(4)
+    assert replay.best() <= plain.best()
+
+
 # ---- chain or tree ---------------------------------------------------------------------------
 
 
@@ -165,3 +176,8 @@ def test_tree_rounds_learn_per_depth_acceptance():
 
 def test_without_costs_a_tree_drafter_always_drafts_its_tree():
     assert DraftPlanner(4, []).use_tree([2, 2], rows=6)
+
+
+def test_with_recurrent_state_rounds_are_chains():  # the engine refuses tree fires on such a model
+    assert not DraftPlanner(4, [], replay=True).use_tree([2, 2], rows=6)
+    assert not DraftPlanner(8, FLAT, prior_alpha=0.3, replay=True).use_tree([4, 1, 1, 1], rows=16)

@@ -417,6 +417,7 @@ def test_stats():
         "acceptance": 0.5,
         "acceptance_per_position": [2 / 3, 1 / 3, 1 / 2],
         "rejecting_round_share": 2 / 3,
+        "replayed_rows": 0,
         "skipped": {"penalties": 2, "no_draft": 1},
         "rows_per_round": 1 + 8 / 3,
         "accepted_depth": 4 / 3,
