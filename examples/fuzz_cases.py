@@ -295,6 +295,48 @@ def case_huge_readout(c: Conn, h: Handles, rng: random.Random) -> list[Msg]:
     return [c.build("huge_readout", _with_id(obj))]
 
 
+def _parents(rng: random.Random, n: int) -> list[Any]:
+    """A tree window's parents: a valid tree, or one with a parent at or after its child, out of range, of the
+    wrong length or type, or wider than the limit."""
+    valid = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+    which = rng.randrange(7)
+    if which == 0:
+        return valid
+    if which == 1:  # a parent at or after its child (a cycle or a forward edge)
+        i = rng.randrange(n)
+        return valid[:i] + [rng.randrange(i, n)] + valid[i + 1 :]
+    if which == 2:
+        return valid[:-1] + [rng.choice([-2, n, 2**31, -(2**63), 2**64 - 1])]
+    if which == 3:
+        return valid + [-1] * rng.randrange(1, 4)  # more parents than rows
+    if which == 4:
+        return [-1] + [rng.randrange(-1, i) for i in range(1, rng.choice([65, 200, 5000]))]
+    if which == 5:
+        return [rng.choice(WRONG_VALUES) for _ in range(n)]
+    return []
+
+
+def case_trees(c: Conn, h: Handles, rng: random.Random) -> list[Msg]:
+    """Tree windows with hostile parents, fold paths and settles (rows that are no path from the root, repeated,
+    out of range, on a chain fire), and MTP/EAGLE readouts on trees."""
+    n = rng.randrange(1, 9)
+    ws = rng.choice(h.ws)
+    parents = _parents(rng, n)
+    tokens = [rng.randrange(h.vocab) for _ in range(max(1, len(parents)) if rng.random() < 0.2 else n)]
+    path = rng.choice([[0], list(range(n)), [0, 0], [n], [-1], [0, n + 5], list(range(n))[::-1], []])
+    readout: dict[str, Any] = {"rows": list(range(min(n, 4))), "kind": rng.choice(["argmax", "mtp", "eagle"])}
+    if readout["kind"] != "argmax":
+        readout.update(k=rng.choice([1, 2, 99]), at_accepted=rng.random() < 0.5)
+    fire: dict[str, Any] = {"op": "fire", "ws": ws, "tokens": tokens, "parents": parents, "readouts": [readout]}
+    fire["fold"] = rng.choice([path, "deferred", 0, None])
+    if rng.random() < 0.3:
+        fire["settle"] = rng.choice([path, 1, [0, 0]])
+    msgs = [c.build("trees", _with_id(fire))]
+    if rng.random() < 0.5:
+        msgs.append(c.build("trees", _with_id({"op": "ws_fold", "ws": ws, "n": path})))
+    return msgs
+
+
 def case_channel_waits(c: Conn, h: Handles, rng: random.Random) -> list[Msg]:
     """Takes that cannot be served: min past the capacity, and a take waiting on a fire that is released."""
     ch = rng.choice(h.channels)
@@ -400,6 +442,7 @@ KINDS: dict[str, tuple[CaseFn, float]] = {  # kind → (case, weight)
     "sampler_extremes": (case_sampler_extremes, 8),
     "huge_readout": (case_huge_readout, 1),
     "channel_waits": (case_channel_waits, 4),
+    "trees": (case_trees, 6),
     "spec_report": (case_spec_report, 3),
     "flood": (case_flood, 0.4),
     "hello": (case_hello, 2),
