@@ -134,3 +134,20 @@ def test_bf16_matches_transformers_in_bf16(smollm, held_out, tmp_path):
     assert (top1 == want.argmax(-1)).float().mean().item() >= 0.92  # measured 0.949
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 0.05, f"relative L2 distance of the logits {rel:.4f}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_row_gets_the_same_bits_however_its_prompt_was_chunked(fmt, tiny_store):
+    """A prompt's last rows give the same logits prefilled in one long chunk as after a prefix computed
+    before (a prefix-cache hit, or another chunking): longer chunks are attended in invariant slices too."""
+    store, _ = tiny_store
+    model = prepared("tiny-llama", fmt, store)
+    dtype = ACTIVATION_DTYPE[fmt]
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, TINY_VOCAB, (150,), generator=g).tolist()
+    pages = list(range(38))
+    whole = logits_of(model, [Segment(pages, 0, 150)], prompt, KVCache(model.config, 38, PAGE, dtype))
+    kv = KVCache(model.config, 38, PAGE, dtype)
+    logits_of(model, [Segment(pages, 0, 144)], prompt[:144], kv)  # the cached prefix: 36 full pages
+    tail = logits_of(model, [Segment(pages, 144, 6)], prompt[144:], kv)
+    assert torch.equal(tail, whole[144:])
