@@ -268,11 +268,9 @@ def _train_eagle(run: _Run) -> str:
     """Trains and writes an EAGLE head; returns its drafter spec (``eagle:FILE``)."""
     from ..distill.eagle import eagle_agreement, train_eagle
     from ..models.eagle import config_path, load_eagle, read_config, save_eagle
-    from ..models.llama import LlamaForCausalLM
 
     args, name = run.args, run.name
-    target = run.loaded.model
-    assert isinstance(target, LlamaForCausalLM)  # a target with recurrent state is refused before training
+    target = run.loaded.llama
     init = None
     if args.init:
         init = load_eagle(Path(args.init))
