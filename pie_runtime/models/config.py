@@ -115,18 +115,30 @@ def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
-class MambaConfig(BaseModel):
-    """Mamba (Gu & Dao 2023): ``num_hidden_layers`` selective state-space blocks, no attention. Field names
-    follow Hugging Face's MambaConfig; ``intermediate_size`` is ``expand * hidden_size``."""
+class _RecurrentConfig(BaseModel):
+    """What every family with recurrent state shares: its sizes, tied embeddings, special tokens, and a state
+    that advances one row at a time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    family: Literal["mamba"] = "mamba"
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)
-    state_size: int = Field(gt=0)
     num_hidden_layers: int = Field(gt=0)
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    recurrent: ClassVar[bool] = True
+    state_granule: ClassVar[int] = 1
+
+
+class MambaConfig(_RecurrentConfig):
+    """Mamba (Gu & Dao 2023): ``num_hidden_layers`` selective state-space blocks, no attention. Field names
+    follow Hugging Face's MambaConfig; ``intermediate_size`` is ``expand * hidden_size``."""
+
+    family: Literal["mamba"] = "mamba"
+    state_size: int = Field(gt=0)
     conv_kernel: int = Field(gt=1)
     time_step_rank: int = Field(gt=0)
     use_bias: bool = False
@@ -134,12 +146,7 @@ class MambaConfig(BaseModel):
     layer_norm_epsilon: float = 1e-5
     # a state-space model has no position limit; this bounds a working set like any model's context
     max_position_embeddings: int = Field(default=1 << 16, gt=0)
-    tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
 
-    recurrent: ClassVar[bool] = True
-    state_granule: ClassVar[int] = 1
     kv_layers: ClassVar[int] = 0
     num_key_value_heads: ClassVar[int] = 1
     head_dim: ClassVar[int] = 1
@@ -167,18 +174,12 @@ class MambaConfig(BaseModel):
         )
 
 
-class Lfm2Config(BaseModel):
+class Lfm2Config(_RecurrentConfig):
     """LFM2 (Liquid AI): gated short-convolution layers and grouped-query attention layers (q/k RMS norm,
     RoPE), each followed by a SwiGLU MLP. ``layer_types`` names each layer "conv" or "full_attention";
     ``intermediate_size`` is the MLP width after Hugging Face's ``block_auto_adjust_ff_dim`` rule."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     family: Literal["lfm2"] = "lfm2"
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
@@ -189,12 +190,6 @@ class Lfm2Config(BaseModel):
     norm_eps: float = 1e-5
     rope_theta: float = 1e6
     rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    recurrent: ClassVar[bool] = True
-    state_granule: ClassVar[int] = 1
 
     @model_validator(mode="after")
     def _check(self) -> Lfm2Config:
