@@ -11,10 +11,11 @@ step or round) against the same loop on the device, for
         [--mtp-head MODEL=FILE ...] [--train-mtp MODEL ...] [--threads 1]
 
 MTP rows need a model with an MTP head: the benchmark serves a private store (model files linked, manifests
-copied) with ``--mtp-head`` heads attached (by default examples/drafters/smollm2-mtp.safetensors on the
-default model, when present) and heads trained for a few seconds for ``--train-mtp`` models (tiny-smol:
-agreement is not the point there, the per-round cost is). Greedy runs: "same" checks that both paths return
-the same tokens and the same speculative stats (rounds, proposed, accepted).
+copied) with ``--mtp-head`` heads attached (by default the shipped head,
+pie_runtime/assets/drafters/smollm2-135m-mtp.safetensors, on the default model) and heads trained for a few
+seconds for ``--train-mtp`` models (tiny-smol: agreement is not the point there, the per-round cost is).
+Greedy runs: "same" checks that both paths return the same tokens and the same speculative stats (rounds,
+proposed, accepted).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PROMPT = (
     "Describe the weather, the sea and the keeper's thoughts."
 )
 HERE = Path(__file__).resolve().parent
-DEFAULT_HEAD = HERE / "drafters" / "smollm2-mtp.safetensors"
+DEFAULT_HEAD = HERE.parent / "pie_runtime" / "assets" / "drafters" / "smollm2-135m-mtp.safetensors"
 FALLBACK_CORPUS = HERE / "speculation_prompts" / "mixed.txt"  # agreement is not the point of a --train-mtp head
 
 

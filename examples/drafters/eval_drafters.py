@@ -8,8 +8,10 @@ Two kinds of held-out rows per corpus:
 - greedy: the target's own greedy continuations of held-out prompts, i.e. exactly what a speculative
   decoder drafts against.
 
-    python examples/drafters/eval_drafters.py --mtp examples/drafters/smollm2-mtp.safetensors \
-        --draft smollm2-draft --corpus austen.txt --corpus kjv.txt
+    python examples/drafters/eval_drafters.py --mtp pie_runtime/assets/drafters/smollm2-135m-mtp.safetensors \
+        --eagle smollm2-135m-eagle.safetensors --draft smollm2-draft --corpus austen.txt --corpus kjv.txt
+
+A head with a reduced draft vocabulary (``--draft-vocab``) is measured through its slice, as it is served.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 
 from pie_runtime import distill
+from pie_runtime.distill.eagle import eagle_agreement
+from pie_runtime.models.eagle import load_eagle
 from pie_runtime.models.mtp import MTPHead, load_mtp
 from pie_runtime.store import DEFAULT_MODEL, load_model
 
@@ -29,6 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--mtp", default=None)
+    p.add_argument("--eagle", default=None, help="an EAGLE head (FILE.safetensors)")
     p.add_argument("--draft", default=None, help="a draft model in the store")
     p.add_argument("--corpus", action="append", required=True)
     p.add_argument("--depth", type=int, default=3)
@@ -42,6 +47,7 @@ def main() -> None:
 
     target = load_model(args.model)
     head = MTPHead(load_mtp(Path(args.mtp)), target.llama) if args.mtp else None
+    eagle = load_eagle(Path(args.eagle)) if args.eagle else None
     draft = load_model(args.draft).llama if args.draft else None
     k = args.depth
     table = {}
@@ -56,6 +62,9 @@ def main() -> None:
                 d = min(k, head.depth)
                 row["mtp"] = distill.mtp_agreement(head, data, d, conditional=True, start=start)
                 row["mtp_unconditional"] = distill.mtp_agreement(head, data, d, start=start)
+            if eagle is not None:
+                d = min(k, eagle.config.depth)
+                row["eagle"] = eagle_agreement(eagle, target.llama, data, d, conditional=True, start=start)
             if draft is not None:
                 row["draft"] = distill.draft_agreement(draft, data, k, start=start)
             table[f"{Path(corpus).stem}/{kind}"] = row

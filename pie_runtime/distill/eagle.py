@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.draft_vocab import draft_logits
 from ..models.eagle import EagleConfig, EagleModule, unit_rms
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import apply_rotary
@@ -82,26 +83,28 @@ def eagle_agreement(
     depth: int,
     conditional: bool = False,
     batch: int = 2,
+    start: int = 0,
 ) -> list[float]:
     """Per draft position j = 1..depth, how often the chain's draft j equals the target's greedy token, as
     :func:`~.agreement.mtp_agreement` counts it: a chain from row n counts at position j only where tokens
     n+1..n+j are the target's greedy path (then the teacher-forced passes are the served chain); with
-    ``conditional``, only where drafts 1..j-1 agreed too (the acceptance rate at position j)."""
+    ``conditional``, only where drafts 1..j-1 agreed too (the acceptance rate at position j). Chains from rows
+    before ``start`` are not counted (those rows are context only)."""
     oks = []
+    logits = draft_logits(module, target)  # the served head: the draft vocabulary's slice when it has one
     for i in range(0, len(data.tokens), batch):
         ids = data.tokens[i : i + batch]
         outs = eagle_passes(module, target, ids, teacher_features(target, data.hidden[i : i + batch]), depth)
         top = data.top[i : i + batch, :, 0].long()
         oks.append(
-            torch.stack(
-                [target.logits(target.model.norm(x.float())).argmax(-1) == top for x in outs], dim=0
-            )  # (depth, b, T)
+            torch.stack([logits(target.model.norm(x.float())).argmax(-1) == top for x in outs], dim=0)  # (depth, b, T)
         )
     ok = torch.cat(oks, dim=1)  # (depth, S, T): pass j's draft at row p is right
     follows = follows_greedy(data)  # (S, T-1): token p+1 is the greedy choice after p
     s, t = data.tokens.shape
     n = t - depth  # chain starts 0..n-1
     valid = torch.ones(s, n, dtype=torch.bool)
+    valid[:, :start] = False
     out = []
     for j in range(1, depth + 1):
         valid &= follows[:, j - 1 : j - 1 + n]

@@ -40,6 +40,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import ForwardContext
+from .draft_vocab import cast_floats, draft_logits
 from .kv_cache import KVCache
 from .linear import Linear
 from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
@@ -61,6 +62,9 @@ class EagleConfig(BaseModel):
     depth: int = Field(ge=1, le=16)  # the largest k served (training chained this many steps)
     target: str  # the target's name when trained (informational)
     target_digest: str  # sha256 of the target's weights file, from its manifest: the binding check
+    draft_vocab: int = Field(
+        default=0, ge=0
+    )  # drafts from this many tokens' lm head rows (models/draft_vocab.py); 0: all
     training: dict = Field(default_factory=dict)  # command, corpus, tokens, held-out acceptance
 
     @classmethod
@@ -102,12 +106,16 @@ def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class EagleModule(nn.Module):
     """The trainable part: ``fc`` and one decoder layer. The target's embedding, norm and head are not in it."""
 
+    draft_ids: torch.Tensor  # a buffer only with a reduced draft vocabulary (models/draft_vocab.py)
+
     def __init__(self, cfg: EagleConfig):
         super().__init__()
         self.config = cfg
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layer = DecoderLayer(cfg.layer_config(), cfg.kv_layer)
+        if cfg.draft_vocab:
+            self.register_buffer("draft_ids", torch.zeros(cfg.draft_vocab, dtype=torch.int64))
 
     def inputs(self, features: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """(..., H) features of the positions before and (..., H) embeddings of the tokens → (..., H) x."""
@@ -123,6 +131,7 @@ class EagleHead:
         self.target = target
         self.depth = module.config.depth
         self.norm_weight = target.model.norm.weight
+        self.logits = draft_logits(module, target)
 
     def feature(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) normed final hidden states → (N, H) features u = h / w (module docstring)."""
@@ -184,7 +193,7 @@ class EagleHead:
             )  # (R, h, 1, D)
             x = x + attn.o_proj(o.reshape(r, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            lg = self.target.logits(self.target.model.norm(x))
+            lg = self.logits(self.target.model.norm(x))
             tok = lg.argmax(dim=-1)
             u = unit_rms(x)
             tokens.append(tok)
@@ -207,8 +216,7 @@ def save_eagle(module: EagleModule, weights: Path) -> None:
 
     weights = Path(weights)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(weights), metadata={"format": "pt", "pie": "eagle"})
+    save_file(cast_floats(module.state_dict(), torch.bfloat16), str(weights), metadata={"format": "pt", "pie": "eagle"})
     config_path(weights).write_text(module.config.model_dump_json(indent=2))
 
 
@@ -225,6 +233,6 @@ def load_eagle(weights: Path, dtype: torch.dtype = torch.float32, device="cpu") 
     if want != got:
         diff = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
         raise ValueError(f"EAGLE tensors do not fit its config (first difference: {diff[0]})")
-    module.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
+    module.load_state_dict(cast_floats(state, dtype, device), assign=True)
     module.requires_grad_(False)
     return module.eval()

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from .config import ModelConfig
+from .draft_vocab import cast_floats, draft_logits
 from .families import CausalLM, final_norm
 from .linear import Linear
 from .llama import MLP, RMSNorm
@@ -46,6 +47,9 @@ class MTPConfig(BaseModel):
     rms_norm_eps: float = 1e-5
     target: str  # the target's name when trained (informational)
     target_digest: str  # sha256 of the target's weights file, from its manifest: the binding check
+    draft_vocab: int = Field(
+        default=0, ge=0
+    )  # drafts from this many tokens' lm head rows (models/draft_vocab.py); 0: all
     training: dict = Field(default_factory=dict)  # command, corpus, tokens, epochs, held-out agreement
 
 
@@ -61,6 +65,8 @@ class _Block(nn.Module):
 
 class MTPModule(nn.Module):
     """The trainable part: (h, e) → pre-norm hidden. The target's norm, embedding and head are not in it."""
+
+    draft_ids: torch.Tensor  # a buffer only with a reduced draft vocabulary (models/draft_vocab.py)
 
     def __init__(self, cfg: MTPConfig):
         super().__init__()
@@ -80,6 +86,8 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.blocks = nn.ModuleList(_Block(mcfg) for _ in range(cfg.num_blocks))
+        if cfg.draft_vocab:
+            self.register_buffer("draft_ids", torch.zeros(cfg.draft_vocab, dtype=torch.int64))
 
     def forward(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """hidden, emb: (N, H) → (N, H) before the target's final norm."""
@@ -97,6 +105,7 @@ class MTPHead:
         self.target = target
         self.depth = module.config.depth
         self.norm = final_norm(target)
+        self.logits = draft_logits(module, target)
 
     @torch.inference_mode()
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -111,7 +120,7 @@ class MTPHead:
         tok = first
         for _ in range(k):
             hidden = self.step(hidden, tok)
-            lg = self.target.logits(hidden)
+            lg = self.logits(hidden)
             tok = lg.argmax(dim=-1)
             tokens.append(tok)
             logits.append(lg)
@@ -133,8 +142,7 @@ def save_mtp(module: MTPModule, weights: Path, dtype: torch.dtype = torch.float3
 
     weights = Path(weights)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(weights), metadata={"format": "pt", "pie": "mtp"})
+    save_file(cast_floats(module.state_dict(), dtype), str(weights), metadata={"format": "pt", "pie": "mtp"})
     config_path(weights).write_text(module.config.model_dump_json(indent=2))
 
 
@@ -151,6 +159,6 @@ def load_mtp(weights: Path, dtype: torch.dtype = torch.float32, device="cpu") ->
     if want != got:
         diff = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
         raise ValueError(f"MTP tensors do not fit its config (first difference: {diff[0]})")
-    module.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
+    module.load_state_dict(cast_floats(state, dtype, device), assign=True)
     module.requires_grad_(False)
     return module.eval()
