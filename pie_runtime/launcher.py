@@ -56,7 +56,8 @@ class EmbeddedEngine:
         die_with_parent: bool = False,
     ):
         """``die_with_parent``: the kernel kills the engine when the thread that started it dies (a Ray actor
-        killed by SIGKILL leaves no engine behind)."""
+        killed by SIGKILL leaves no engine behind; nor does a `pie run` or `pie bench` stopped by a signal that
+        skips its cleanup). Only for an engine started on a thread that lives as long as it should."""
         self.address = f"ipc://{tempfile.gettempdir()}/pie-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         cmd = [sys.executable, "-m", "pie_runtime.cli.main", "engine", "--listen", self.address]
         for m in models or []:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +154,64 @@ def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet,
     assert "Traceback" not in out.stderr
     error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and all(s in error[0] for s in says), out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for a reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the engine follows its parent through PR_SET_PDEATHSIG")
+def test_a_killed_pie_run_leaves_no_engine_behind(pie_home, tmp_path):
+    """SIGTERM (Python's default: no cleanup, no with-block exits) on `pie run` while its inferlet runs: the
+    embedded engine must not outlive it as an orphan holding the model."""
+    import os
+    import signal
+    import time
+
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        "import asyncio\n\nimport inferlet\n\n\n@inferlet.main\nasync def main(args: dict) -> dict:\n"
+        "    print('up', flush=True)\n    await asyncio.sleep(600)\n    return {}\n"
+    )
+    words = ["run", str(slow), "--model", "tiny-smol", "--kv-pages", "64", "--weights", "fp32", "--no-compile"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pie_runtime.cli.main", *words, "--pass-cost-rows", "0"],
+        env={**os.environ, "PIE_HOME": str(pie_home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "up"  # the engine is up and the inferlet runs
+        engines = [
+            p
+            for p in _children(proc.pid)
+            if b" engine " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
+        ]
+        assert len(engines) == 1
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(engines[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(engines[0]), "the engine outlived `pie run`"
+    finally:
+        proc.kill()

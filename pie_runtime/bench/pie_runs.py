@@ -77,7 +77,7 @@ def run_session(
     args = ["--weights", fmt, "--threads", str(threads), "--no-prefix-cache", *(engine_args or [])]
     results: dict[str, Measured] = {}
     peak: float | None = None
-    with EmbeddedEngine([model], args) as eng:
+    with EmbeddedEngine([model], args, die_with_parent=True) as eng:
 
         def go(job: Job, max_tokens: int) -> dict:
             words = ["--prompt", job.prompt, "--max-tokens", str(max_tokens), "--stream", "false", *job.words]

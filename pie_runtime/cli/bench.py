@@ -110,7 +110,7 @@ def measure(
             raise LaunchError(f"{p.stem}: {out.get('error')}")
         return out["result"]
 
-    with EmbeddedEngine(models, engine_args or []) as eng:
+    with EmbeddedEngine(models, engine_args or [], die_with_parent=True) as eng:
         go(resolve_inferlet("text-completion"), ["--max-tokens", "4"])  # warm-up: first-call costs
         spec = go(path, words + (["--timing"] if timing else []))
         base = go(control_path, control_words)

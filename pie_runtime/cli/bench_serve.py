@@ -215,7 +215,7 @@ def bench_pie_run(model: str, engine_words: list[str], n: int, max_tokens: int) 
     words = ["--prompt", prompt, "--max-tokens", str(max_tokens), "--ignore-eos", "--stream", "false"]
     path = resolve_inferlet("text-completion")
     results: list[dict] = [{} for _ in range(n)]
-    with EmbeddedEngine([model], engine_words) as eng:
+    with EmbeddedEngine([model], engine_words, die_with_parent=True) as eng:
         run_inferlet(path, eng.address, ["--prompt", prompt, "--max-tokens", "4"], stdout=subprocess.DEVNULL)
 
         def go(i: int) -> None:

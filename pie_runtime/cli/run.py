@@ -51,7 +51,7 @@ def run(args) -> int:
         if args.engine:
             outcome = run_inferlet(path, args.engine, args.inferlet_args)
         else:
-            with EmbeddedEngine(args.model, engine_args(args)) as engine:
+            with EmbeddedEngine(args.model, engine_args(args), die_with_parent=True) as engine:
                 outcome = run_inferlet(path, engine.address, args.inferlet_args)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
