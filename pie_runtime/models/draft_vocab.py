@@ -54,7 +54,7 @@ def served_head_weight(lm_head: nn.Module, hidden_size: int, dtype: torch.dtype,
 
 class DraftLogits:
     """A drafter's lm head: the target's own (``ids`` None), or the slice of it for ``ids``. ``logits`` is
-    always (R, V) float32, -inf outside the slice, so argmax and the samplers need nothing else."""
+    always (..., V) float32, -inf outside the slice, so argmax and the samplers need nothing else."""
 
     def __init__(self, target_logits, lm_head: nn.Module, ids: torch.Tensor | None, hidden_size: int, vocab_size: int):
         self.target_logits = target_logits
@@ -71,12 +71,12 @@ class DraftLogits:
             self.weight = full.index_select(0, self.ids).contiguous()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, H) normed hidden states → (R, V) float32 logits."""
+        """(..., H) normed hidden states → (..., V) float32 logits."""
         if self.weight is None or self.ids is None:
             return self.target_logits(hidden)
-        sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()  # (R, N)
-        out = sub.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.ids] = sub
+        sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()  # (..., N)
+        out = sub.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.ids] = sub
         return out
 
 

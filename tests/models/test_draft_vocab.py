@@ -74,6 +74,8 @@ def test_sliced_logits_equal_the_targets_on_the_slice_and_nothing_elsewhere():
     assert torch.isin(sliced.argmax(-1), ids).all()
     whole = DraftLogits(t.logits, t.lm_head, None, 64, 300)(h)
     assert torch.equal(whole, full)
+    batched = DraftLogits(t.logits, t.lm_head, ids, 64, 300)(h.view(2, 3, 64))  # (B, T, H) as training passes it
+    assert torch.equal(batched.view(6, 300), sliced)
 
 
 def test_the_slice_of_a_quantized_head_is_the_weight_it_serves():
