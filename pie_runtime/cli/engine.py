@@ -86,6 +86,9 @@ def register(sub) -> None:
     p.add_argument("--model", action="append", default=None, help="a model in the store (repeatable)")
     p.add_argument("--listen", required=True, help="ipc:///path or tcp://host:port (tcp needs --token)")
     p.add_argument("--token", default=None, help="auth token clients must present in hello")
+    p.add_argument(
+        "--also-listen", action="append", default=[], help="another address to bind (repeatable; same --token)"
+    )
     add_engine_options(p)
     p.set_defaults(func=run_engine)
 
@@ -126,7 +129,9 @@ def run_engine(args) -> int:
             for n in names
         ]
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
-        server = EngineServer(core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000)
+        server = EngineServer(
+            core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
+        )
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

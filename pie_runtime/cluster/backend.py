@@ -1,6 +1,7 @@
 """``ClusterBackend``: ``pie serve --engines N``'s backend. It connects to Ray (``--ray-address``, or a
 local instance it starts), creates the router actor and N engine actors (``ray_actors.py``), and serves
-through a ``ClusterPool`` (``pool.py``) in place of one host pool. The HTTP app sees the same ``Backend``.
+through a ``ClusterPool`` (``pool.py``) in place of one host pool, whose hosts run on their engines' nodes
+(``host_actor.py``). The HTTP app sees the same ``Backend``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ class ClusterBackend(Backend):
         engine_cpus: float = 1.0,
         max_restarts: int = -1,
         pool_options: dict[str, Any] | None = None,
+        tcp: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        """``tcp``: engines and the hosts' control socket on ``tcp://`` with tokens, as on a cluster of several
+        machines (default: when ``ray_address`` is given; else ``ipc://``, all on this machine)."""
         super().__init__(engine, **kwargs)
         if engines < 1:
             raise ValueError("--engines must be at least 1")
@@ -62,6 +66,7 @@ class ClusterBackend(Backend):
         self.engine_cpus = engine_cpus
         self.max_restarts = max_restarts
         self.pool_options = dict(pool_options or {})
+        self.tcp = ray_address is not None if tcp is None else tcp
         self.cluster: ClusterPool | None = None
         self._actors: list[Any] = []
         self._owns_ray = False
@@ -72,7 +77,7 @@ class ClusterBackend(Backend):
             cpus = max(int(self.engines * self.engine_cpus + 0.999), os.cpu_count() or 1)
             await asyncio.to_thread(init_ray, self.ray_address, cpus)
             env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ} | (self.spec.env or {})
-            tcp = self.ray_address is not None  # another node may host an engine: tcp with a token
+            tcp = self.tcp  # another node may host an engine: tcp with a token
             self._actors = [
                 engine_actor(
                     f"engine-{i}",
@@ -104,6 +109,7 @@ class ClusterBackend(Backend):
                 self.workers,
                 inferlet_dirs=self.inferlet_dirs,
                 limits=self.limits,
+                control_ip=ray.util.get_node_ip_address() if tcp else None,
                 **self.pool_options,
             )
             await self.cluster.start()

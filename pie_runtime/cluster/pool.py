@@ -1,6 +1,8 @@
 """``ClusterPool``: what ``pie serve --engines N`` hands its runs to, in place of one ``HostPool``. Same
 interface (``run``, ``cancel``, ``inferlets``, ``drain``, ``close``), over N engine actors, each with its own
-``HostPool`` of inferlet hosts on the engine's wire.
+``HostPool`` of inferlet hosts on the engine's wire. The hosts run on the engine's node, started by a
+``HostActor`` pinned there (``host_actor.py``), and speak to their engine over ``ipc://``; the pool here
+supervises them and streams their runs over its control socket (``tcp://`` when ``control_ip`` is given).
 
 - **Placement**: each run is placed by the router actor (``router.py``: session key, cache-aware, imbalance
   guard, refusals) on the prompt's token ids; its working sets live on that engine for the whole run, since
@@ -28,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from ..serve.hosts import HostPool, RunEvent, RunFailed
 from ..serve.limits import HostLimits
+from .host_actor import RayLauncher, host_actor
 from .ray_actors import EngineHealth, EngineInfo
 from .router import NoEngine
 
@@ -44,6 +49,9 @@ class EngineSlot:
     actor: Any  # ray ActorHandle of EngineActor
     info: EngineInfo | None = None
     pool: HostPool | None = None
+    host_actor: Any = None  # ray ActorHandle of HostActor, on the engine's node
+    hosts_node: str | None = None  # the Ray node id its host actor reported
+    hosts_parent: int | None = None  # the host actor's pid: its hosts' parent
     live: bool = False
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     health: EngineHealth | None = None
@@ -71,6 +79,7 @@ class ClusterPool:
         health_interval: float = 0.25,
         health_timeout: float = 1.5,
         host_options: dict[str, Any] | None = None,
+        control_ip: str | None = None,
     ) -> None:
         self.slots = {s.name: s for s in slots}
         self.router = router
@@ -82,6 +91,7 @@ class ClusterPool:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.host_options = dict(host_options or {})
+        self.control_ip = control_ip  # the server's address the hosts reach; None: ipc:// (one machine)
         self.retries = 0  # runs run again after their engine was lost
         self.placements: list[tuple[str, str, str]] = []  # (run id, engine, reason), in order: for tests and bench
         self._placed: dict[str, _Placed] = {}
@@ -98,22 +108,31 @@ class ClusterPool:
 
     async def _join(self, slot: EngineSlot) -> None:
         info: EngineInfo = await slot.actor.info.remote()
-        pool = HostPool(
-            info.address,
-            self.workers,
-            token=info.token,
-            inferlet_dirs=self.inferlet_dirs,
-            limits=self.limits,
-            **self.host_options,
-        )
-        await pool.start()
-        slot.info, slot.pool = info, pool
+        actor = host_actor(info.node_id)
+        try:
+            node, parent = await actor.where.remote()
+            pool = HostPool(
+                info.local_address,
+                self.workers,
+                token=info.token,
+                inferlet_dirs=self.inferlet_dirs,
+                limits=self.limits,
+                launcher=RayLauncher(actor),
+                control_ip=self.control_ip,
+                **self.host_options,
+            )
+            await pool.start()
+        except BaseException:
+            _kill_actor(actor)
+            raise
+        slot.info, slot.pool, slot.host_actor = info, pool, actor
+        slot.hosts_node, slot.hosts_parent = node, parent
         slot.generation += 1
         slot.lost = asyncio.Event()
         slot.live = True
         await self.router.add.remote(slot.name)
         slot.events.append((time.time(), f"joined (engine pid {info.engine_pid})"))
-        log.info("engine %s joined at %s", slot.name, info.address)
+        log.info("engine %s joined at %s (its hosts on node %s)", slot.name, info.address, node)
 
     async def _lose(self, slot: EngineSlot, why: str) -> None:
         slot.live = False
@@ -124,6 +143,9 @@ class ClusterPool:
         pool, slot.pool = slot.pool, None
         if pool is not None:
             await pool.close(kill=True)
+        actor, slot.host_actor = slot.host_actor, None
+        if actor is not None:
+            _kill_actor(actor)
 
     async def _watch(self, slot: EngineSlot) -> None:
         while not self._closed:
@@ -263,8 +285,17 @@ class ClusterPool:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         pools = [s.pool for s in self.slots.values() if s.pool is not None]
         await asyncio.gather(*(p.close() for p in pools))
+        for s in self.slots.values():
+            if s.host_actor is not None:
+                _kill_actor(s.host_actor)
+                s.host_actor = None
 
     def engine_of(self, run_id: str) -> str | None:
         """The engine a running run is on (for operators and tests)."""
         placed = self._placed.get(run_id)
         return placed.slot.name if placed is not None else None
+
+
+def _kill_actor(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # already gone
+        ray.kill(actor, no_restart=True)
