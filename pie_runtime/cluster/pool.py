@@ -20,6 +20,7 @@ supervises them and streams their runs over its control socket (``tcp://`` when 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -34,6 +35,7 @@ import ray
 
 from ..serve.hosts import HostPool, RunEvent, RunFailed
 from ..serve.limits import HostLimits
+from ..serve.metrics import ClusterCounts
 from .host_actor import RayLauncher, host_actor
 from .ray_actors import EngineHealth, EngineInfo
 from .router import NoEngine
@@ -94,6 +96,9 @@ class ClusterPool:
         self.control_ip = control_ip  # the server's address the hosts reach; None: ipc:// (one machine)
         self.retries = 0  # runs run again after their engine was lost
         self.placements: list[tuple[str, str, str]] = []  # (run id, engine, reason), in order: for tests and bench
+        self.placed_by: collections.Counter[tuple[str, str]] = collections.Counter()  # (engine, reason) → runs
+        self.refusals: collections.Counter[str] = collections.Counter()  # engine → runs it refused
+        self.unplaced = 0  # runs no engine would take
         self._placed: dict[str, _Placed] = {}
         self._watchers: list[asyncio.Task] = []
         self._draining = False
@@ -199,10 +204,14 @@ class ClusterPool:
             try:
                 placement = await self.router.place.remote(tokens, session, pages, tried)
             except NoEngine as e:
+                self.unplaced += 1
                 raise RunFailed("overloaded", str(e)) from None
             slot = self.slots[placement.engine]
             tried.append(slot.name)
             self.placements.append((run_id, slot.name, placement.reason))
+            self.placed_by[slot.name, placement.reason] += 1
+            for refused in placement.candidates[: placement.candidates.index(slot.name)]:
+                self.refusals[refused] += 1
             replay = sent
             try:
                 async for ev in self._on(slot, inferlet, args, run_id, timeout):
@@ -289,6 +298,17 @@ class ClusterPool:
             if s.host_actor is not None:
                 _kill_actor(s.host_actor)
                 s.host_actor = None
+
+    def counts(self) -> ClusterCounts:
+        in_flight = collections.Counter(p.slot.name for p in self._placed.values())
+        return ClusterCounts(
+            live={name: s.live for name, s in self.slots.items()},
+            in_flight={name: in_flight[name] for name in self.slots},
+            placements=dict(self.placed_by),
+            refusals=dict(self.refusals),
+            unplaced=self.unplaced,
+            retries=self.retries,
+        )
 
     def engine_of(self, run_id: str) -> str | None:
         """The engine a running run is on (for operators and tests)."""
