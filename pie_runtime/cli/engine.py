@@ -132,6 +132,18 @@ def run_engine(args) -> int:
         server = EngineServer(
             core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
         )
+        broken: list[str] = []
+        if args.tensor_parallel > 1:
+            from ..engine.tp_worker import TPRunner
+
+            for s in served:
+                if isinstance(s.runner, TPRunner):  # a broken group cannot run again: stop, to be started anew
+
+                    def on_broken(why: str) -> None:
+                        broken.append(why)
+                        server.stop()
+
+                    s.runner.group.on_broken = on_broken
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -162,4 +174,7 @@ def run_engine(args) -> int:
             )
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
+    if broken:
+        print(f"error: the engine stopped: tensor parallelism {broken[0]}", file=sys.stderr)
+        return 1
     return 0
