@@ -20,10 +20,11 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..serve.host_process import host_command
@@ -88,9 +89,10 @@ class HostActor:
 class RemoteHostProcess:
     """The server's handle on a host that ``actor`` started (``serve/host_process.HostProcess``)."""
 
-    def __init__(self, actor: Any, pid: int) -> None:
+    def __init__(self, actor: Any, pid: int, on_gone: Callable[[], None]) -> None:
         self.actor = actor
         self.pid = pid
+        self.on_gone = on_gone
         self._code: int | None = None
         self._tail: list[str] = []
         self._exited = asyncio.Event()
@@ -112,6 +114,7 @@ class RemoteHostProcess:
             self._code, self._tail = await self.actor.wait.remote(self.pid)
         except Exception as e:  # noqa: BLE001 - Ray's errors: the actor (or its node) is gone, and the host with it
             self._code, self._tail = -9, [f"its host actor is gone ({type(e).__name__})\n"]
+            self.on_gone()
         self._exited.set()
 
     def kill(self) -> None:
@@ -126,14 +129,20 @@ class RemoteHostProcess:
 
 
 class RayLauncher:
-    """Starts hosts through one ``HostActor``."""
+    """Starts hosts through one ``HostActor``; ``on_gone`` is called (maybe more than once) when the actor is
+    found dead, so that the engine's hosts get a new one."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, on_gone: Callable[[], None] | None = None) -> None:
         self.actor = actor
+        self.on_gone = on_gone or (lambda: None)
 
     async def spawn(self, args: list[str], extra_env: dict[str, str], limits: HostLimits | None) -> RemoteHostProcess:
-        pid = await self.actor.spawn.remote(args, extra_env, limits)
-        return RemoteHostProcess(self.actor, pid)
+        try:
+            pid = await self.actor.spawn.remote(args, extra_env, limits)
+        except RayActorError:
+            self.on_gone()
+            raise
+        return RemoteHostProcess(self.actor, pid, self.on_gone)
 
 
 def host_actor(node_id: str) -> Any:

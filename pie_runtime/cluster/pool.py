@@ -122,7 +122,7 @@ class ClusterPool:
                 token=info.token,
                 inferlet_dirs=self.inferlet_dirs,
                 limits=self.limits,
-                launcher=RayLauncher(actor),
+                launcher=RayLauncher(actor, lambda: self._host_actor_gone(slot, actor)),
                 control_ip=self.control_ip,
                 **self.host_options,
             )
@@ -151,6 +151,12 @@ class ClusterPool:
         actor, slot.host_actor = slot.host_actor, None
         if actor is not None:
             _kill_actor(actor)
+
+    def _host_actor_gone(self, slot: EngineSlot, actor: Any) -> None:
+        """The engine's host actor died (killed, or Ray lost it) while its engine lives: the engine is lost
+        for its runs (they retry elsewhere), and the watcher joins it again with a new host actor."""
+        if slot.live and slot.host_actor is actor and not self._closed:
+            asyncio.get_running_loop().create_task(self._lose(slot, "its host actor is gone"))
 
     async def _watch(self, slot: EngineSlot) -> None:
         while not self._closed:

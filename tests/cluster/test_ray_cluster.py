@@ -249,3 +249,24 @@ async def test_an_engine_process_that_dies_brings_its_actor_down_and_back(cluste
             break
         await asyncio.sleep(0.1)
     assert slot.live and slot.info is not None and slot.info.engine_pid != old_pid
+
+
+async def test_a_dead_host_actor_is_replaced_while_its_engine_lives_on(cluster):
+    p = pool(cluster)
+    slot = p.slots["engine-0"]
+    await until_live(slot)
+    assert slot.info is not None
+    engine_pid, old_parent = slot.info.engine_pid, slot.hosts_parent
+    ray.kill(slot.host_actor, no_restart=True)
+    for _ in range(1200):  # lost for its runs, then joined again with a new host actor
+        if slot.live and slot.hosts_parent != old_parent:
+            break
+        await asyncio.sleep(0.1)
+    assert slot.live and slot.hosts_parent != old_parent
+    assert any(what == "lost: its host actor is gone" for _, what in slot.events)
+    assert slot.info.engine_pid == engine_pid  # the engine itself was not restarted
+    assert slot.pool is not None and all(parent_of(pid) == slot.hosts_parent for pid in slot.pool.pids())
+    start = len(p.placements)
+    result, texts = await collect(p, "text-completion", completion("a prompt for the new hosts " * 4, 8))
+    assert [e for _, e, _ in p.placements[start:]] == ["engine-0"]  # its empty cache: the least cached
+    assert "".join(texts) == result["text"]
