@@ -86,6 +86,9 @@ def register(sub) -> None:
     p.add_argument("--model", action="append", default=None, help="a model in the store (repeatable)")
     p.add_argument("--listen", required=True, help="ipc:///path or tcp://host:port (tcp needs --token)")
     p.add_argument("--token", default=None, help="auth token clients must present in hello")
+    p.add_argument(
+        "--also-listen", action="append", default=[], help="another address to bind (repeatable; same --token)"
+    )
     add_engine_options(p)
     p.set_defaults(func=run_engine)
 
@@ -126,7 +129,21 @@ def run_engine(args) -> int:
             for n in names
         ]
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
-        server = EngineServer(core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000)
+        server = EngineServer(
+            core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
+        )
+        broken: list[str] = []
+        if args.tensor_parallel > 1:
+            from ..engine.tp_worker import TPRunner
+
+            for s in served:
+                if isinstance(s.runner, TPRunner):  # a broken group cannot run again: stop, to be started anew
+
+                    def on_broken(why: str) -> None:
+                        broken.append(why)
+                        server.stop()
+
+                    s.runner.group.on_broken = on_broken
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,4 +174,7 @@ def run_engine(args) -> int:
             )
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
+    if broken:
+        print(f"error: the engine stopped: tensor parallelism {broken[0]}", file=sys.stderr)
+        return 1
     return 0

@@ -1,6 +1,8 @@
 """``ClusterPool``: what ``pie serve --engines N`` hands its runs to, in place of one ``HostPool``. Same
 interface (``run``, ``cancel``, ``inferlets``, ``drain``, ``close``), over N engine actors, each with its own
-``HostPool`` of inferlet hosts on the engine's wire.
+``HostPool`` of inferlet hosts on the engine's wire. The hosts run on the engine's node, started by a
+``HostActor`` pinned there (``host_actor.py``), and speak to their engine over ``ipc://``; the pool here
+supervises them and streams their runs over its control socket (``tcp://`` when ``control_ip`` is given).
 
 - **Placement**: each run is placed by the router actor (``router.py``: session key, cache-aware, imbalance
   guard, refusals) on the prompt's token ids; its working sets live on that engine for the whole run, since
@@ -18,6 +20,7 @@ interface (``run``, ``cancel``, ``inferlets``, ``drain``, ``close``), over N eng
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -28,8 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from ..serve.hosts import HostPool, RunEvent, RunFailed
 from ..serve.limits import HostLimits
+from ..serve.metrics import ClusterCounts
+from .host_actor import RayLauncher, host_actor
 from .ray_actors import EngineHealth, EngineInfo
 from .router import NoEngine
 
@@ -44,6 +51,9 @@ class EngineSlot:
     actor: Any  # ray ActorHandle of EngineActor
     info: EngineInfo | None = None
     pool: HostPool | None = None
+    host_actor: Any = None  # ray ActorHandle of HostActor, on the engine's node
+    hosts_node: str | None = None  # the Ray node id its host actor reported
+    hosts_parent: int | None = None  # the host actor's pid: its hosts' parent
     live: bool = False
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     health: EngineHealth | None = None
@@ -71,6 +81,7 @@ class ClusterPool:
         health_interval: float = 0.25,
         health_timeout: float = 1.5,
         host_options: dict[str, Any] | None = None,
+        control_ip: str | None = None,
     ) -> None:
         self.slots = {s.name: s for s in slots}
         self.router = router
@@ -82,8 +93,12 @@ class ClusterPool:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.host_options = dict(host_options or {})
+        self.control_ip = control_ip  # the server's address the hosts reach; None: ipc:// (one machine)
         self.retries = 0  # runs run again after their engine was lost
         self.placements: list[tuple[str, str, str]] = []  # (run id, engine, reason), in order: for tests and bench
+        self.placed_by: collections.Counter[tuple[str, str]] = collections.Counter()  # (engine, reason) → runs
+        self.refusals: collections.Counter[str] = collections.Counter()  # engine → runs it refused
+        self.unplaced = 0  # runs no engine would take
         self._placed: dict[str, _Placed] = {}
         self._watchers: list[asyncio.Task] = []
         self._draining = False
@@ -98,22 +113,31 @@ class ClusterPool:
 
     async def _join(self, slot: EngineSlot) -> None:
         info: EngineInfo = await slot.actor.info.remote()
-        pool = HostPool(
-            info.address,
-            self.workers,
-            token=info.token,
-            inferlet_dirs=self.inferlet_dirs,
-            limits=self.limits,
-            **self.host_options,
-        )
-        await pool.start()
-        slot.info, slot.pool = info, pool
+        actor = host_actor(info.node_id)
+        try:
+            node, parent = await actor.where.remote()
+            pool = HostPool(
+                info.local_address,
+                self.workers,
+                token=info.token,
+                inferlet_dirs=self.inferlet_dirs,
+                limits=self.limits,
+                launcher=RayLauncher(actor, lambda: self._host_actor_gone(slot, actor)),
+                control_ip=self.control_ip,
+                **self.host_options,
+            )
+            await pool.start()
+        except BaseException:
+            _kill_actor(actor)
+            raise
+        slot.info, slot.pool, slot.host_actor = info, pool, actor
+        slot.hosts_node, slot.hosts_parent = node, parent
         slot.generation += 1
         slot.lost = asyncio.Event()
         slot.live = True
         await self.router.add.remote(slot.name)
         slot.events.append((time.time(), f"joined (engine pid {info.engine_pid})"))
-        log.info("engine %s joined at %s", slot.name, info.address)
+        log.info("engine %s joined at %s (its hosts on node %s)", slot.name, info.address, node)
 
     async def _lose(self, slot: EngineSlot, why: str) -> None:
         slot.live = False
@@ -124,6 +148,15 @@ class ClusterPool:
         pool, slot.pool = slot.pool, None
         if pool is not None:
             await pool.close(kill=True)
+        actor, slot.host_actor = slot.host_actor, None
+        if actor is not None:
+            _kill_actor(actor)
+
+    def _host_actor_gone(self, slot: EngineSlot, actor: Any) -> None:
+        """The engine's host actor died (killed, or Ray lost it) while its engine lives: the engine is lost
+        for its runs (they retry elsewhere), and the watcher joins it again with a new host actor."""
+        if slot.live and slot.host_actor is actor and not self._closed:
+            asyncio.get_running_loop().create_task(self._lose(slot, "its host actor is gone"))
 
     async def _watch(self, slot: EngineSlot) -> None:
         while not self._closed:
@@ -177,10 +210,14 @@ class ClusterPool:
             try:
                 placement = await self.router.place.remote(tokens, session, pages, tried)
             except NoEngine as e:
+                self.unplaced += 1
                 raise RunFailed("overloaded", str(e)) from None
             slot = self.slots[placement.engine]
             tried.append(slot.name)
             self.placements.append((run_id, slot.name, placement.reason))
+            self.placed_by[slot.name, placement.reason] += 1
+            for refused in placement.candidates[: placement.candidates.index(slot.name)]:
+                self.refusals[refused] += 1
             replay = sent
             try:
                 async for ev in self._on(slot, inferlet, args, run_id, timeout):
@@ -263,8 +300,28 @@ class ClusterPool:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         pools = [s.pool for s in self.slots.values() if s.pool is not None]
         await asyncio.gather(*(p.close() for p in pools))
+        for s in self.slots.values():
+            if s.host_actor is not None:
+                _kill_actor(s.host_actor)
+                s.host_actor = None
+
+    def counts(self) -> ClusterCounts:
+        in_flight = collections.Counter(p.slot.name for p in self._placed.values())
+        return ClusterCounts(
+            live={name: s.live for name, s in self.slots.items()},
+            in_flight={name: in_flight[name] for name in self.slots},
+            placements=dict(self.placed_by),
+            refusals=dict(self.refusals),
+            unplaced=self.unplaced,
+            retries=self.retries,
+        )
 
     def engine_of(self, run_id: str) -> str | None:
         """The engine a running run is on (for operators and tests)."""
         placed = self._placed.get(run_id)
         return placed.slot.name if placed is not None else None
+
+
+def _kill_actor(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # already gone
+        ray.kill(actor, no_restart=True)

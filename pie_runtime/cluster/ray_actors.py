@@ -2,7 +2,8 @@
 stays the engines' ZeroMQ wire (a Ray call per forward pass would cost about a millisecond).
 
 - ``EngineActor``: starts one engine process (``pie engine``) on its node, on an ``ipc://`` address when the
-  cluster is this machine, else on ``tcp://NODE_IP:PORT`` with a token; the engine dies with the actor
+  cluster is this machine, else on ``tcp://NODE_IP:PORT`` with a token and also on an ``ipc://`` one for the
+  inferlet hosts beside it (``host_actor.py``, placed on the engine actor's node); the engine dies with the actor
   (``PR_SET_PDEATHSIG``), and the actor with its engine (so that Ray restarts both). ``health()`` reads the
   engine's ``stats`` over the wire: free KV pages, live working sets, queued fires. Created with
   ``max_restarts``, so Ray starts a new engine when one is killed.
@@ -16,7 +17,9 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import tempfile
 import threading
+import uuid
 from typing import Any
 
 import ray
@@ -33,9 +36,11 @@ class EngineInfo(BaseModel):
     """Where an engine listens and what runs it."""
 
     name: str
-    address: str
+    address: str  # where the server reaches it
+    local_address: str  # where a client on its node does (its inferlet hosts): ipc://
     token: str | None
     node_ip: str
+    node_id: str  # Ray's node id, where its hosts are placed
     actor_pid: int
     engine_pid: int
 
@@ -61,15 +66,21 @@ class EngineActor:
     def __init__(self, name: str, models: list[str], engine_args: list[str], env: dict[str, str], tcp: bool) -> None:
         self.name = name
         self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
         extra = list(engine_args)
         self.token: str | None = None
+        self.local_address = ""
         if tcp:
             self.token = secrets.token_hex(16)
             address = f"tcp://{self.node_ip}:{_free_port(self.node_ip)}"
+            self.local_address = f"ipc://{tempfile.gettempdir()}/pie-{os.getpid()}-{uuid.uuid4().hex[:8]}-local.sock"
             extra += ["--listen", address, "--token", self.token]  # the last --listen wins
+            extra += ["--also-listen", self.local_address]
         self.engine = EmbeddedEngine(models, extra, env=env, die_with_parent=True)
         if tcp:
             self.engine.address = address
+        else:
+            self.local_address = self.engine.address
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.engine.address)
@@ -98,8 +109,10 @@ class EngineActor:
         return EngineInfo(
             name=self.name,
             address=self.engine.address,
+            local_address=self.local_address,
             token=self.token,
             node_ip=self.node_ip,
+            node_id=self.node_id,
             actor_pid=os.getpid(),
             engine_pid=self.engine.proc.pid,
         )

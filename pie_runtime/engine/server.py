@@ -35,8 +35,17 @@ log = logging.getLogger("pie.engine")
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, address: str, token: str | None = None, simulate_step_s: float = 0.0):
-        if address.startswith("tcp://") and not token:
+    def __init__(
+        self,
+        core: EngineCore,
+        address: str,
+        token: str | None = None,
+        simulate_step_s: float = 0.0,
+        also: list[str] | None = None,
+    ):
+        """``also``: more addresses the one socket binds (``--also-listen``), e.g. an ``ipc://`` one for the
+        inferlet hosts beside a ``tcp://`` one; the token, when there is one, is asked on every one."""
+        if any(a.startswith("tcp://") for a in [address, *(also or [])]) and not token:
             raise ValueError("a tcp:// address needs an auth token (--token)")
         self.core = core
         self.address = address
@@ -49,6 +58,8 @@ class EngineServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
+        for extra in also or []:
+            self.sock.bind(extra)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.fd_clients: dict[int, set[bytes]] = {}
         self._running = False

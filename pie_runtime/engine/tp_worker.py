@@ -6,18 +6,31 @@ Every step, rank 0 announces what it is about to run with ``broadcast_object_lis
 (page tables), token ids and positions; a page copy; an lm-head call, followed by its hidden states — and
 every rank then runs the same computation on its shard, meeting in the same collectives. torch.distributed
 with gloo on CPU (each rank ``threads`` threads), NCCL on CUDA (rank r on ``cuda:r``). Float32 weights only.
-A worker dies with its engine (``PR_SET_PDEATHSIG``).
+
+Failure: once rank 0 has announced a step, every rank must finish it, meeting in its collectives. When rank
+0 fails inside a step instead (an exception in its share), the others wait in a collective it will never
+join, so rank 0 ends the group (``TPGroup.fail``): it destroys its process group, which fails the workers'
+pending collective at once ("connection closed by peer"), and a worker whose collective fails exits. The
+group is then broken: every later step raises ``TensorParallelBroken`` and the engine stops
+(``on_broken``), so its supervisor starts a new one. A worker also dies with its engine: the kernel's
+``PR_SET_PDEATHSIG``, and a thread that watches its parent. A worker that fails fails rank 0's next
+collective the same way.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +43,8 @@ from ..models.llama import LlamaForCausalLM
 from ..models.tensor_parallel import VocabParallelHead, check_shardable, local_config, shard
 from ..store import load_model
 from .runner import ModelRunner
+
+log = logging.getLogger("pie.engine")
 
 _TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as the engine idles
 
@@ -48,6 +63,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class TensorParallelBroken(RuntimeError):
+    """The ranks are out of step (rank 0 failed inside a step the others had joined): no step can run again."""
+
+
 class TPRunner(ModelRunner):
     """Rank 0's runner: announces each forward and page copy to the workers before running its shard."""
 
@@ -56,42 +75,85 @@ class TPRunner(ModelRunner):
         self.group = group
 
     def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        self.group.announce(("forward", segments, tokens, positions))
-        return super().forward(segments, tokens, positions)
+        with self.group.step(("forward", segments, tokens, positions)):
+            return super().forward(segments, tokens, positions)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        self.group.announce(("copy", src, dst))
-        super().copy_pages(src, dst)
+        with self.group.step(("copy", src, dst)):
+            super().copy_pages(src, dst)
+
+
+class AnnouncedHead(torch.nn.Module):
+    """Rank 0's lm head: announces the call and sends its hidden states before scoring its vocabulary slice."""
+
+    def __init__(self, head: VocabParallelHead, group: TPGroup) -> None:
+        super().__init__()
+        self.head = head
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self.group.step(("logits", int(hidden.shape[0]))):
+            dist.broadcast(hidden.contiguous(), src=0)
+            return self.head(hidden)
 
 
 class TPGroup:
-    """Rank 0's side of the process group: the workers it spawned and the announcements it sends them."""
+    """Rank 0's side of the process group: the workers it spawned and the steps it announces to them."""
 
     def __init__(self, world: int, device: str, procs: list[Any]) -> None:
         self.world = world
         self.device = device
         self.procs = procs
+        self.broken: str | None = None  # why the group ended, once it has
+        self.on_broken: Callable[[str], None] | None = None  # the engine's stop
         self._stopped = False
         atexit.register(self.stop)
 
-    def announce(self, command: tuple) -> None:
-        dist.broadcast_object_list([command], src=0)
+    @contextlib.contextmanager
+    def step(self, command: tuple) -> Iterator[None]:
+        """Announces ``command``; the with-block is rank 0's share of it. A failure from the announcement on
+        leaves the workers waiting in a collective that rank 0 will not join: the group is ended (``fail``)."""
+        if self.broken is not None:
+            raise TensorParallelBroken(self.broken)
+        try:
+            dist.broadcast_object_list([command], src=0)
+            yield
+        except Exception as e:
+            self.fail(f"rank 0 failed in a {command[0]} step: {type(e).__name__}: {e}")
+            raise TensorParallelBroken(self.broken) from e
 
-    def announce_logits(self, hidden: torch.Tensor) -> None:
-        self.announce(("logits", int(hidden.shape[0])))
-        dist.broadcast(hidden.contiguous(), src=0)
+    def fail(self, why: str) -> None:
+        """Ends the group: the workers' pending collective fails and they exit (killed after 5 s if not)."""
+        if self.broken is not None:
+            return
+        self.broken = why
+        log.error("tensor parallelism: %s; the ranks are out of step, the group ends", why)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self._reap(5.0)
+        if self.on_broken is not None:
+            self.on_broken(why)
+
+    def _reap(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
+        if self.broken is not None:
+            self._reap(0.0)
+            return
         try:
-            self.announce(("stop",))
+            dist.broadcast_object_list([("stop",)], src=0)
         finally:
-            for p in self.procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+            self._reap(10.0)
             dist.destroy_process_group()
 
 
@@ -118,7 +180,7 @@ def start_tensor_parallel(
     shard(model, 0, world)
     head = model.lm_head
     assert isinstance(head, VocabParallelHead)
-    head.announce = group.announce_logits
+    setattr(model, "lm_head", AnnouncedHead(head, group))  # noqa: B010 - a module swap, as ``shard``'s
     dev = _rank_device(device, 0)
     kv = KVCache(local_config(model.config, 0, world), kv_pages, page_size, torch.float32, str(dev))
     dist.barrier()  # every worker has its shard and its cache
@@ -136,11 +198,13 @@ def worker_main(
     threads: int,
     parent: int,
 ) -> None:
-    """Rank ``rank``: build its shard, then run what rank 0 announces until it says stop."""
+    """Rank ``rank``: build its shard, then run what rank 0 announces until it says stop. Exits when a
+    collective fails (rank 0 ended the group, or died) or its parent is gone."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     dev = _rank_device(device, rank)
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=world, timeout=_TIMEOUT)
@@ -149,20 +213,32 @@ def worker_main(
     shard(model, rank, world)
     kv = KVCache(local_config(model.config, rank, world), kv_pages, page_size, torch.float32, str(dev))
     runner = ModelRunner(model, kv, dev)
-    dist.barrier()
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        op, *rest = box[0]
-        if op == "forward":
-            runner.forward(*rest)
-        elif op == "copy":
-            kv.copy_pages(*rest)
-        elif op == "logits":
-            hidden = torch.empty(rest[0], model.config.hidden_size, dtype=torch.float32, device=dev)
-            dist.broadcast(hidden, src=0)
-            with torch.inference_mode():
-                model.logits(hidden)
-        else:
-            break
+    try:
+        dist.barrier()
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            op, *rest = box[0]
+            if op == "forward":
+                runner.forward(*rest)
+            elif op == "copy":
+                kv.copy_pages(*rest)
+            elif op == "logits":
+                hidden = torch.empty(rest[0], model.config.hidden_size, dtype=torch.float32, device=dev)
+                dist.broadcast(hidden, src=0)
+                with torch.inference_mode():
+                    model.logits(hidden)
+            else:
+                break
+    except Exception as e:  # noqa: BLE001 - a collective failed: rank 0 ended the group or died; or ours failed
+        print(f"pie tensor-parallel rank {rank}: leaving the group: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # not a normal exit: tearing down a broken group can block
     dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Backs up the parent-death signal (which follows the thread that started us, not the process)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)

@@ -64,19 +64,16 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Rank ``r`` scores vocabulary rows ``ranges[r]``; an all-gather returns every rank the full (N, V).
-    ``announce`` (rank 0 only) tells the other ranks to join, with the hidden states they score."""
+    """Rank ``r`` scores vocabulary rows ``ranges[r]``; an all-gather returns every rank the full (N, V). Rank 0
+    calls it through ``engine/tp_worker.AnnouncedHead``, which first tells the other ranks to join."""
 
     def __init__(self, full: nn.Linear, ranges: list[tuple[int, int]], rank: int) -> None:
         super().__init__()
         start, stop = ranges[rank]
         self.weight = nn.Parameter(full.weight.detach()[start:stop].clone(), requires_grad=False)
         self.sizes = [b - a for a, b in ranges]
-        self.announce: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.announce is not None:
-            self.announce(hidden)
         local = F.linear(hidden, self.weight)  # (N, V_r)
         width = max(self.sizes)
         if local.shape[1] < width:  # all_gather needs equal shapes

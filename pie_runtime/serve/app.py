@@ -131,7 +131,7 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         model = backend.model
         server.metrics.running.labels(model=model).set(runs.running if runs else 0)
         server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
-        page = server.metrics.render(await backend.stats())
+        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")

@@ -23,6 +23,7 @@ from ..launcher import EmbeddedEngine
 from ..protocol.messages import PROTOCOL_VERSION, ModelInfo
 from .hosts import HostPool
 from .limits import HostLimits
+from .metrics import ClusterCounts
 
 log = logging.getLogger("pie.serve")
 
@@ -133,6 +134,15 @@ class Backend:
         except (TimeoutError, OSError, RuntimeError) as e:
             log.warning("engine stats unavailable: %s", e)
             return None
+
+    async def engine_stats(self) -> dict[str, dict[str, Any]] | None:
+        """For /metrics: engine name → its ``stats`` (``""``: the one engine), None when none can be had now."""
+        stats = await self.stats()
+        return None if stats is None else {"": stats}
+
+    def cluster_counts(self) -> ClusterCounts | None:
+        """For /metrics: the router's and the engines' counts under ``--engines N`` (None: one engine)."""
+        return None
 
     async def close(self, drain_timeout: float) -> None:
         self.state = "draining"

@@ -1,8 +1,9 @@
 """The control channel between the server (``hosts.HostPool``) and its inferlet host processes (``host.py``).
 
-One ZeroMQ ROUTER socket in the server on an ``ipc://`` address, one DEALER per host whose identity is the
-host's spawn id; one msgpack map a message, ``{"t": kind, ...}``, validated by these pydantic models on
-arrival (a message that does not validate is dropped and logged, never trusted).
+One ZeroMQ ROUTER socket in the server on an ``ipc://`` address (``tcp://`` when the hosts run on other nodes,
+under ``pie serve --engines N --ray-address ...``), one DEALER per host whose identity is the host's spawn id;
+one msgpack map a message, ``{"t": kind, ...}``, validated by these pydantic models on arrival (a message
+that does not validate is dropped and logged, never trusted).
 
     server → host:  run {run, inferlet, path, args}  ·  cancel {run}  ·  stop
     host → server:  ready {pid}  ·  hb  ·  text {run, text}  ·  result {run, result}  ·  error {run, code, message}

@@ -196,11 +196,18 @@ async def serve(control: str, engine: str, host_id: str, heartbeat_s: float, tok
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pie_runtime.serve.host")
-    p.add_argument("--control", required=True, help="the server's control address (ipc://...)")
+    p.add_argument(
+        "--control", required=True, help="the server's control address (ipc://..., or tcp:// from another node)"
+    )
     p.add_argument("--engine", required=True, help="the engine's address")
     p.add_argument("--id", required=True, help="this host's identity on the control socket")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-    p.add_argument("--parent", type=int, default=None, help="the server's pid: die with it")
+    p.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        help="the pid of who started it (the server, or its host actor): die with it",
+    )
     p.add_argument("--limits", default=None, help="HostLimits as JSON")
     a = p.parse_args(argv)
     if a.parent is not None:

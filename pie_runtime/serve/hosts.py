@@ -10,6 +10,9 @@ Changes to the interface agreed with the APP helper (all additive):
   server's environment (the mode for uploaded code).
 - ``inferlets()`` reads the folders on each call, so a file added to an inferlet dir is served at once.
 - Also: ``host_pid(run_id)``, ``pids()``, ``restarts`` (for operators and tests).
+- ``launcher`` (``host_process.py``) starts the hosts: as the server's children by default, or on another
+  machine (``cluster/host_actor.py``); ``control_ip`` then binds the control socket on ``tcp://IP:PORT``
+  instead of ``ipc://``, and each host's spawn id carries 128 random bits (the only identities it answers).
 
 ``HostPool`` binds a ROUTER control socket on a fresh ``ipc://`` address (``control.py``) and keeps ``workers``
 hosts (``host.py``) alive: one supervisor task a slot spawns its host, waits for it to exit, fails the runs it
@@ -42,7 +45,8 @@ import zmq.asyncio
 
 from ..launcher import SHIPPED
 from . import control as c
-from .limits import HostLimits, host_env
+from .host_process import HostLauncher, HostProcess, LocalLauncher
+from .limits import HostLimits
 
 __all__ = ["HostLimits", "HostPool", "RunEvent", "RunFailed"]
 
@@ -71,7 +75,7 @@ class RunEvent:
 class _Host:
     slot: int
     spawn_id: str
-    proc: asyncio.subprocess.Process
+    proc: HostProcess
     ready: asyncio.Future[None]
     last_seen: float = 0.0
     runs: dict[str, _Run] = field(default_factory=dict)
@@ -108,6 +112,8 @@ class HostPool:
         heartbeat_s: float = 0.5,
         heartbeat_timeout_s: float = 10.0,
         start_timeout_s: float = 120.0,
+        launcher: HostLauncher | None = None,
+        control_ip: str | None = None,
     ):
         if workers < 1:
             raise ValueError("a pool needs at least one host")
@@ -121,6 +127,8 @@ class HostPool:
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.launcher: HostLauncher = launcher or LocalLauncher()
+        self.control_ip = control_ip
         self.control_address = f"ipc://{tempfile.gettempdir()}/pie-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._sock: zmq.asyncio.Socket | None = None
         self._hosts: dict[str, _Host] = {}  # spawn id → host (alive, or dead and not yet reaped)
@@ -142,7 +150,11 @@ class HostPool:
         """Spawns the hosts; returns when each has connected to the engine (raises when one cannot)."""
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.control_address)
+        if self.control_ip is not None:
+            sock.bind(f"tcp://{self.control_ip}:*")
+            self.control_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sock.bind(self.control_address)
         self._sock = sock
         self._tasks.append(asyncio.create_task(self._receive()))
         self._tasks.append(asyncio.create_task(self._send()))
@@ -265,8 +277,9 @@ class HostPool:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.control_address.removeprefix("ipc://"))
+        if self.control_address.startswith("ipc://"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.control_address.removeprefix("ipc://"))
 
     def host_pid(self, run_id: str) -> int | None:
         """The process id of the host running ``run_id`` (None while it waits, or when there is no such run)."""
@@ -371,28 +384,21 @@ class HostPool:
     # --- hosts ---
 
     async def _spawn(self, slot: int) -> _Host:
-        spawn_id = f"host-{slot}-{next(self._spawns)}-{uuid.uuid4().hex[:6]}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pie_runtime.serve.host",
+        secret = uuid.uuid4().hex if self.control_ip is not None else uuid.uuid4().hex[:6]
+        spawn_id = f"host-{slot}-{next(self._spawns)}-{secret}"
+        args = [
             "--control",
             self.control_address,
             "--engine",
             self.engine_address,
             "--id",
             spawn_id,
-            "--parent",
-            str(os.getpid()),
             "--heartbeat",
             str(self.heartbeat_s),
         ]
         if self.limits is not None:
-            cmd += ["--limits", self.limits.model_dump_json()]
-        env = host_env(self.limits, {"PIE_TOKEN": self.token} if self.token else {})
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env
-        )
+            args += ["--limits", self.limits.model_dump_json()]
+        proc = await self.launcher.spawn(args, {"PIE_TOKEN": self.token} if self.token else {}, self.limits)
         host = _Host(slot, spawn_id, proc, asyncio.get_running_loop().create_future(), time.monotonic())
         self._hosts[spawn_id] = host
         self._slots[slot] = host
@@ -402,7 +408,15 @@ class HostPool:
         """Keeps one host alive in ``slot``: spawn, wait for its exit, fail its runs, spawn again."""
         pause = 0.0
         while not self._closed:
-            host = await self._spawn(slot)
+            try:
+                host = await self._spawn(slot)
+            except Exception as e:  # noqa: BLE001 - no process to start (a remote launcher that is gone): retry
+                if not first_ready.done():
+                    first_ready.set_exception(RuntimeError(f"an inferlet host could not be started: {e}"))
+                    return
+                pause = min(max(pause * 2, 0.1), 5.0)
+                await asyncio.sleep(pause)
+                continue
             stderr = asyncio.create_task(self._read_stderr(host))
             exited = asyncio.create_task(host.proc.wait())
             done, _ = await asyncio.wait(
@@ -447,9 +461,7 @@ class HostPool:
 
     async def _read_stderr(self, host: _Host) -> None:
         """Keeps the last lines for error messages and passes them on to the server's stderr."""
-        assert host.proc.stderr is not None
-        async for line in host.proc.stderr:
-            text = line.decode(errors="replace")
+        async for text in host.proc.lines():
             host.stderr_tail.append(text)
             sys.stderr.write(f"[{host.spawn_id}] {text}")
 

@@ -8,11 +8,14 @@ Two sources:
 - what only the engine knows, read from its ``stats`` op when the page is scraped: KV pages used and their
   ratio, the speculation totals the runs reported (``spec_report``) per model and inferlet, and the prefix
   cache's queries and hits. They are exposed as the engine's own running totals (a custom collector), so the
-  counters are exactly the engine's.
+  counters are exactly the engine's. Under ``pie serve --engines N`` every engine's, each with an ``engine``
+  label, and the router's counts (``ClusterCounts``): placements by engine and reason, cache-aware hits,
+  imbalance-guard fires, refusals, unplaced runs, retries, and each engine's liveness and runs in flight.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,59 +27,122 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class EngineCollector(Collector):
-    """Exposes the last ``stats`` reply of the engine (set by ``update`` right before each scrape)."""
+    """Exposes the last ``stats`` replies of the engines (set by ``update`` right before each scrape), keyed by
+    engine name: one engine's under the key ``""`` and without an ``engine`` label, several engines'
+    (``pie serve --engines N``) each under its own ``engine`` label."""
 
     def __init__(self) -> None:
-        self.stats: dict[str, Any] = {}
+        self.stats: dict[str, dict[str, Any]] = {}
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: dict[str, dict[str, Any]]) -> None:
         self.stats = stats
 
     def collect(self):
-        s = self.stats
-        models: dict[str, dict] = s.get("models") or {}
-        used = GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", labels=["model"])
-        ratio = GaugeMetricFamily("pie_kv_usage_ratio", "KV pages in use over the pool", labels=["model"])
-        queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=["model"])
-        hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=["model"])
-        for name, m in models.items():
-            total = int(m.get("pages_total", 0))
-            in_use = total - int(m.get("pages_free", 0))
-            used.add_metric([name], in_use)
-            ratio.add_metric([name], in_use / total if total else 0.0)
-            cache = m.get("prefix_cache") or (s.get("prefix_cache") if len(models) == 1 else None) or {}
-            queries.add_metric([name], float(cache.get("queries", 0)))
-            hits.add_metric([name], float(cache.get("hits", 0)))
+        by = ["engine"] if any(self.stats) else []
+        used = GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", labels=[*by, "model"])
+        ratio = GaugeMetricFamily("pie_kv_usage_ratio", "KV pages in use over the pool", labels=[*by, "model"])
+        queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
+        hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
+        spec = _Speculation(by)
+        for engine, s in self.stats.items():
+            key = [engine] if by else []
+            models: dict[str, dict] = s.get("models") or {}
+            for name, m in models.items():
+                total = int(m.get("pages_total", 0))
+                in_use = total - int(m.get("pages_free", 0))
+                used.add_metric([*key, name], in_use)
+                ratio.add_metric([*key, name], in_use / total if total else 0.0)
+                cache = m.get("prefix_cache") or (s.get("prefix_cache") if len(models) == 1 else None) or {}
+                queries.add_metric([*key, name], float(cache.get("queries", 0)))
+                hits.add_metric([*key, name], float(cache.get("hits", 0)))
+            spec.add(key, s.get("speculation") or {})
         yield from (used, ratio, queries, hits)
-        yield from self._speculation(s.get("speculation") or {})
+        yield from spec.families()
 
-    @staticmethod
-    def _speculation(spec: dict[str, dict[str, dict]]):
-        labels = ["model", "inferlet"]
-        rounds = CounterMetricFamily("pie_speculative_rounds", "verify rounds", labels=labels)
-        proposed = CounterMetricFamily("pie_speculative_proposed_tokens", "draft tokens proposed", labels=labels)
-        accepted = CounterMetricFamily(
+
+class _Speculation:
+    """The speculation totals the runs reported (``spec_report``), per model and inferlet (and engine)."""
+
+    def __init__(self, by: list[str]) -> None:
+        labels = [*by, "model", "inferlet"]
+        self.rounds = CounterMetricFamily("pie_speculative_rounds", "verify rounds", labels=labels)
+        self.proposed = CounterMetricFamily("pie_speculative_proposed_tokens", "draft tokens proposed", labels=labels)
+        self.accepted = CounterMetricFamily(
             "pie_speculative_accepted_tokens", "draft tokens kept (not tokens returned)", labels=labels
         )
-        skipped = CounterMetricFamily(
+        self.skipped = CounterMetricFamily(
             "pie_speculative_skipped_rows", "plain steps taken instead of a round", labels=[*labels, "reason"]
         )
-        per_pos = CounterMetricFamily(
+        self.per_pos = CounterMetricFamily(
             "pie_speculative_accepted_tokens_per_pos",
             "rounds that kept the draft at each position (1-based)",
             labels=[*labels, "position"],
         )
+
+    def add(self, engine: list[str], spec: dict[str, dict[str, dict]]) -> None:
         for model, by_inferlet in spec.items():
             for inferlet, t in by_inferlet.items():
-                key = [model, inferlet]
-                rounds.add_metric(key, float(t.get("rounds", 0)))
-                proposed.add_metric(key, float(t.get("proposed", 0)))
-                accepted.add_metric(key, float(t.get("accepted", 0)))
+                key = [*engine, model, inferlet]
+                self.rounds.add_metric(key, float(t.get("rounds", 0)))
+                self.proposed.add_metric(key, float(t.get("proposed", 0)))
+                self.accepted.add_metric(key, float(t.get("accepted", 0)))
                 for reason, n in (t.get("skipped") or {}).items():
-                    skipped.add_metric([*key, reason], float(n))
+                    self.skipped.add_metric([*key, reason], float(n))
                 for i, n in enumerate(t.get("accepted_per_position") or []):
-                    per_pos.add_metric([*key, str(i + 1)], float(n))
-        yield from (rounds, proposed, accepted, skipped, per_pos)
+                    self.per_pos.add_metric([*key, str(i + 1)], float(n))
+
+    def families(self):
+        return (self.rounds, self.proposed, self.accepted, self.skipped, self.per_pos)
+
+
+@dataclass
+class ClusterCounts:
+    """What ``pie serve --engines N``'s pool and router did (``cluster/pool.py``), for the page."""
+
+    live: dict[str, bool]  # engine → placeable now
+    in_flight: dict[str, int]  # engine → runs on it now
+    placements: dict[tuple[str, str], int]  # (engine, reason) → runs placed there for that reason
+    refusals: dict[str, int]  # engine → runs it refused (too few free KV pages), the next candidate took them
+    unplaced: int  # runs that every live engine refused, or that found none
+    retries: int  # runs run again on another engine after theirs was lost
+
+
+class ClusterCollector(Collector):
+    """Exposes the last ``ClusterCounts`` (set by ``update`` right before each scrape)."""
+
+    def __init__(self) -> None:
+        self.counts: ClusterCounts | None = None
+
+    def update(self, counts: ClusterCounts | None) -> None:
+        self.counts = counts
+
+    def collect(self):
+        c = self.counts
+        if c is None:
+            return
+        up = GaugeMetricFamily("pie_engine_up", "1 while the router places runs on the engine", labels=["engine"])
+        flight = GaugeMetricFamily("pie_engine_runs_in_flight", "runs placed on the engine now", labels=["engine"])
+        placed = CounterMetricFamily(
+            "pie_router_placements",
+            "runs placed, by engine and reason (cache: a cache-aware hit; balance: the imbalance guard)",
+            labels=["engine", "reason"],
+        )
+        hits = CounterMetricFamily("pie_router_cache_hits", "runs placed by a prefix match", labels=["engine"])
+        guard = CounterMetricFamily("pie_router_balance_fires", "runs the imbalance guard placed", labels=["engine"])
+        refused = CounterMetricFamily("pie_router_refusals", "runs an engine refused (no pages)", labels=["engine"])
+        for engine in sorted(c.live):
+            up.add_metric([engine], 1.0 if c.live[engine] else 0.0)
+            flight.add_metric([engine], float(c.in_flight.get(engine, 0)))
+            hits.add_metric([engine], float(c.placements.get((engine, "cache"), 0)))
+            guard.add_metric([engine], float(c.placements.get((engine, "balance"), 0)))
+            refused.add_metric([engine], float(c.refusals.get(engine, 0)))
+        for (engine, reason), n in sorted(c.placements.items()):
+            placed.add_metric([engine, reason], float(n))
+        unplaced = CounterMetricFamily("pie_router_unplaced", "runs no live engine would take")
+        unplaced.add_metric([], float(c.unplaced))
+        retries = CounterMetricFamily("pie_router_retries", "runs run again after their engine was lost")
+        retries.add_metric([], float(c.retries))
+        yield from (up, flight, placed, hits, guard, refused, unplaced, retries)
 
 
 class Metrics:
@@ -104,8 +170,13 @@ class Metrics:
         )
         self.engine = EngineCollector()
         r.register(self.engine)
+        self.cluster = ClusterCollector()
+        r.register(self.cluster)
 
-    def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+    def render(self, engine_stats: dict[str, dict[str, Any]] | None, cluster: ClusterCounts | None = None) -> bytes:
+        """The page; ``engine_stats``: engine name (``""`` for the one engine) → its ``stats`` reply, None to
+        show the last ones again."""
         if engine_stats is not None:
             self.engine.update(engine_stats)
+        self.cluster.update(cluster)
         return generate_latest(self.registry)

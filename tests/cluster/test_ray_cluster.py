@@ -1,6 +1,10 @@
 """Two engine replicas on a local Ray instance, behind the router: runs spread, a shared prefix stays on one
 engine, and an engine actor killed mid-decode is left out, its runs end ``engine_lost`` (a completion is run
 again on the other engine from its prompt, with the same greedy tokens), and the restarted actor rejoins.
+Each engine's inferlet hosts are started by a host actor on the engine's node and stream their runs back.
+
+The cluster runs as on several machines (``tcp=True``): engines on ``tcp://`` with tokens, hosts on their
+engine's ``ipc://`` address, the server's control socket on ``tcp://``.
 
 The engines run the tiny model with ``--simulate-step-ms`` so a 64-token decode lasts long enough to be
 killed in the middle."""
@@ -41,7 +45,7 @@ async def cluster(pie_home):
         + ["--simulate-step-ms", "20"],
         env={"PIE_HOME": str(pie_home)},
     )
-    backend = ClusterBackend(spec, 2, engine_cpus=0.5, inferlet_dirs=[HERE / "cluster_inferlets"])
+    backend = ClusterBackend(spec, 2, engine_cpus=0.5, inferlet_dirs=[HERE / "cluster_inferlets"], tcp=True)
     await backend.start()
     assert backend.state == "ready", backend.error
     yield backend
@@ -67,6 +71,58 @@ async def collect(p: ClusterPool, inferlet: str, args: dict, **kw) -> tuple[dict
         else:
             result = ev.result or {}
     return result, texts
+
+
+async def until_live(slot) -> None:
+    for _ in range(1200):  # live after any earlier test's kill
+        if slot.live:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{slot.name} did not come back")
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_hosts_run_on_their_engines_node_as_their_host_actors_children(cluster):
+    import os
+
+    for slot in pool(cluster).slots.values():
+        await until_live(slot)
+        assert slot.info is not None and slot.pool is not None and slot.hosts_parent is not None
+        assert slot.hosts_node == slot.info.node_id  # NodeAffinitySchedulingStrategy on the engine actor's node
+        assert slot.pool.engine_address == slot.info.local_address and slot.info.local_address.startswith("ipc://")
+        assert slot.info.address.startswith("tcp://") and slot.pool.control_address.startswith("tcp://")
+        pids = slot.pool.pids()
+        assert len(pids) == cluster.workers
+        assert slot.hosts_parent != os.getpid()
+        assert all(parent_of(pid) == slot.hosts_parent for pid in pids)  # started there, not by the server
+
+
+async def test_runs_stream_from_the_hosts_and_cancel(cluster):
+    p = pool(cluster)
+    result, texts = await collect(p, "text-completion", completion("Tell me a story about a lighthouse.", 24))
+    assert len(texts) > 1 and "".join(texts) == result["text"]  # streamed as it was made, not at the end
+
+    ids = cluster.tokenizer.encode("a run to cancel")  # type: ignore[union-attr]
+    events: list[RunEvent] = []
+
+    async def consume() -> None:
+        async for ev in p.run("greedy_ids", {"ids": ids, "max_tokens": 400}, run_id="cancel-me"):
+            events.append(ev)
+
+    task = asyncio.create_task(consume())
+    for _ in range(3000):
+        if len(events) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    assert len(events) >= 2, "the run never streamed"
+    assert await p.cancel("cancel-me")
+    with pytest.raises(RunFailed) as failed:
+        await task
+    assert failed.value.code == "cancelled"
+    assert p.engine_of("cancel-me") is None
 
 
 async def test_shared_prefixes_stay_and_distinct_ones_spread(cluster):
@@ -158,8 +214,8 @@ async def test_a_working_set_is_unknown_through_another_engines_connection(clust
     slots = [s for s in pool(cluster).slots.values() if s.info is not None]
     a, b = (Client(s.info.address) for s in slots[:2])  # type: ignore[union-attr]
     try:
-        for c in (a, b):
-            await c.request("hello", version=PROTOCOL_VERSION, client="test")
+        for c, s in zip((a, b), slots, strict=False):
+            await c.request("hello", version=PROTOCOL_VERSION, client="test", token=s.info.token)  # type: ignore[union-attr]
         ws = (await a.request("ws_open", model=TINY))["ws"]
         with pytest.raises(PieError) as refused:
             await b.request("ws_release", ws=ws)
@@ -176,11 +232,8 @@ async def test_an_engine_process_that_dies_brings_its_actor_down_and_back(cluste
 
     p = pool(cluster)
     slot = p.slots["engine-1"]
-    for _ in range(1200):  # live after any earlier test's kill
-        if slot.live:
-            break
-        await asyncio.sleep(0.1)
-    assert slot.live and slot.info is not None
+    await until_live(slot)
+    assert slot.info is not None
     old_pid = slot.info.engine_pid
     os.kill(old_pid, signal.SIGKILL)
     for _ in range(1200):
@@ -196,3 +249,24 @@ async def test_an_engine_process_that_dies_brings_its_actor_down_and_back(cluste
             break
         await asyncio.sleep(0.1)
     assert slot.live and slot.info is not None and slot.info.engine_pid != old_pid
+
+
+async def test_a_dead_host_actor_is_replaced_while_its_engine_lives_on(cluster):
+    p = pool(cluster)
+    slot = p.slots["engine-0"]
+    await until_live(slot)
+    assert slot.info is not None
+    engine_pid, old_parent = slot.info.engine_pid, slot.hosts_parent
+    ray.kill(slot.host_actor, no_restart=True)
+    for _ in range(1200):  # lost for its runs, then joined again with a new host actor
+        if slot.live and slot.hosts_parent != old_parent:
+            break
+        await asyncio.sleep(0.1)
+    assert slot.live and slot.hosts_parent != old_parent
+    assert any(what == "lost: its host actor is gone" for _, what in slot.events)
+    assert slot.info.engine_pid == engine_pid  # the engine itself was not restarted
+    assert slot.pool is not None and all(parent_of(pid) == slot.hosts_parent for pid in slot.pool.pids())
+    start = len(p.placements)
+    result, texts = await collect(p, "text-completion", completion("a prompt for the new hosts " * 4, 8))
+    assert [e for _, e, _ in p.placements[start:]] == ["engine-0"]  # its empty cache: the least cached
+    assert "".join(texts) == result["text"]
