@@ -3,7 +3,9 @@ on the first run: their files (``pie_runtime/assets/drafters/``), the sha256 eac
 them when the packaged model is imported (``pie model import smollm2-135m``, or the first use of the default
 model). A file whose digest differs from the recorded one is refused, never attached.
 
-A user who detaches a shipped drafter keeps it detached: only an import attaches it again.
+A user who detaches a shipped drafter keeps it detached: only an import attaches it again. One still attached
+from an older release (its file's digest is not this release's) is replaced by this release's the next time the
+default model is used (:func:`refresh_shipped`, from ``ensure_default_model``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import DrafterEntry, ModelStore, StoreError, sha256_file
+from .store import DrafterEntry, Manifest, ModelStore, StoreError, sha256_file
 
 ASSETS = Path(__file__).parent / "assets" / "drafters"
 
@@ -56,6 +58,30 @@ def check_shipped(drafter: ShippedDrafter) -> Path:
             "reinstall pie_runtime"
         )
     return path
+
+
+def stale_shipped(manifest: Manifest) -> list[ShippedDrafter]:
+    """The shipped drafters attached to ``manifest``'s model (by name and kind) from another release's file."""
+    attached = {(d.name, d.kind): d.path for d in manifest.drafters}
+    return [
+        drafter
+        for drafter in SHIPPED.get(manifest.name, ())
+        if (drafter.name, drafter.kind) in attached
+        and manifest.files.get(attached[(drafter.name, drafter.kind)]) != drafter.sha256
+    ]
+
+
+def refresh_shipped(store: ModelStore, model: str) -> list[DrafterEntry]:
+    """Replaces each shipped drafter attached to ``model`` from another release's file with this release's (the
+    user's own drafters, and shipped ones they detached, are left alone); returns what was attached."""
+    from .drafters import attach, detach
+
+    out = []
+    for drafter in stale_shipped(store.get(model)):
+        path = check_shipped(drafter)  # before detaching: a corrupt install keeps the old head
+        detach(store, model, drafter.name)
+        out.append(attach(store, model, f"{drafter.kind}:{path}", drafter.name))
+    return out
 
 
 def attach_shipped(store: ModelStore, model: str, packaged: str | None = None) -> list[DrafterEntry]:

@@ -8,13 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pie_runtime.cli.drafter import portable_path
-from pie_runtime.drafters import target_digest
+from pie_runtime.drafters import attach, detach, target_digest
 from pie_runtime.launcher import REPO_ROOT
-from pie_runtime.models.mtp import read_config
-from pie_runtime.shipped import SHIPPED, ShippedDrafter, ShippedDrafterCorrupt, check_shipped
-from pie_runtime.store import DEFAULT_MODEL, ModelStore
+from pie_runtime.models.mtp import load_mtp, read_config, save_mtp
+from pie_runtime.shipped import SHIPPED, ShippedDrafter, ShippedDrafterCorrupt, check_shipped, stale_shipped
+from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
 from tests.conftest import run, start_engine
 from tests.drafter_fixtures import link_model, pie
 
@@ -79,3 +80,23 @@ def test_mtp_inferlet_on_the_shipped_head_equals_text_completion(fresh_home):
         assert spec["speculation"]["accepted"] > 0  # the head drafts, and is sometimes right
     finally:
         eng.stop()
+
+
+@pytest.mark.e2e
+def test_an_older_releases_shipped_head_is_replaced_and_a_detached_one_stays_detached(fresh_home, tmp_path):
+    """A store whose shipped head came from an older release (another file under the shipped name) gets this
+    release's on the default model's next use; the user's own heads, and a shipped head they detached, stay."""
+    older = tmp_path / "older.safetensors"  # the shipped head in float32: a valid head with another digest
+    save_mtp(load_mtp(SHIPPED_HEAD.path), older, dtype=torch.float32)
+    store = ModelStore(fresh_home / "models")
+    attach(store, DEFAULT_MODEL, f"mtp:{older}", SHIPPED_HEAD.name)
+    attach(store, DEFAULT_MODEL, f"mtp:{older}", "mine")
+    assert [d.name for d in stale_shipped(store.get(DEFAULT_MODEL))] == [SHIPPED_HEAD.name]
+    ensure_default_model(store)
+    manifest = store.get(DEFAULT_MODEL)
+    assert sorted(d.name for d in manifest.drafters) == sorted(["mine", SHIPPED_HEAD.name])
+    entry = next(d for d in manifest.drafters if d.name == SHIPPED_HEAD.name)
+    assert manifest.files[entry.path] == SHIPPED_HEAD.sha256 and not stale_shipped(manifest)
+    detach(store, DEFAULT_MODEL, SHIPPED_HEAD.name)
+    ensure_default_model(store)
+    assert [d.name for d in store.get(DEFAULT_MODEL).drafters] == ["mine"]
