@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="288c77c18381d2aa1af69c266c4a3d6cdb32291144a96581c7775ea336d8db03",
+            sha256="1ade09008db2f002e7e3aad9f0e71c04e7e4a1911b23874f4f177173b8830ac6",
         ),
     ),
 }
