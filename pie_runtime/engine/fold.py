@@ -52,7 +52,9 @@ def apply_fold(sm: ServedModel, ws: WorkingSet, start: int, path: list[int], tre
     hold, states = ws.state, sm.states
     if hold is not None and states is not None and hold.fire is not None:
         assert not moves, "tree fires are refused on models with recurrent state"
-        if n != hold.ran:
+        if n != hold.ran and 0 < n <= min(hold.keep, hold.ran):  # the state after row n-1, kept by the fire
+            sm.runner.take_row_state(hold.slot, n - 1)
+        elif n != hold.ran:
             sm.runner.restore_state(hold.slot)
             if n:
                 segment = Segment(ws.pages, hold.start, n, state=hold.slot)

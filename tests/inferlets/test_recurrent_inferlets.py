@@ -1,8 +1,10 @@
 """The shipped speculative inferlets, unchanged, on models with recurrent state: a real engine serving a tiny
 random Mamba or LFM2 (imported from its Hugging Face folder) beside a tiny random Llama that shares its
-tokenizer (the draft model). Greedy output equals text-completion's token for token (cacheback host- and
+tokenizer (the draft model), under either way the engine folds fewer rows than ran (``--recurrent-fold``:
+per-row states or replay). Greedy output equals text-completion's token for token (cacheback host- and
 device-verified, the draft model, constrained against its own plain masked decode), the runs count the rows
-the engine replayed, and the prefix cache is off for these models."""
+the engine replayed (none where per-row states served every fold), and the prefix cache is off for these
+models."""
 
 from __future__ import annotations
 
@@ -28,16 +30,18 @@ MAX = 20
 DRAFT = "tiny-llama"
 
 
-@pytest.fixture(scope="module", params=RECURRENT_FAMILIES)
+@pytest.fixture(scope="module", params=[(f, fold) for f in RECURRENT_FAMILIES for fold in ("per-row", "replay")])
 def recurrent_engine(request, tmp_path_factory):
     """An engine serving ``tiny-<family>`` (the default model) and the Llama draft, from a private store."""
-    family = request.param
+    family, fold = request.param
     root = tmp_path_factory.mktemp(f"recurrent-{family}")
     home = root / "home"
     for fam in (family, "llama"):
         write_tiny_checkpoint(root / fam, fam)
         import_model(str(root / fam), name=f"tiny-{fam}", store=ModelStore(home / "models"), progress=False)
-    eng = start_engine(Path(home), [f"tiny-{family}", DRAFT], "--state-slots", "16", "--pass-cost-rows", "8")
+    flags = ["--state-slots", "16", "--pass-cost-rows", "8", "--recurrent-fold", fold]
+    eng = start_engine(Path(home), [f"tiny-{family}", DRAFT], *flags)
+    eng.fold = fold
     yield eng
     eng.stop()
 
@@ -50,7 +54,7 @@ def test_speculative_inferlets_equal_text_completion(recurrent_engine):
     want = [r["token_ids"] for r in runs(recurrent_engine, "text-completion", {})]
     # the loop left with the engine (a run-ahead: channel-fed windows, epilogue folds) decodes the same
     assert [r["token_ids"] for r in runs(recurrent_engine, "text-completion", {"run_ahead": True})] == want
-    replayed = 0
+    replayed, rejecting = 0, 0.0
     for name, extra in [
         ("cacheback-speculative-decoding", {"draft_schedule": "fixed", "draft_length": 4}),
         ("cacheback-speculative-decoding", {"device_verify": True, "draft_schedule": "fixed"}),
@@ -61,9 +65,12 @@ def test_speculative_inferlets_equal_text_completion(recurrent_engine):
         stats = [r["stats"] for r in got]
         assert sum(s["proposed"] for s in stats) > 0, (name, extra)
         replayed += sum(s["replayed_rows"] for s in stats)
-        if any(s["rejecting_round_share"] > 0 for s in stats) and not extra.get("device_verify"):
+        rejecting += sum(s["rejecting_round_share"] for s in stats)
+        if recurrent_engine.fold == "replay" and rejecting and not extra.get("device_verify"):
             assert sum(s["replayed_rows"] for s in stats) > 0, (name, extra)
-    assert replayed > 0
+    assert rejecting > 0
+    # per-row states (8 a working set) serve every fold of these windows of at most 5 rows: nothing replays
+    assert replayed == 0 if recurrent_engine.fold == "per-row" else replayed > 0
 
 
 def test_constrained_equals_its_plain_masked_decode(recurrent_engine):
@@ -90,6 +97,8 @@ def test_the_engine_reports_its_state_pool(recurrent_engine):
 
     model, stats = asyncio.run(go())
     assert model.recurrent and model.info.state_slots == 16 and model.state_granule == 1
+    assert model.info.recurrent_fold == recurrent_engine.fold
+    assert model.per_row_states == (8 if recurrent_engine.fold == "per-row" else 0)
     assert model.info.family in RECURRENT_FAMILIES and model.info.state_bytes > 0
     assert stats["models"][model.name]["prefix_cache"]["enabled"] is False
     assert stats["models"][model.name]["state_slots"] == {"used": 0, "total": 16}
