@@ -185,7 +185,13 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
         ensure_default_model()
     store = ModelStore()
     if store.get(name).config.recurrent:
-        raise StoreError(f"model {name!r} carries recurrent state: drafter training supports the Llama family only")
+        # the teacher pass (distill/teacher.py) runs the Llama family's dense forward; the engine itself serves a
+        # stateless MTP head on these models, so a head trained elsewhere can be attached
+        raise StoreError(
+            f"model {name!r} carries recurrent state ({store.get(name).config.family}): drafter training supports "
+            "the Llama family only (its teacher pass); an MTP head made elsewhere for this model can still be "
+            f"attached with `pie model drafter attach {name} mtp:FILE`"
+        )
     loaded = load_model(name, store=store)
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
