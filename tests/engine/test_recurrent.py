@@ -334,3 +334,36 @@ def test_a_fire_that_folds_all_its_rows_keeps_no_per_row_states(family, store):
     slot = c.core.sets.get(A, ws).state.slot  # type: ignore[union-attr]
     rows = [pool.row_entry(slot, i) for i in range(pool.rows)]
     assert all(not t[rows].any() for ts in pool.layers.values() for t in ts)
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_per_row_states_survive_a_batched_forward_that_raised(family, store, monkeypatch):
+    """Two verify fires share a step whose forward raises once: each runs again alone from its snapshot,
+    keeps its per-row states again, and a fold of 2 copies one (nothing replayed), the state as if only the
+    2 rows ran."""
+    c = Core(store, family, fold="per-row")
+    ref = c.call("ws_open")["ws"]
+    c.fire(ref, PROMPT)
+    c.fire(ref, [3, 4])
+    sets = [c.call("ws_open")["ws"] for _ in range(2)]
+    for ws in sets:
+        c.fire(ws, PROMPT)
+    forward, raised = c.sm.runner.forward, []
+
+    def flaky(segments, *args, **kw):
+        if len(segments) == 2 and not raised:
+            raised.append(True)
+            forward(segments, *args, **kw)  # the states advance, then the step fails
+            raise RuntimeError("a flaky device")
+        return forward(segments, *args, **kw)
+
+    monkeypatch.setattr(c.sm.runner, "forward", flaky)
+    ids = [c.request("fire", ws=ws, tokens=[3, 4, 99, 98], fold="deferred", readouts=[])[0] for ws in sets]
+    replies: dict[int, dict] = {}
+    while c.core.has_work():
+        replies.update({r["id"]: r for _, r in c.core.step()})
+    assert raised and all(replies[i]["ok"] for i in ids)
+    for ws in sets:
+        assert c.call("ws_fold", ws=ws, n=2)["replayed_rows"] == 0
+        for got, want in zip(live_state(c, ws), live_state(c, ref), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
