@@ -18,8 +18,8 @@ n rows fewer than ran then brings the state to row n in one of two ways, chosen 
   its rows) keeps the state after each of its first rows, up to ``--per-row-states`` (8), in its slot's per-row
   entries (models/state_cache.py). The layers have those states at hand: a short convolution's is the last
   K-1 inputs at that row, a slice of the inputs it concatenates anyway; a selective scan's is its h after
-  that step, which it computes anyway (models/recurrent.py). A fold of n <= kept rows copies state n-1 into the
-  live one: no forward. The same as SGLang's and vLLM's Mamba speculative verification.
+  that step, which it computes anyway (models/recurrent.py). A fold of n <= kept rows copies the state after row n-1
+  into the live one: no forward (the approach SGLang and vLLM take to verify drafts on Mamba layers).
 - **replay** (and the fallback for a fold of more rows than were kept, or a fire that kept none):
   **restore the snapshot and replay the n folded rows**, one more forward over n rows.
 

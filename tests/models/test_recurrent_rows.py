@@ -51,6 +51,6 @@ def test_the_scan_keeps_the_state_after_each_row():
         for t, entry in enumerate(entries):
             ref = start.clone()
             n = [t + 1 if j == i else 1 for j in range(2)]
-            sel = lambda v: rows_of(v, n)  # noqa: E731
-            selective_scan(sel(u), sel(dt), a, sel(bm), sel(cm), ref, layout(n))
+            part = [rows_of(v, n) for v in (u, dt, bm, cm)]
+            selective_scan(part[0], part[1], a, part[2], part[3], ref, layout(n))
             torch.testing.assert_close(state[entry], ref[i], rtol=1e-6, atol=1e-6)
