@@ -213,8 +213,13 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
     if name == DEFAULT_MODEL:
         ensure_default_model()
     store = ModelStore()
-    if store.get(name).config.recurrent:
-        raise StoreError(f"model {name!r} carries recurrent state: drafter training supports the Llama family only")
+    cfg = store.get(name).config
+    if cfg.recurrent and args.kind != "mtp":
+        # an MTP head is stateless and its teacher pass runs the model's own forward (distill/stateful.py); a
+        # draft model or an EAGLE head of such a target is not served (drafters.py)
+        raise StoreError(
+            f"model {name!r} carries recurrent state ({cfg.family}): only --kind mtp trains a drafter for it"
+        )
     loaded = load_model(name, store=store)
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
@@ -248,7 +253,7 @@ def _teacher_pass(
     )
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(
-        loaded.llama, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
+        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
     )
     command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {
@@ -273,7 +278,7 @@ def _train_mtp(run: _Run) -> str:
         run.continued_from(args.init, read_config(Path(args.init)).training)
         args.depth = init.config.depth
     module = distill.train_mtp(
-        run.loaded.llama,
+        run.loaded.model,
         run.train,
         run.heldout,
         depth=args.depth,
@@ -290,7 +295,7 @@ def _train_mtp(run: _Run) -> str:
         init=init,
     )
     run.slice_vocab(module)
-    agree = distill.mtp_agreement(MTPHead(module, run.loaded.llama), run.heldout, args.depth, conditional=True)
+    agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
     return run.write_head(module, "mtp", agree, save_mtp, config_path)
 
 

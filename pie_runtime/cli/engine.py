@@ -47,6 +47,21 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="models with recurrent state (mamba, lfm2): working sets held at once, each a state and its "
         "snapshot (default 64; printed at start)",
     )
+    p.add_argument(
+        "--recurrent-fold",
+        choices=["per-row", "replay"],
+        default="per-row",
+        help="models with recurrent state: how a fold of fewer rows than a fire ran restores the state. per-row "
+        "(default) keeps the state after each of a speculative fire's rows and copies one; replay restores the "
+        "state from before the fire and runs the kept rows again (one more forward, less memory)",
+    )
+    p.add_argument(
+        "--per-row-states",
+        type=int,
+        default=8,
+        help="with --recurrent-fold per-row: states a working set keeps per fire (folds of more rows replay; "
+        "default 8; the memory is printed at start)",
+    )
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
     p.add_argument(
@@ -124,6 +139,8 @@ def run_engine(args) -> int:
                 prepack_lm_head=args.prepack,
                 pass_cost_rows=args.pass_cost_rows,
                 state_slots=args.state_slots,
+                recurrent_fold=args.recurrent_fold,
+                per_row_states=args.per_row_states,
                 tensor_parallel=args.tensor_parallel,
             )
             for n in names
@@ -160,9 +177,13 @@ def run_engine(args) -> int:
             flush=True,
         )
         if s.info.state_slots:
+            per_row = s.info.per_row_states
+            fold = f"fold per-row (up to {per_row} rows, then replay)" if per_row else "fold by replay"
             print(
                 f"{s.name}: recurrent state ({s.info.family}), {s.info.state_slots} slots x "
-                f"{2 * s.info.state_bytes / 2**20:.2f} MiB (state and snapshot); prefix cache off",
+                f"{(2 + per_row) * s.info.state_bytes / 2**20:.2f} MiB (state, snapshot"
+                + (f" and {per_row} per-row states" if per_row else "")
+                + f"); {fold}; prefix cache off",
                 file=sys.stderr,
                 flush=True,
             )

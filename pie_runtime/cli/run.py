@@ -38,6 +38,8 @@ def engine_args(args) -> list[str]:
     out += ["--compile" if args.compile else "--no-compile"]
     out += [] if args.prefix_cache else ["--no-prefix-cache"]
     out += ["--state-slots", str(args.state_slots)]
+    out += ["--recurrent-fold", getattr(args, "recurrent_fold", "per-row")]
+    out += ["--per-row-states", str(getattr(args, "per_row_states", 8))]
     if getattr(args, "tensor_parallel", 1) > 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
     return out

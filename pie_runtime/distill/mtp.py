@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import LlamaForCausalLM
+from ..models.families import CausalLM, final_norm, norm_eps
 from ..models.mtp import MTPConfig, MTPHead, MTPModule
 from .agreement import mtp_agreement
 from .data import TeacherData
@@ -23,7 +23,7 @@ class MTPStudent(Student):
     def __init__(
         self,
         module: MTPModule,
-        target: LlamaForCausalLM,
+        target: CausalLM,
         train: TeacherData,
         heldout: TeacherData,
         *,
@@ -44,7 +44,7 @@ class MTPStudent(Student):
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         data, target = self.train, self.target
-        head_w, norm, embed = target.lm_head.weight.detach(), target.model.norm, target.model.embed_tokens
+        head_w, norm, embed = target.lm_head.weight.detach(), final_norm(target), target.embed
         si, ti = self.rows[0][batch], self.rows[1][batch]
         h = data.hidden[si, ti].float()
         loss = torch.zeros(())
@@ -62,7 +62,7 @@ class MTPStudent(Student):
 
 
 def train_mtp(
-    target: LlamaForCausalLM,
+    target: CausalLM,
     train: TeacherData,
     heldout: TeacherData,
     *,
@@ -98,7 +98,7 @@ def train_mtp(
                 num_blocks=blocks,
                 depth=depth,
                 vocab_size=cfg.vocab_size,
-                rms_norm_eps=cfg.rms_norm_eps,
+                rms_norm_eps=norm_eps(cfg),
                 target=target_name,
                 target_digest=target_digest,
             )

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..models.families import CausalLM
 from ..models.llama import LlamaForCausalLM
 from .data import TOP_K, DataPlan, TeacherData
 from .dense import dense_hidden, greedy_generate
+from .stateful import stateful_generate, stateful_hidden
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -33,17 +35,18 @@ def bf16_is_fast() -> bool:
         return False
 
 
-def teacher_model(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+def teacher_model(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     """The target for the teacher pass: itself, or a copy with its weights in ``dtype`` (bfloat16: about 3x
-    faster on CPUs with bf16 units; 98.9% of greedy labels equal the float32 target's on held-out Austen)."""
-    if dtype == next(model.parameters()).dtype:
+    faster on CPUs with bf16 units; 98.9% of greedy labels equal the float32 target's on held-out Austen).
+    A target with recurrent state is always itself (its state pool is float32)."""
+    if dtype == next(model.parameters()).dtype or not isinstance(model, LlamaForCausalLM):
         return model
     return copy.deepcopy(model).to(dtype)
 
 
 @torch.inference_mode()
 def top_ids(
-    model: LlamaForCausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024, fast: bool = False
+    model: CausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024, fast: bool = False
 ) -> torch.Tensor:
     """(N, H) → (N, k) int32 ids of the target's k most likely tokens, best first. ``fast``: a bfloat16
     product finds 4k candidates, re-ranked with the float32 head (5x cheaper on CPUs with bf16 units;
@@ -63,11 +66,11 @@ def top_ids(
 
 
 def teacher_windows(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     windows: list[list[int]],
     batch: int = 4,
     bar: tqdm | None = None,
-    head: LlamaForCausalLM | None = None,
+    head: CausalLM | None = None,
 ) -> TeacherData:
     """``model`` runs the layers (maybe a bf16 copy); ``head`` (default ``model``) ranks the top-k."""
     toks, hid, top = [], [], []
@@ -76,7 +79,7 @@ def teacher_windows(
     with torch.inference_mode():
         for i in range(0, len(windows), batch):
             ids = torch.tensor(windows[i : i + batch], dtype=torch.int64)
-            h = dense_hidden(model, ids)
+            h = dense_hidden(model, ids) if isinstance(model, LlamaForCausalLM) else stateful_hidden(model, ids)
             toks.append(ids)
             hid.append(h.to(torch.bfloat16))
             top.append(top_ids(head, h.reshape(-1, h.shape[-1]), fast=fast).view(*ids.shape, -1))
@@ -86,19 +89,20 @@ def teacher_windows(
 
 
 def teacher_generations(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     n_new: int,
     batch: int = 32,
     bar: tqdm | None = None,
-    head: LlamaForCausalLM | None = None,
+    head: CausalLM | None = None,
 ) -> TeacherData:
     """Greedy continuations, ``batch`` prompts in one forward a step (decode reads the weights once per
     step whatever the batch: 32 rows cost little more than one)."""
     toks, hid, top = [], [], []
     head = head or model
     for i in range(0, len(prompts), batch):
-        t, h = greedy_generate(model, prompts[i : i + batch], n_new)
+        generate = greedy_generate if isinstance(model, LlamaForCausalLM) else stateful_generate
+        t, h = generate(model, prompts[i : i + batch], n_new)  # type: ignore[arg-type]
         toks.append(t)
         hid.append(h.to(torch.bfloat16))
         top.append(top_ids(head, h.reshape(-1, h.shape[-1]), fast=head is not model).view(*t.shape, -1))
@@ -108,7 +112,7 @@ def teacher_generations(
 
 
 def build_teacher_data(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tokenizer_file: Path,
     plan: DataPlan,
     cache_dir: Path | None,

@@ -27,6 +27,8 @@ from .state_slots import StateSlots
 
 log = logging.getLogger("pie.engine")
 DEFAULT_STATE_SLOTS = 64  # working sets of a model with recurrent state at once (--state-slots)
+RECURRENT_FOLDS = ("per-row", "replay")  # how a fold of fewer rows than ran brings the state back (engine/fold.py)
+DEFAULT_PER_ROW_STATES = 8  # per-row states a working set keeps under --recurrent-fold per-row (--per-row-states)
 STATELESS_PAGES = 1 << 16  # page-table entries of a model without attention layers (no bytes behind them)
 
 
@@ -43,6 +45,8 @@ def build_served_model(
     pass_cost_rows: int = 0,
     compiled: bool = False,
     state_slots: int = DEFAULT_STATE_SLOTS,
+    recurrent_fold: str = "per-row",
+    per_row_states: int = DEFAULT_PER_ROW_STATES,
     tensor_parallel: int = 1,
 ) -> ServedModel:
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
@@ -50,8 +54,16 @@ def build_served_model(
     costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
     compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
     at once (each a slot of its state and a snapshot; models without recurrent state ignore it);
+    ``recurrent_fold``: ``per-row`` keeps the state after each of a speculative fire's first ``per_row_states``
+    rows, so a fold of that many rows or fewer is a copy, or ``replay`` restores the snapshot and runs the kept
+    rows again (engine/fold.py says why per-row is the default);
     ``tensor_parallel``: shard it over that many ranks (``tp_worker.py``; float32 and the Llama family only,
     served without its MTP or EAGLE head, no prepacked or compiled copies)."""
+    if recurrent_fold not in RECURRENT_FOLDS:
+        raise ValueError(f"--recurrent-fold is one of {', '.join(RECURRENT_FOLDS)}, not {recurrent_fold!r}")
+    if per_row_states < 0:
+        raise ValueError(f"--per-row-states must be 0 or more, not {per_row_states}")
+    rows = per_row_states if recurrent_fold == "per-row" else 0
     if tensor_parallel > 1 and weights != "fp32":
         raise ValueError(f"--tensor-parallel supports --weights fp32 only, not {weights}")
     if tensor_parallel > 1 and compiled:
@@ -98,7 +110,7 @@ def build_served_model(
         )
     else:
         kv = KVCache(cfg, kv_pages, page_size, torch_dtype, device, extra_layers=extra)
-        states = StateCache(shapes, state_slots, torch.float32, device) if shapes else None
+        states = StateCache(shapes, state_slots, torch.float32, device, rows) if shapes else None
         runner = ModelRunner(loaded.model, kv, torch.device(device), states)
     info = ModelInfo(
         name=manifest.name,
@@ -118,6 +130,8 @@ def build_served_model(
         recurrent=cfg.recurrent,
         state_slots=state_slots if shapes else 0,
         state_bytes=StateCache.bytes_per_slot(shapes) if shapes else 0,
+        recurrent_fold=(recurrent_fold if rows else "replay") if shapes else "",
+        per_row_states=rows if shapes else 0,
         state_granule=cfg.state_granule,
     )
     runner.mtp = mtp
@@ -138,5 +152,5 @@ def build_served_model(
         runner=runner,
         pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages, runner.copy_slots),
         tokenizer_json=loaded.tokenizer_path.read_text(),
-        states=StateSlots(state_slots, runner) if shapes else None,
+        states=StateSlots(state_slots, runner, rows) if shapes else None,
     )

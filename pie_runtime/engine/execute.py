@@ -90,7 +90,9 @@ def _run_forward(sm: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Tensor:
         lead = _state_lead(sm, j)
         first = j.done - lead
         parents = None if j.parents is None else tuple(j.parents)
-        segments.append(Segment(j.ws.pages, j.start + first, lead + c.rows, parents, j.start, state=_slot(j)))
+        rows = lead + c.rows
+        kept = _row_states(sm, j, first, rows)
+        segments.append(Segment(j.ws.pages, j.start + first, rows, parents, j.start, state=_slot(j), row_states=kept))
         tokens.extend(j.tokens[first : j.done + c.rows])
         positions.extend(j.positions[first : j.done + c.rows])
         keep.extend(range(len(tokens) - c.rows, len(tokens)))
@@ -110,6 +112,20 @@ def _slot(j: FireJob) -> int | None:
     return j.ws.state.slot if j.ws.state is not None else None
 
 
+def _row_states(sm: ServedModel, j: FireJob, first: int, rows: int) -> tuple[int, ...]:
+    """The state-pool entries receiving the state after the chunk's rows ``first ..`` that the fire keeps
+    per-row states for (``SlotHold.keep``; a prefix of the chunk's rows, or none)."""
+    hold = j.ws.state
+    if hold is None or first >= hold.keep:
+        return ()
+    return sm.runner.row_state_entries(hold.slot, first, min(rows, hold.keep - first))
+
+
+def _partial(j: FireJob) -> bool:
+    """Whether ``j``'s fold may keep fewer rows than it runs: deferred, or a fixed count (path) below them."""
+    return j.fold is None or (j.fold if isinstance(j.fold, int) else len(j.fold)) < len(j.tokens)
+
+
 def _state_lead(sm: ServedModel, j: FireJob) -> int:
     """Rows of ``j`` already run that this forward runs again (0 but after a forward that raised): with
     recurrent state, a fire's first rows save the state (the snapshot), and a forward that raised leaves the
@@ -119,7 +135,7 @@ def _state_lead(sm: ServedModel, j: FireJob) -> int:
         return 0
     lead = 0
     if hold.fire is not j:
-        states.begin(hold, j, j.start, j.tokens, j.positions)
+        states.begin(hold, j, j.start, j.tokens, j.positions, _partial(j))
     elif hold.ran != j.done:
         sm.runner.restore_state(hold.slot)
         lead = j.done

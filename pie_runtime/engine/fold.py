@@ -10,22 +10,46 @@ rows ``0 .. committed-1``. For a model with KV pages only, that is all: rows pas
 next fire overwrites them.
 
 A model with recurrent state cannot leave rows out that way: its state has already advanced through every row
-the fire ran. So each fire saves the state from before it (the slot's snapshot, engine/state_slots.py), and a
-fold of n rows fewer than ran **restores the snapshot and replays the n folded rows**: one more forward over n
-rows, run here, inline, so that the working set is consistent the moment the fold returns (a fork, the next
-fire or a release may follow at once, and none of them need to know a replay was owed). A hybrid's attention
-layers rewrite their K/V at those rows with the same values; those pages are private to the working set (the
-fire's reservation copied any shared one). Tree fires on such a model are refused at admission
-(fire_requests.py: a state runs through rows in order, not along branches), so its folds are always chains.
+the fire ran. Each fire saves the state from before it (the slot's snapshot, engine/state_slots.py). A fold of
+n rows fewer than ran then brings the state to row n in one of two ways, chosen by the engine's
+``--recurrent-fold``:
 
-Replay against keeping a state per row (the choice, measured by examples/recurrent_replay_bench.py on a random
-LFM2, hidden 512, 8 layers, fp32, 1 thread, a loaded 2-core machine): the replay of 2 kept rows costs about one
-more pass (93 ms against a 74 ms plain step and a 104 ms 5-row round), while the 1 + k state copies a per-row
-store would make cost 0.1..1.8 ms. Per-row states are cheaper in time; replay is what is built, because it is
-exact by construction (the same forward over the same rows, for chunked fires, any fold, device folds and
-failed forwards alike) and holds two states a sequence instead of 1 + k (Mamba: D x S floats a layer a row,
-2.4 MB a row on a 130M model). The planner (inferlet.draft_length) prices the replay into a rejecting round;
-per-row states are the next step where rejections are frequent.
+- **per-row** (the default): a fire whose fold may keep fewer rows than it runs (deferred, or a count below
+  its rows) keeps the state after each of its first rows, up to ``--per-row-states`` (8), in its slot's per-row
+  entries (models/state_cache.py). The layers have those states at hand: a short convolution's is the last
+  K-1 inputs at that row, a slice of the inputs it concatenates anyway; a selective scan's is its h after
+  that step, which it computes anyway (models/recurrent.py). A fold of n <= kept rows copies the state after row n-1
+  into the live one: no forward (the approach SGLang and vLLM take to verify drafts on Mamba layers).
+- **replay** (and the fallback for a fold of more rows than were kept, or a fire that kept none):
+  **restore the snapshot and replay the n folded rows**, one more forward over n rows.
+
+Either runs here, inline, so that the working set is consistent the moment the fold returns (a fork, the next
+fire or a release may follow at once, and none of them need to know a replay was owed). A fold of 0 rows (a
+failed fire) restores the snapshot. Per-row states survive a fire split into several chunks (each chunk keeps
+its own rows' states) and a forward retried after a failure (the retry runs the fire's rows again from the
+snapshot and keeps them again). A hybrid's attention layers need neither: their K/V rows past the fold stay
+unfolded as for any model (under replay they are rewritten with the same values; the pages are private to
+the working set: the fire's reservation copied any shared one). Tree fires on such a model are refused at
+admission (fire_requests.py: a state runs through rows in order, not along branches), so folds are chains.
+
+The choice, measured by examples/recurrent_replay_bench.py (random checkpoints, hidden 512, 8 layers, vocab
+8192, fp32, ``--threads 1``, OMP_NUM_THREADS=1, a shared 2-core machine, 256-token context, medians of 15, the
+two modes interleaved; round = deferred fire of 1 + k rows and its fold; plain step 24 ms LFM2, 20 ms Mamba):
+
+    LFM2   k=2/4/6  reject extra  replay 28/28/38 ms   per-row 1.9/0.9/0.6 ms
+                    accept round  replay 34/34/36 ms   per-row 35/34/39 ms
+                    break-even α  replay .64/.62/.68   per-row .37/.32/.39   stateless .30/.29/.32
+    Mamba  k=2/4/6  reject extra  replay 24/25/24 ms   per-row 0/2.8/7.5 ms
+                    accept round  replay 31/35/41 ms   per-row 33/37/43 ms
+                    break-even α  replay .70/.70/.71   per-row .47/.52/.63   stateless .40/.46/.52
+
+A rejecting round under replay costs one more pass, which lifts the acceptance a round needs by ~0.3 over a
+stateless model; per-row states take it back to within ~0.1 of stateless, for a kept-state write that costs an
+accepting round 0.4-3.6 ms. Memory is the price: a working set holds 2 + 8 states instead of 2 (LFM2 above: 24 KiB
+a state, conv only; Mamba above: 608 KiB; a 130M Mamba: 2.4 MB, so 64 slots take 1.2 GB more). Hence the
+default per-row, ``--per-row-states`` to bound it and ``--recurrent-fold replay`` where memory is short. The
+draft-length planner (inferlet.draft_length) prices a replay only for folds per-row states do not serve
+(``ModelInfo.per_row_states``).
 """
 
 from __future__ import annotations
@@ -52,7 +76,9 @@ def apply_fold(sm: ServedModel, ws: WorkingSet, start: int, path: list[int], tre
     hold, states = ws.state, sm.states
     if hold is not None and states is not None and hold.fire is not None:
         assert not moves, "tree fires are refused on models with recurrent state"
-        if n != hold.ran:
+        if n != hold.ran and 0 < n <= min(hold.keep, hold.ran):  # the state after row n-1, kept by the fire
+            sm.runner.take_row_state(hold.slot, n - 1)
+        elif n != hold.ran:
             sm.runner.restore_state(hold.slot)
             if n:
                 segment = Segment(ws.pages, hold.start, n, state=hold.slot)

@@ -107,6 +107,15 @@ class ModelRunner:
         s = self._states()
         s.copy([s.snapshot_of(slot)], [slot])
 
+    def take_row_state(self, slot: int, row: int) -> None:
+        s = self._states()
+        s.copy([s.row_entry(slot, row)], [slot])
+
+    def row_state_entries(self, slot: int, first: int, count: int) -> tuple[int, ...]:
+        """The entries receiving the state after rows ``first .. first+count-1`` of ``slot``'s fire."""
+        s = self._states()
+        return tuple(s.row_entry(slot, r) for r in range(first, first + count))
+
     def _eagle_kv(
         self,
         segments: list[Segment],

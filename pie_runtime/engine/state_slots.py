@@ -9,6 +9,8 @@ tensors: the bytes live in ``models/state_cache.py`` and the copies are the runn
 tokens and positions, so that a fold of fewer rows can restore the snapshot and replay them (engine/fold.py).
 ``ran`` is how many of its rows the live state holds, or ``DIRTY`` while a forward over them is in progress
 (a forward that raises leaves the state unknown; the retry restores the snapshot and runs them again).
+``keep`` is how many per-row states the fire leaves (the state after each of its rows 0 .. keep-1, kept by
+the forward that runs them: execute.py), so a fold of n <= keep rows copies one instead of replaying.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ DIRTY = -1
 
 class StateOps(Protocol):
     """The tensor side, by slot: zero a live state, copy one slot's live state to another's, save a slot's live
-    state as its snapshot, put the snapshot back."""
+    state as its snapshot, put the snapshot back, make the state after one of the fire's rows the live one."""
 
     def zero_state(self, slot: int) -> None: ...
     def copy_state(self, src: int, dst: int) -> None: ...
     def snapshot_state(self, slot: int) -> None: ...
     def restore_state(self, slot: int) -> None: ...
+    def take_row_state(self, slot: int, row: int) -> None: ...
 
 
 @dataclass
@@ -39,14 +42,16 @@ class SlotHold:
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     ran: int = 0  # rows of it the live state holds (DIRTY: unknown)
+    keep: int = 0  # per-row states the fire leaves: after each of its rows 0 .. keep-1
 
 
 class StateSlots:
-    def __init__(self, slots: int, ops: StateOps):
+    def __init__(self, slots: int, ops: StateOps, rows: int = 0):
         if slots <= 0:
             raise ValueError("the state pool needs at least one slot")
         self.total = slots
         self.ops = ops
+        self.rows = rows  # per-row states a slot can keep (0: every partial fold replays)
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out low slots first
 
     @property
@@ -82,11 +87,16 @@ class StateSlots:
         self._free.append(hold.slot)
         hold.fire = None
 
-    def begin(self, hold: SlotHold, fire: object, start: int, tokens: list[int], positions: list[int]) -> None:
-        """A fire's first rows are about to run: the live state is saved as the snapshot."""
+    def begin(
+        self, hold: SlotHold, fire: object, start: int, tokens: list[int], positions: list[int], partial: bool
+    ) -> None:
+        """A fire's first rows are about to run: the live state is saved as the snapshot. ``partial``: its fold
+        may keep fewer rows than it runs (deferred, or a count below its rows), so it keeps per-row states for
+        as many of its rows as the pool holds (the last row's state is the live one)."""
         self.ops.snapshot_state(hold.slot)
         hold.fire, hold.start, hold.tokens, hold.positions, hold.ran = fire, start, tokens, positions, 0
+        hold.keep = max(0, min(self.rows, len(tokens) - 1)) if partial else 0
 
     def end(self, hold: SlotHold) -> None:
         """The fire's rows are folded (or dropped): the live state is the committed one again."""
-        hold.fire, hold.tokens, hold.positions, hold.ran = None, [], [], 0
+        hold.fire, hold.tokens, hold.positions, hold.ran, hold.keep = None, [], [], 0, 0

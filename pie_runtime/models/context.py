@@ -10,7 +10,9 @@ sequence index its row 0 sits at: a row then attends every key before the window
 only itself and its ancestors, whichever chunk of the window wrote them.
 
 A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
-advance (``Segment.state``); the context lays those out as a :class:`StateLayout`.
+advance (``Segment.state``), and, where a fold may keep fewer rows than run, the entries that receive the state
+after each of its first rows (``Segment.row_states``: per-row states, engine/fold.py); the context lays those out
+as a :class:`StateLayout`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Segment:
     parents: tuple[int, ...] | None = None  # a tree window's parent row of each window row (-1: a root)
     window: int = 0  # with parents: sequence index of the window's row 0 (start - window rows already ran)
     state: int | None = None  # state-pool entry the rows advance (models with recurrent state)
+    row_states: tuple[int, ...] = ()  # state-pool entries that receive the state after each of the first rows
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,11 @@ class ForwardContext:
         if any(e is not None for e in entries):
             if any(e is None for e in entries):
                 raise ValueError("either every segment names its recurrent state or none does")
-            states = StateLayout.build(row_start, [s.n_rows for s in segments], entries, device)  # type: ignore[arg-type]
+            for s in segments:
+                if len(s.row_states) > s.n_rows:
+                    raise ValueError("a segment keeps at most one state per row")
+            keep = [list(s.row_states) for s in segments]
+            states = StateLayout.build(row_start, [s.n_rows for s in segments], entries, device, keep)  # type: ignore[arg-type]
         return ForwardContext(
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
             write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),

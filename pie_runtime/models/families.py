@@ -46,3 +46,12 @@ def final_norm(model: CausalLM) -> nn.Module:
     if isinstance(model, Lfm2ForCausalLM):
         return model.model.embedding_norm
     return model.model.norm
+
+
+def norm_eps(cfg: AnyConfig) -> float:
+    """The epsilon of the model's RMS norms (what an MTP head's own norms copy)."""
+    if isinstance(cfg, MambaConfig):
+        return cfg.layer_norm_epsilon
+    if isinstance(cfg, Lfm2Config):
+        return cfg.norm_eps
+    return cfg.rms_norm_eps

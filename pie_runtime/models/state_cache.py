@@ -4,7 +4,9 @@ business (``engine/state_slots.py``); this module only stores and moves bytes, a
 
 Each slot ``s`` of ``slots`` has two entries: the live state at index ``s`` and its snapshot, the state from
 before the fire now running, at ``slots + s`` (a fold of fewer rows than the fire ran restores it). One more
-entry, the last, is scratch for passes that belong to no working set (the pass-cost measurement).
+entry, ``2 * slots``, is scratch for passes that belong to no working set (the pass-cost measurement). With
+``rows`` per-row states a slot also has ``rows`` entries after those, ``row_entry(s, i)``: the state after row i
+of the fire now running (a fold of i + 1 rows copies it: engine/fold.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ StateShapes = dict[int, tuple[tuple[int, ...], ...]]  # layer index → the shap
 
 
 class StateCache:
-    def __init__(self, shapes: StateShapes, slots: int, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(
+        self, shapes: StateShapes, slots: int, dtype: torch.dtype = torch.float32, device="cpu", rows: int = 0
+    ):
         self.slots = slots
-        entries = 2 * slots + 1
+        self.rows = rows  # per-row states a slot keeps (0: none)
+        entries = 2 * slots + 1 + slots * rows
         self.layers: dict[int, list[torch.Tensor]] = {
             layer: [torch.zeros((entries, *shape), dtype=dtype, device=device) for shape in per_layer]
             for layer, per_layer in shapes.items()
@@ -35,6 +40,11 @@ class StateCache:
 
     def snapshot_of(self, slot: int) -> int:
         return self.slots + slot
+
+    def row_entry(self, slot: int, row: int) -> int:
+        """The entry of the state after row ``row`` (< ``rows``) of ``slot``'s running fire."""
+        assert 0 <= row < self.rows
+        return 2 * self.slots + 1 + slot * self.rows + row
 
     @property
     def nbytes(self) -> int:

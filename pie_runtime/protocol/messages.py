@@ -315,9 +315,11 @@ class ModelInfo(BaseModel):
     weight_bytes: int = 0  # bytes of the projections and lm head as served
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
     family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)
-    recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran replays them
+    recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran restores it
     state_slots: int = 0  # working sets the recurrent-state pool holds at once (0: no recurrent state)
     state_bytes: int = 0  # one working set's state (its snapshot doubles it)
+    recurrent_fold: str = ""  # per-row or replay: how a fold of fewer rows than ran restores the state
+    per_row_states: int = 0  # folds of up to this many rows copy a kept per-row state (each costs state_bytes)
     state_granule: int = 1  # rows the state advances by; > 1: a fire folds all its rows, no speculation
 
 

@@ -113,7 +113,9 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
     Records prefill and decode times, and releases the working set and the drafter at the end."""
     model, out, stats, ws = run.model, run.out, run.stats, run.ws
     costs = model.pass_cost_ms if run.args.draft_schedule == "adaptive" else []
-    planner = drafter.planner = DraftPlanner(k, costs, drafter.draft_cost_ms, replay=model.recurrent)
+    planner = drafter.planner = DraftPlanner(
+        k, costs, drafter.draft_cost_ms, replay=model.recurrent, free_fold_rows=model.per_row_states
+    )
     if model.state_granule > 1:  # every fire folds all its rows: no round can leave a draft out
         fallback = [*fallback, "granule"]
     prompt = list(run.prompt)

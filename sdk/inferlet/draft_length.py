@@ -22,10 +22,12 @@ rows of the step its last fire ran in, from the fire reply's ``step_rows``). Whe
 rows on a CPU) that is about what it costs alone; in a full step every extra row costs its full share, so a
 round drafts less, or nothing, and speculation does not slow a busy server.
 
-On a model with recurrent state (``replay``: Mamba, LFM2) a rejection is not free: the engine restores the
-state from before the round and replays the rows it keeps (engine/fold.py), one more pass over them. The planner
-adds that pass, weighted by the chance the round rejects a draft: for k drafts,
-``(1 - Π_{i<=k} α_i) * pass_cost(E[rows kept | a rejection])``, which shortens windows where drafts miss.
+On a model with recurrent state (``replay``: Mamba, LFM2) a rejection may not be free: unless the engine kept
+the state after each row (``free_fold_rows``: folds of up to that many rows copy a per-row state, at no pass),
+it restores the state from before the round and replays the rows it keeps (engine/fold.py), one more pass over
+them. The planner adds that pass, weighted by the chance the round rejects a draft where the kept rows exceed
+``free_fold_rows``: for k drafts, ``P(replay) * pass_cost(E[rows kept | a replay])``, which shortens windows where
+drafts miss.
 
 A drafter that can also propose a token tree (inferlet.tree, ``--tree`` widths per depth) asks ``use_tree``
 each round: the tree of ``rows`` draft rows and ``depth`` levels emits 1 + Σ_d Π_{i<=d} β_i tokens, β_d the
@@ -58,6 +60,7 @@ class DraftPlanner:
         prior_alpha: float = 0.5,
         overhead_ms: float = 1.0,
         replay: bool = False,
+        free_fold_rows: int = 0,
     ):
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
@@ -74,6 +77,7 @@ class DraftPlanner:
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
         self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
         self.replay = replay  # a rejecting round costs a replay of its kept rows (recurrent state)
+        self.free_fold_rows = free_fold_rows  # ... unless they are this many or fewer (per-row states)
         self.tree_hits: list[float] = []  # [d]: discounted tree rounds whose kept path reached depth d+1
         self.tree_trials: list[float] = []  # [d]: discounted tree rounds that tried depth d+1 (reached depth d)
 
@@ -114,14 +118,16 @@ class DraftPlanner:
         return rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k)
 
     def replay_cost(self, k: int) -> float:
-        """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts."""
+        """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts, or when
+        per-row states serve every fold it can make."""
         if not self.replay or k == 0:
             return 0.0
         survive, p_reject, kept_if_rejected = 1.0, 0.0, 0.0
         for i in range(k):  # draft i+1 rejected after i kept: the replay runs `last` and those i drafts
             reject = survive * (1 - self.position_alpha(i))
-            p_reject += reject
-            kept_if_rejected += reject * (1 + i)
+            if 1 + i > self.free_fold_rows:  # fewer kept rows are a per-row state's copy, no pass
+                p_reject += reject
+                kept_if_rejected += reject * (1 + i)
             survive *= self.position_alpha(i)
         if p_reject <= 0:
             return 0.0

@@ -73,8 +73,14 @@ class Model:
     @property
     def recurrent(self) -> bool:
         """Whether a working set carries recurrent state (Mamba, LFM2): a fold of fewer rows than a fire ran
-        costs the engine a replay of the folded rows."""
+        costs the engine a replay of the folded rows, unless a per-row state serves it (``per_row_states``)."""
         return self.info.recurrent
+
+    @property
+    def per_row_states(self) -> int:
+        """With recurrent state: folds of up to this many rows fewer than ran copy a state the engine kept per
+        row, with no replay (0: every such fold replays; engine ``--recurrent-fold``)."""
+        return self.info.per_row_states
 
     @property
     def state_granule(self) -> int:

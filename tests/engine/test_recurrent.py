@@ -1,7 +1,9 @@
 """Working sets of models with recurrent state (tiny random Mamba and LFM2), in process: the state slot a
 working set holds, fork and release, an exhausted pool, and the fold of fewer rows than a fire ran — by the
-fire's own count, by ``ws_fold``, by the next fire's ``settle`` and by an epilogue — which restores the state
-from before the fire and replays the folded rows, so that what follows equals decoding one row at a time."""
+fire's own count, by ``ws_fold``, by the next fire's ``settle`` and by an epilogue — which either copies the
+state the fire kept after the last folded row (``--recurrent-fold per-row``) or restores the state from before
+the fire and replays the folded rows (``replay``, and per-row past its cap), so that what follows equals
+decoding one row at a time, and the state equals that of running only the folded rows."""
 
 from __future__ import annotations
 
@@ -31,10 +33,33 @@ def store(tmp_path_factory) -> ModelStore:
     return store
 
 
+FOLDS = ("per-row", "replay")
+
+
+def replayed(fold: str, rows: int) -> int:
+    """The rows a partial fold of ``rows`` replays under ``fold`` (per-row states serve these tests' folds)."""
+    return rows if fold == "replay" else 0
+
+
 class Core:
-    def __init__(self, store: ModelStore, family: str, slots: int = 8, max_batch_tokens: int = 256):
+    def __init__(
+        self,
+        store: ModelStore,
+        family: str,
+        slots: int = 8,
+        max_batch_tokens: int = 256,
+        fold: str = "replay",
+        per_row_states: int = 8,
+    ):
         sm = build_served_model(
-            f"tiny-{family}", store=store, page_size=4, kv_pages=64, prepack_lm_head=False, state_slots=slots
+            f"tiny-{family}",
+            store=store,
+            page_size=4,
+            kv_pages=64,
+            prepack_lm_head=False,
+            state_slots=slots,
+            recurrent_fold=fold,
+            per_row_states=per_row_states,
         )
         self.sm = sm
         self.core = EngineCore([sm], max_batch_tokens)
@@ -76,36 +101,39 @@ def plain_logits(c: Core, tokens: list[int]) -> np.ndarray:
     return np.stack(out)
 
 
+@pytest.mark.parametrize("fold", FOLDS)
 @pytest.mark.parametrize("family", RECURRENT_FAMILIES)
-def test_every_way_of_folding_fewer_rows_replays_them(family, store):
-    c = Core(store, family)
+def test_every_way_of_folding_fewer_rows_restores_the_state(family, fold, store):
+    c = Core(store, family, fold=fold)
     assert c.sm.info.recurrent and c.sm.info.state_slots == 8 and c.sm.pages.cache is None  # prefix cache off
+    assert c.sm.info.recurrent_fold == fold and c.sm.info.per_row_states == (8 if fold == "per-row" else 0)
     ref = plain_logits(c, [3, 4, 5, 6, 7, 8, 9, 10])
     ws = c.call("ws_open")["ws"]
     got = [logits(c.fire(ws, PROMPT))[-1]]
     # the fire's own fold: [3, 4, 99, 98] keeps 2 rows; the state ran through 4
     r = c.fire(ws, [3, 4, 99, 98], fold=2)
     got += list(logits(r)[:2])
-    assert r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == 2
+    assert r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == replayed(fold, 2)
     # a deferred fold settled by ws_fold
     r = c.fire(ws, [5, 6, 97], fold="deferred")
     got += list(logits(r)[:2])
-    assert c.call("ws_fold", ws=ws, n=2) == {"committed": len(PROMPT) + 4, "replayed_rows": 4}
+    assert c.call("ws_fold", ws=ws, n=2) == {"committed": len(PROMPT) + 4, "replayed_rows": replayed(fold, 4)}
     # a deferred fold settled by the next fire, which then runs on the replayed state
     r = c.fire(ws, [7, 96], fold="deferred")
     got.append(logits(r)[0])
     r = c.fire(ws, [8, 9, 10], settle=1)
     got += list(logits(r)[:3])
-    assert r["replayed_rows"] == 5 and r["committed"] == len(PROMPT) + 8
+    assert r["replayed_rows"] == replayed(fold, 5) and r["committed"] == len(PROMPT) + 8
     np.testing.assert_allclose(np.stack(got), ref, atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fold", FOLDS)
 @pytest.mark.parametrize("family", RECURRENT_FAMILIES)
-def test_an_epilogue_fold_replays_too(family, store):
+def test_an_epilogue_fold_restores_the_state_too(family, fold, store):
     from inferlet.programs import Builder
     from pie_runtime.protocol.programs import ModelDims
 
-    c = Core(store, family)
+    c = Core(store, family, fold=fold)
     b = Builder(ModelDims(c.sm.info.vocab_size, c.sm.info.hidden_size, 0))
     b.fold(2)  # what a device-side verify decides; here a constant
     ref = plain_logits(c, [3, 4, 5])
@@ -113,7 +141,7 @@ def test_an_epilogue_fold_replays_too(family, store):
     c.fire(ws, PROMPT)
     prog = c.call("program_register", nodes=b.nodes)["program"]
     r = c.fire(ws, [3, 4, 77, 78], fold="deferred", program=prog)
-    assert r["fold"] == 2 and r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == 2
+    assert r["fold"] == 2 and r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == replayed(fold, 2)
     np.testing.assert_allclose(logits(c.fire(ws, [5]))[0], ref[3], atol=ATOL, rtol=1e-5)
 
 
@@ -247,3 +275,95 @@ def test_speculative_inferlets_fall_back_to_plain_steps_on_a_granule_model(store
     spec = results["cacheback-speculative-decoding"]
     assert spec["token_ids"] == results["text-completion"]["token_ids"]
     assert spec["stats"]["proposed"] == 0 and spec["stats"]["skipped"]["granule"] == 11
+
+
+def live_state(c: Core, ws: int) -> list[np.ndarray]:
+    """The working set's live recurrent state, every tensor of every recurrent layer."""
+    hold = c.core.sets.get(A, ws).state
+    assert hold is not None and hold.fire is None  # folded: the live state is the committed one
+    pool = c.sm.runner.state
+    assert pool is not None
+    return [t[hold.slot].numpy().copy() for ts in pool.layers.values() for t in ts]
+
+
+@pytest.mark.parametrize("how", ["count", "deferred"])
+@pytest.mark.parametrize("fold", FOLDS)
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_the_state_after_a_partial_fold_equals_running_only_the_folded_rows(family, fold, how, store):
+    c = Core(store, family, fold=fold)
+    ref = c.call("ws_open")["ws"]
+    c.fire(ref, PROMPT)
+    c.fire(ref, [3, 4])
+    ws = c.call("ws_open")["ws"]
+    c.fire(ws, PROMPT)
+    if how == "count":
+        r = c.fire(ws, [3, 4, 99, 98, 97], fold=2)
+    else:
+        c.fire(ws, [3, 4, 99, 98, 97], fold="deferred")
+        r = c.call("ws_fold", ws=ws, n=2)
+    assert r["committed"] == len(PROMPT) + 2 and r["replayed_rows"] == replayed(fold, 2)
+    for got, want in zip(live_state(c, ws), live_state(c, ref), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_per_row_states_serve_a_fire_split_into_chunks_and_replay_past_their_cap(family, store):
+    """A verify window of 6 rows run 2 rows a step keeps its per-row states across the chunks; with 2 per-row
+    states a working set, a fold of 2 copies one and a fold of 4 restores and replays (the fallback)."""
+    ref = plain_logits(Core(store, family), [3, 4, 5, 6, 7, 8, 9])
+    for cap, kept, replays in ((8, 4, 0), (2, 2, 0), (2, 4, 4)):
+        c = Core(store, family, max_batch_tokens=2, fold="per-row", per_row_states=cap)
+        ws = c.call("ws_open")["ws"]
+        got = [logits(c.fire(ws, PROMPT))[-1]]
+        window = [3, 4, 5, 6, 7, 8][:kept] + [99] * (6 - kept)
+        r = c.fire(ws, window, fold="deferred")
+        got += list(logits(r)[:kept])
+        assert c.call("ws_fold", ws=ws, n=kept)["replayed_rows"] == replays
+        rest = [3, 4, 5, 6, 7, 8, 9][kept:]
+        got += list(logits(c.fire(ws, rest))[: len(rest)])
+        np.testing.assert_allclose(np.stack(got), ref[: len(got)], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_a_fire_that_folds_all_its_rows_keeps_no_per_row_states(family, store):
+    c = Core(store, family, fold="per-row")
+    ws = c.call("ws_open")["ws"]
+    c.fire(ws, PROMPT)  # a prefill folds every row it runs: no state per row is written
+    pool = c.sm.runner.state
+    assert pool is not None
+    slot = c.core.sets.get(A, ws).state.slot  # type: ignore[union-attr]
+    rows = [pool.row_entry(slot, i) for i in range(pool.rows)]
+    assert all(not t[rows].any() for ts in pool.layers.values() for t in ts)
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_per_row_states_survive_a_batched_forward_that_raised(family, store, monkeypatch):
+    """Two verify fires share a step whose forward raises once: each runs again alone from its snapshot,
+    keeps its per-row states again, and a fold of 2 copies one (nothing replayed), the state as if only the
+    2 rows ran."""
+    c = Core(store, family, fold="per-row")
+    ref = c.call("ws_open")["ws"]
+    c.fire(ref, PROMPT)
+    c.fire(ref, [3, 4])
+    sets = [c.call("ws_open")["ws"] for _ in range(2)]
+    for ws in sets:
+        c.fire(ws, PROMPT)
+    forward, raised = c.sm.runner.forward, []
+
+    def flaky(segments, *args, **kw):
+        if len(segments) == 2 and not raised:
+            raised.append(True)
+            forward(segments, *args, **kw)  # the states advance, then the step fails
+            raise RuntimeError("a flaky device")
+        return forward(segments, *args, **kw)
+
+    monkeypatch.setattr(c.sm.runner, "forward", flaky)
+    ids = [c.request("fire", ws=ws, tokens=[3, 4, 99, 98], fold="deferred", readouts=[])[0] for ws in sets]
+    replies: dict[int, dict] = {}
+    while c.core.has_work():
+        replies.update({r["id"]: r for _, r in c.core.step()})
+    assert raised and all(replies[i]["ok"] for i in ids)
+    for ws in sets:
+        assert c.call("ws_fold", ws=ws, n=2)["replayed_rows"] == 0
+        for got, want in zip(live_state(c, ws), live_state(c, ref), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

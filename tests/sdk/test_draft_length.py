@@ -148,6 +148,21 @@ def test_a_replay_makes_rejecting_rounds_dearer_and_windows_shorter():
     assert replay.best() <= plain.best()
 
 
+def test_per_row_states_price_no_replay_for_the_folds_they_serve():
+    flat = [10.0 + 0.5 * w for w in range(1, 17)]
+    plain = DraftPlanner(8, flat)
+    per_row = DraftPlanner(8, flat, replay=True, free_fold_rows=8)  # a fold of k + 1 rows needs no state
+    capped = DraftPlanner(8, flat, replay=True, free_fold_rows=2)  # folds of 3+ rows still replay
+    replay = DraftPlanner(8, flat, replay=True)
+    for p in (plain, per_row, capped, replay):
+        for _ in range(6):
+            p.observe(4, 1)
+    assert per_row.replay_cost(8) == 0.0 and per_row.round_cost(4) == plain.round_cost(4)
+    assert per_row.best() == plain.best()
+    assert capped.replay_cost(2) == 0.0 and capped.replay_cost(4) > 0.0
+    assert capped.replay_cost(4) < replay.replay_cost(4)
+
+
 # ---- chain or tree ---------------------------------------------------------------------------
 
 
