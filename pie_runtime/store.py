@@ -407,7 +407,8 @@ class LoadedModel:
 
     @property
     def llama(self) -> LlamaForCausalLM:
-        """The model, for tools that handle the Llama family only (EAGLE and draft-model training, the transformers bench)."""
+        """The model, for tools that handle the Llama family only (EAGLE and draft-model training, the
+        transformers bench)."""
         if not isinstance(self.model, LlamaForCausalLM):
             raise StoreError(f"model {self.manifest.name!r} is a {self.manifest.family} model, not a Llama-family one")
         return self.model
