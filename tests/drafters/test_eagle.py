@@ -11,24 +11,14 @@ from pie_runtime.distill.dense import dense_hidden
 from pie_runtime.distill.eagle import eagle_passes, teacher_features, ttt_mask
 from pie_runtime.drafters import DrafterRefused, check_eagle
 from pie_runtime.engine.runner import ModelRunner
-from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.context import Segment
 from pie_runtime.models.eagle import EagleConfig, EagleHead, EagleModule, load_eagle, save_eagle
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.store import Manifest
+from tests.models.tiny_models import tiny_llama_config
 
-CFG = ModelConfig(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
+CFG = tiny_llama_config()
 PAGE = 4
 
 

@@ -7,22 +7,13 @@ import torch
 
 from pie_runtime.engine.pass_costs import measure_mtp_step_ms, measure_pass_costs, measured_widths
 from pie_runtime.engine.runner import ModelRunner
-from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.llama import LlamaForCausalLM
+from tests.models.tiny_models import tiny_llama_config
 
 
 def tiny_runner(pages: int) -> ModelRunner:
-    cfg = ModelConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_llama_config(max_positions=512)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     return ModelRunner(model, KVCache(cfg, pages, 16, torch.float32), torch.device("cpu"))

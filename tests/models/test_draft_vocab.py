@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.draft_vocab import (
     DraftLogits,
     coverage,
@@ -20,18 +19,9 @@ from pie_runtime.models.eagle import EagleConfig, EagleModule, load_eagle, save_
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.models.mtp import MTPConfig, MTPHead, MTPModule, load_mtp, read_config, save_mtp
 from pie_runtime.models.quant import Int8Linear, quantize_int8
+from tests.models.tiny_models import tiny_llama_config
 
-CFG = ModelConfig(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
+CFG = tiny_llama_config()
 
 
 def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:

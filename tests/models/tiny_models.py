@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.families import CausalLM, state_shapes
 from pie_runtime.models.kv_cache import KVCache
@@ -17,6 +18,21 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 RECURRENT_FAMILIES = ("mamba", "lfm2")  # state-space / hybrid: a recurrent state beside (or instead of) KV pages
 ALL_FAMILIES = FAMILIES + RECURRENT_FAMILIES
 TINY_VOCAB = 300
+
+
+def tiny_llama_config(max_positions: int = 256) -> ModelConfig:
+    """The geometry of the tiny random Llama the engine and drafter unit tests build in-process."""
+    return ModelConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+    )
 
 
 def tiny_tokenizer_json() -> str:
