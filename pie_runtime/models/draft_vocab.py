@@ -53,8 +53,8 @@ def served_head_weight(lm_head: nn.Module, hidden_size: int, dtype: torch.dtype,
 
 
 class DraftLogits:
-    """A drafter's lm head: the target's own (``ids`` None), or the slice of it for ``ids``. ``logits`` is
-    always (..., V) float32, -inf outside the slice, so argmax and the samplers need nothing else."""
+    """A drafter's lm head: the target's own (``ids`` None), or the slice of it for ``ids``. A call always
+    gives (..., V) float32 logits, -inf outside the slice, so argmax and the samplers need nothing else."""
 
     def __init__(self, target_logits, lm_head: nn.Module, ids: torch.Tensor | None, hidden_size: int, vocab_size: int):
         self.target_logits = target_logits
