@@ -13,6 +13,8 @@ import pytest
 from pie_runtime.reference import greedy_continuation, transformers_llama
 from pie_runtime.store import ModelStore
 from tests.conftest import REPO, run
+from tests.procs import expect_line
+from tests.serve.server_proc import alive, children
 
 pytestmark = pytest.mark.e2e  # some tests start `pie run` themselves, without a process fixture
 
@@ -156,27 +158,6 @@ def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet,
     assert len(error) == 1 and all(s in error[0] for s in says), out.stderr
 
 
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for a reaper does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="the engine follows its parent through PR_SET_PDEATHSIG")
 def test_a_killed_pie_run_leaves_no_engine_behind(pie_home, tmp_path):
     """SIGTERM (Python's default: no cleanup, no with-block exits) on `pie run` while its inferlet runs: the
@@ -199,19 +180,16 @@ def test_a_killed_pie_run_leaves_no_engine_behind(pie_home, tmp_path):
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "up"  # the engine is up and the inferlet runs
+        expect_line(proc, "up")  # the engine is up and the inferlet runs
         engines = [
-            p
-            for p in _children(proc.pid)
-            if b" engine " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
+            p for p in children(proc.pid) if b" engine " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
         ]
         assert len(engines) == 1
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while _alive(engines[0]) and time.monotonic() < deadline:
+        while alive(engines[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(engines[0]), "the engine outlived `pie run`"
+        assert not alive(engines[0]), "the engine outlived `pie run`"
     finally:
         proc.kill()
