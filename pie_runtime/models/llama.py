@@ -131,7 +131,11 @@ def attend_invariant(
     kvh = k.shape[1]
     g = h // kvh
     qs = q.reshape(b, kvh, g * nq, d)  # head i uses key head i // g: heads of a group are adjacent
-    scores = torch.matmul(qs, k.transpose(-1, -2)).float() * scale  # (B, kvh, g*Q, K)
+    # K transposed into a contiguous (B, kvh, D, K): with a strided view the bf16 batched matmul takes another
+    # path when B is 1 than when B > 1 on CPUs without bf16 units (AVX2), and a row's scores change in the
+    # last bits with the batch it is in
+    kt = k.transpose(-1, -2).contiguous()
+    scores = torch.matmul(qs, kt).float() * scale  # (B, kvh, g*Q, K)
     scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)
     ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from pie_runtime.distill import bf16_is_fast
 from pie_runtime.store import DEFAULT_MODEL
 from tests.conftest import start_engine
 from tests.drafter_fixtures import MTP_DEPTH
@@ -34,28 +33,7 @@ POLICIES = [
 ]
 
 
-# Known defect, found on an AMD EPYC with AVX2 only (no AVX-512 BF16, no AMX): in int4, a verify window's rows
-# are not bit-identical to one-row steps there, so a near-tie can flip (the repetitive prompt, token 26: " verb"
-# vs " sentence", for draft-model and MTP alike; the session's starting commit fails the same way). The int4
-# kernels were shown batch-invariant on CPUs with bf16 units, where this test passes.
-INT4_INVARIANT_HERE = bf16_is_fast()
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        "bf16",
-        "int8",
-        pytest.param(
-            "int4",
-            marks=pytest.mark.xfail(
-                not INT4_INVARIANT_HERE,
-                reason="int4 windows are not batch-invariant on CPUs without bf16 units (known defect)",
-                strict=False,
-            ),
-        ),
-    ],
-)
+@pytest.fixture(scope="module", params=["bf16", "int8", "int4"])
 def format_engine(request, spec_home):
     eng = start_engine(spec_home, [DEFAULT_MODEL, SLICE], "--kv-pages", "1024", "--weights", request.param)
     yield eng

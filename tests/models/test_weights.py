@@ -151,3 +151,24 @@ def test_a_row_gets_the_same_bits_however_its_prompt_was_chunked(fmt, tiny_store
     logits_of(model, [Segment(pages, 0, 144)], prompt[:144], kv)  # the cached prefix: 36 full pages
     tail = logits_of(model, [Segment(pages, 144, 6)], prompt[144:], kv)
     assert torch.equal(tail, whole[144:])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_on_the_default_model_a_row_beside_another_sequence_gets_its_bits_alone(fmt, smollm):
+    """The engine batches a decode row with other sequences' rows. On an AVX2-only CPU (no bf16 units) the
+    attention scores' batched bf16 matmul once took another path for a batch of one, and this exact case
+    (context 56, beside a 3-token sequence; in int4, layer 14's scores) moved a logit by 0.25, enough to flip
+    greedy decoding's near-tie on the repetitive prompt (models/llama.py, ``attend_invariant``)."""
+    model = prepared("smollm2-135m", fmt)
+    dtype = ACTIVATION_DTYPE[fmt]
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, smollm.config.vocab_size, (57,), generator=g).tolist()
+    b = torch.randint(0, smollm.config.vocab_size, (4,), generator=g).tolist()
+    ta, tb = list(range(16)), list(range(16, 20))
+    alone_kv, both_kv = KVCache(model.config, 20, PAGE, dtype), KVCache(model.config, 20, PAGE, dtype)
+    for kv in (alone_kv, both_kv):
+        logits_of(model, [Segment(ta, 0, 56)], a[:56], kv)
+    alone = logits_of(model, [Segment(ta, 56, 1)], a[56:], alone_kv)
+    logits_of(model, [Segment(tb, 0, 3)], b[:3], both_kv)
+    both = logits_of(model, [Segment(tb, 3, 1), Segment(ta, 56, 1)], [b[3], a[56]], both_kv)
+    assert torch.equal(both[1], alone[0])
