@@ -131,10 +131,11 @@ def attend_invariant(
     kvh = k.shape[1]
     g = h // kvh
     qs = q.reshape(b, kvh, g * nq, d)  # head i uses key head i // g: heads of a group are adjacent
-    # K transposed into a contiguous (B, kvh, D, K): with a strided view the bf16 batched matmul takes another
-    # path when B is 1 than when B > 1 on CPUs without bf16 units (AVX2), and a row's scores change in the
-    # last bits with the batch it is in
-    kt = k.transpose(-1, -2).contiguous()
+    # keys made contiguous, then viewed transposed: the batched matmul then folds (B, kvh) into one batch of
+    # plain transposed matrices whatever B is. On the gathered strided view it copied them into another
+    # layout when B > 1 and not when B = 1, and on CPUs without bf16 units (AVX2) the two paths round
+    # differently, so a row's scores changed with the batch it was in (and the copy cost 4x the matmul)
+    kt = k.contiguous().transpose(-1, -2)
     scores = torch.matmul(qs, kt).float() * scale  # (B, kvh, g*Q, K)
     scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)
