@@ -22,6 +22,7 @@ CPU minute than float32, which is what took the drafters past their aims; about 
 from the float32 target's.
 """
 
+from ..models.cpu import bf16_is_fast
 from .agreement import draft_agreement, follows_greedy, mtp_agreement
 from .data import (
     CORPUS_ENV,
@@ -38,7 +39,7 @@ from .dense import dense_hidden, dense_layer, greedy_generate
 from .draft import draft_from_target, train_draft
 from .losses import candidates, distill_loss
 from .mtp import train_mtp
-from .teacher import bf16_is_fast, build_teacher_data, teacher_generations, teacher_model, teacher_windows, top_ids
+from .teacher import build_teacher_data, teacher_generations, teacher_model, teacher_windows, top_ids
 
 __all__ = [
     "CORPUS_ENV",

@@ -27,14 +27,6 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 
-def bf16_is_fast() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); else bf16 is emulated and slow."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # noqa: BLE001 - an older torch without the probe
-        return False
-
-
 def teacher_model(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     """The target for the teacher pass: itself, or a copy with its weights in ``dtype`` (bfloat16: about 3x
     faster on CPUs with bf16 units; 98.9% of greedy labels equal the float32 target's on held-out Austen).

@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import ForwardContext
+from .cpu import bf16_is_fast
 from .kv_cache import KVCache
 from .linear import Linear
 from .rope import Rotary, apply_rotary
@@ -23,6 +24,13 @@ from .rope import Rotary, apply_rotary
 # prompt's tail in a short window that a first run computed inside a long chunk. Slicing costs about 11% of an
 # int4 prefill against one SDPA call per chunk (768 rows in 3 chunks: 783 vs 694 ms, 2 threads).
 INVARIANT_MAX_ROWS = 64
+# The float32 form (CPUs without bf16 units, :func:`attend_invariant_fp32`): every matmul has one shape, query
+# rows padded to FP32_ROWS and keys cut into blocks of FP32_KEYS, because MKL picks its sgemm kernel (and so
+# its rounding) by shape
+FP32_ROWS = 4
+FP32_KEYS = 256
+# None: the float32 form on CPUs without bf16 units, else bf16's; tests set it to run either form anywhere
+FP32_ATTENTION: bool | None = None
 
 
 class RMSNorm(nn.Module):
@@ -93,17 +101,8 @@ class Attention(nn.Module):
             vg = v_pages.index_select(0, g.key_pages.flatten()).view(b, p * ps, kvh, d).transpose(1, 2)
             qg = q[g.query_rows].transpose(1, 2)  # (B, h, Q, D)
             if self.batch_invariant:
-                # longer chunks too, in slices of windows' size: a prompt's rows then get the same bits however
-                # it was chunked or how much of it a prefix-cache hit skipped
-                kq, vq = kg.to(q.dtype), vg.to(q.dtype)
-                step = INVARIANT_MAX_ROWS
-                og = torch.cat(
-                    [
-                        attend_invariant(qg[:, :, i : i + step], kq, vq, g.mask[:, :, i : i + step], self.scale)
-                        for i in range(0, qg.shape[2], step)
-                    ],
-                    dim=2,
-                )
+                attend = attend_invariant_fp32 if _fp32_attention(q) else attend_invariant
+                og = attend(qg, kg.to(q.dtype), vg.to(q.dtype), g.mask, self.scale)
             else:
                 og = F.scaled_dot_product_attention(
                     qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=True
@@ -120,6 +119,20 @@ def attend_invariant(
 ) -> torch.Tensor:
     """Attention whose result for a query row does not depend on the other rows of the call nor on how many
     masked keys pad its sequence: q (B, h, Q, D), k/v (B, kvh, K, D), mask (B, 1, Q, K) → (B, h, Q, D).
+    Longer chunks go in slices of INVARIANT_MAX_ROWS rows, so a prompt's rows get the same bits however it was
+    chunked or how much of it a prefix-cache hit skipped."""
+    step = INVARIANT_MAX_ROWS
+    parts = [
+        _attend_invariant_slice(q[:, :, i : i + step], k, v, mask[:, :, i : i + step], scale)
+        for i in range(0, q.shape[2], step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _attend_invariant_slice(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One slice of :func:`attend_invariant` (at most INVARIANT_MAX_ROWS query rows).
 
     A verify window of 1 + k rows must give each row the bits a 1-row decode pass gives it, or greedy
     speculation could part from plain decoding on a near tie. In bfloat16, SDPA's result moves with the
@@ -143,6 +156,51 @@ def attend_invariant(
     summed = torch.matmul(weights, torch.cat([v, ones], dim=-1)).float()  # (B, kvh, g*Q, D + 1)
     out = summed[..., :d] / summed[..., d:]
     return out.to(q.dtype).reshape(b, h, nq, d)
+
+
+def attend_invariant_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`attend_invariant`'s contract in float32, for CPUs without bf16 units: there a bf16 matmul is
+    emulated, and the attention's two matmuls took half a 3-row int4 pass at 640 keys (2 threads, AVX2).
+
+    Query rows go in slices of FP32_ROWS, padded; keys and values in blocks of FP32_KEYS, padded: every sgemm has
+    one shape whatever the window, the batch or the padding, and MKL computes a given shape in a fixed order.
+    The scores of a block are (rows × D) @ (D × block); the softmax's max runs over all blocks (max is exact);
+    the weighted sums of V and their normaliser (a column of ones beside V) are summed block by block in order,
+    so the blocks past a sequence's keys add exact zeros."""
+    b, h, nq, d = q.shape
+    kvh, n_keys = k.shape[1], k.shape[2]
+    g, rows, block = h // kvh, FP32_ROWS, FP32_KEYS
+    kpad = -n_keys % block
+    nb = (n_keys + kpad) // block
+    kb = F.pad(k.float(), (0, 0, 0, kpad)).view(b, kvh, nb, block, d)
+    ones = torch.ones(*v.shape[:-1], 1, dtype=torch.float32, device=v.device)
+    vb = F.pad(torch.cat([v.float(), ones], dim=-1), (0, 0, 0, kpad)).view(b, kvh, nb, block, d + 1)
+    outs = []
+    for i in range(0, nq, rows):
+        n = min(rows, nq - i)
+        qs = F.pad(q[:, :, i : i + n].float(), (0, 0, 0, rows - n)).reshape(b, kvh, 1, g * rows, d)
+        scores = torch.matmul(qs, kb.transpose(-1, -2)) * scale  # (B, kvh, blocks, g*rows, block)
+        m = F.pad(mask[:, :, i : i + n], (0, kpad, 0, rows - n), value=False)
+        m[:, :, n:, 0] = True  # a padding row attends one key, so its (discarded) softmax stays finite
+        m = m.view(b, 1, rows, nb, block).transpose(2, 3).repeat(1, 1, 1, g, 1)  # rows ordered as in qs
+        scores = scores.masked_fill(~m, float("-inf"))
+        peak = scores.amax(-1, keepdim=True).amax(2, keepdim=True)
+        parts = torch.matmul(torch.exp(scores - peak), vb)  # (B, kvh, blocks, g*rows, D + 1)
+        summed = parts[:, :, 0]
+        for j in range(1, nb):
+            summed = summed + parts[:, :, j]
+        out = summed[..., :d] / summed[..., d:]
+        outs.append(out.view(b, kvh, g, rows, d)[:, :, :, :n])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(b, h, nq, d).to(q.dtype)
+
+
+def _fp32_attention(q: torch.Tensor) -> bool:
+    if FP32_ATTENTION is not None:
+        return FP32_ATTENTION
+    return q.device.type == "cpu" and not bf16_is_fast()
 
 
 class MLP(nn.Module):
