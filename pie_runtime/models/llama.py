@@ -28,7 +28,7 @@ INVARIANT_MAX_ROWS = 64
 # rows padded to FP32_ROWS and keys cut into blocks of FP32_KEYS, because MKL picks its sgemm kernel (and so
 # its rounding) by shape
 FP32_ROWS = 4
-FP32_KEYS = 256
+FP32_KEYS = 64
 # None: the float32 form on CPUs without bf16 units, else bf16's; tests set it to run either form anywhere
 FP32_ATTENTION: bool | None = None
 
