@@ -1,7 +1,12 @@
-"""`pie bench speculation`: one speculative inferlet against text-completion on one prompt and one engine.
+"""`pie bench speculation`: one speculative inferlet against text-completion on one engine, per prompt.
 
     pie bench speculation --inferlet cacheback-speculative-decoding --prompt repetitive [--timing] -- --draft-length 4
     pie bench speculation --inferlet cacheback-speculative-decoding --prompt mixed --tree 4,2,1,1,1,1
+    pie bench speculation --inferlet mtp-speculative-decoding --prompt mixed --prompt repetitive --repeats 3
+
+With ``--repeats N`` the inferlet and its control take turns N times (spec, control, control, spec, ...: a
+machine that slows down during the run slows both alike), and the ratio printed is the median of the N
+pairs' ratios, with their range: on a noisy CPU one pair's ratio can be off by a third.
 
 Prints the decode rate of both, their ratio, acceptance overall and per draft position, the share of rounds
 that rejected a draft, skipped rows, and a digest (sha256 of the token ids) of each output, so a greedy run
@@ -30,7 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("speculation", help="a speculative inferlet against text-completion (args after --)")
     p.add_argument("--inferlet", required=True, help="a shipped inferlet name or a .py file")
-    p.add_argument("--prompt", default="repetitive", help="mixed, repetitive (examples/speculation_prompts) or a file")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="mixed, repetitive (examples/speculation_prompts) or a file; repeatable (default repetitive)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs of the inferlet and of its control, taking turns")
     p.add_argument("--max-tokens", type=int, default=128, help="unless given after --")
     p.add_argument(
         "--model",
@@ -87,9 +98,25 @@ def measure(
     models: list[str] | None = None,
     engine_args: list[str] | None = None,
     control: str = "text-completion",
+    repeats: int = 1,
 ) -> dict:
-    """Runs a warm-up, the inferlet, then the control (text-completion, or the inferlet with draft length 0)
-    on one embedded engine; returns both results."""
+    """:func:`measure_prompts` for one prompt."""
+    return measure_prompts(inferlet, [prompt], words, max_tokens, timing, models, engine_args, control, repeats)[0]
+
+
+def measure_prompts(
+    inferlet: str,
+    prompts: list[str],
+    words: list[str],
+    max_tokens: int = 128,
+    timing: bool = False,
+    models: list[str] | None = None,
+    engine_args: list[str] | None = None,
+    control: str = "text-completion",
+    repeats: int = 1,
+) -> list[dict]:
+    """Runs a warm-up, then per prompt the inferlet and the control (text-completion, or the inferlet with
+    draft length 0) ``repeats`` times each, taking turns, on one embedded engine; returns the results."""
     words = list(words)
     if _flag(words, "--max-tokens") is None:
         words += ["--max-tokens", str(max_tokens)]
@@ -97,31 +124,41 @@ def measure(
     draft = _flag(words, "--draft")
     if draft and draft not in models:
         models.append(draft)
-    common = ["--prompt", prompt, "--stream", "false"]
     path = resolve_inferlet(inferlet)
     if control == "draft-length-0":
         control_path, control_words = path, _without(words, "--draft-length") + ["--draft-length", "0"]
     else:
         control_path, control_words = resolve_inferlet("text-completion"), _text_completion_words(words)
+    spec_words = words + (["--timing"] if timing else [])
 
-    def go(p: Path, ws: list[str]) -> dict:
-        out = run_inferlet(p, eng.address, common + ws, stdout=subprocess.DEVNULL)
+    def go(p: Path, ws: list[str], prompt: str) -> dict:
+        out = run_inferlet(p, eng.address, ["--prompt", prompt, "--stream", "false"] + ws, stdout=subprocess.DEVNULL)
         if not out["ok"]:
             raise LaunchError(f"{p.stem}: {out.get('error')}")
         return out["result"]
 
+    results = []
     with EmbeddedEngine(models, engine_args or [], die_with_parent=True) as eng:
-        go(resolve_inferlet("text-completion"), ["--max-tokens", "4"])  # warm-up: first-call costs
-        spec = go(path, words + (["--timing"] if timing else []))
-        base = go(control_path, control_words)
-    return {
-        "inferlet": path.stem,
-        "models": models,
-        "spec": spec,
-        "base": base,
-        "control": control,
-        "greedy": float(_flag(words, "--temperature") or 0) == 0,
-    }
+        go(resolve_inferlet("text-completion"), ["--max-tokens", "4"], prompts[0])  # warm-up: first-call costs
+        for prompt in prompts:
+            specs, bases = [], []
+            for i in range(repeats):
+                turns = [(specs, path, spec_words), (bases, control_path, control_words)]
+                for runs, p, ws in turns if i % 2 == 0 else turns[::-1]:
+                    runs.append(go(p, ws, prompt))
+            results.append(
+                {
+                    "inferlet": path.stem,
+                    "models": models,
+                    "spec": specs[0],
+                    "base": bases[0],
+                    "spec_runs": specs,
+                    "base_runs": bases,
+                    "control": control,
+                    "greedy": float(_flag(words, "--temperature") or 0) == 0,
+                }
+            )
+    return results
 
 
 def _without(words: list[str], name: str) -> list[str]:
@@ -151,17 +188,23 @@ def _text_completion_words(words: list[str]) -> list[str]:
     return out
 
 
+def _rate(result: dict) -> float:
+    return result["stats"].get("decode_tokens_per_s", 0.0)
+
+
 def summary(m: dict) -> dict:
     spec, base = m["spec"], m["base"]
+    specs, bases = m.get("spec_runs", [spec]), m.get("base_runs", [base])
     s = spec["stats"]
-    rate, base_rate = s.get("decode_tokens_per_s", 0.0), base["stats"].get("decode_tokens_per_s", 0.0)
+    rate, base_rate = statistics.median(map(_rate, specs)), statistics.median(map(_rate, bases))
+    ratios = [_rate(a) / _rate(b) for a, b in zip(specs, bases, strict=True) if _rate(b)]
     control = m.get("control", "text-completion")
     ref = "text_completion" if control == "text-completion" else "control"  # names of the reference's figures
     out = {
         "inferlet": m["inferlet"],
-        "decode_tokens_per_s": rate,
-        f"{ref}_tokens_per_s": base_rate,
-        "speed_ratio": round(rate / base_rate, 3) if base_rate else None,
+        "decode_tokens_per_s": round(rate, 2),
+        f"{ref}_tokens_per_s": round(base_rate, 2),
+        "speed_ratio": round(statistics.median(ratios), 3) if ratios else None,
         "generated_tokens": len(spec["token_ids"]),
         "rounds": s.get("rounds"),
         "acceptance": round(s.get("acceptance", 0.0), 3),
@@ -174,8 +217,11 @@ def summary(m: dict) -> dict:
         "prefill_ms": s.get("prefill_ms"),
         "digest": digest(spec["token_ids"]),
         f"{ref}_digest": digest(base["token_ids"]),
-        "greedy_match": spec["token_ids"] == base["token_ids"] if m["greedy"] else None,
+        "greedy_match": all(r["token_ids"] == base["token_ids"] for r in specs + bases) if m["greedy"] else None,
     }
+    if len(specs) > 1:
+        out["repeats"] = len(specs)
+        out["speed_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None
     if s.get("replayed_rows"):  # a model with recurrent state: rows its rejecting rounds replayed
         out["replayed_rows"] = s["replayed_rows"]
     if "round_ms" in s and s["round_ms"]:
@@ -186,40 +232,48 @@ def summary(m: dict) -> dict:
     return out
 
 
-def print_table(row: dict) -> None:
+def _cell(key: str, value: object) -> str:
+    if key == "greedy_match" and value is None:
+        return "n/a (sampled)"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    """One column per prompt."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"speculation: {row['inferlet']}", show_header=True)
+    table = Table(title=f"speculation: {rows[0]['inferlet']}", show_header=True)
     table.add_column("measure")
-    table.add_column("value", overflow="fold")
-    for key, value in row.items():
-        if key == "inferlet":
-            continue
-        if key == "greedy_match" and value is None:
-            value = "n/a (sampled)"
-        table.add_row(key.replace("_", " "), json.dumps(value) if isinstance(value, (list, dict)) else str(value))
+    for row in rows:
+        table.add_column(str(row["prompt"]) if len(rows) > 1 else "value", overflow="fold")
+    skip = {"inferlet", "prompt"} if len(rows) > 1 else {"inferlet"}  # several: the prompts head the columns
+    for key in [k for k in dict.fromkeys(k for row in rows for k in row) if k not in skip]:
+        table.add_row(key.replace("_", " "), *(_cell(key, row.get(key, "")) for row in rows))
     Console().print(table)
 
 
 def _speculation(args: argparse.Namespace) -> int:
+    names = args.prompt or ["repetitive"]
     try:
-        m = measure(
+        ms = measure_prompts(
             args.inferlet,
-            prompt_text(args.prompt),
+            [prompt_text(name) for name in names],
             args.inferlet_args + (["--tree", args.tree] if args.tree else []),
             args.max_tokens,
             args.timing,
             args.model,
             args.engine_arg,
             args.control,
+            max(1, args.repeats),
         )
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    row = {"prompt": args.prompt, "control": args.control, **summary(m)}
+    rows = [{"prompt": name, "control": args.control, **summary(m)} for name, m in zip(names, ms, strict=True)]
     if args.json:
-        print(json.dumps(row))
+        for row in rows:
+            print(json.dumps(row))
     else:
-        print_table(row)
+        print_table(rows)
     return 0
