@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="1ade09008db2f002e7e3aad9f0e71c04e7e4a1911b23874f4f177173b8830ac6",
+            sha256="d03a8750b2c84c2e867c73058fc13efdca58aaa720d0cffde975032d10c0193f",
         ),
     ),
 }
