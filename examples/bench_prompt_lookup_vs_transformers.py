@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from pie_runtime.cli.bench import digest, measure, prompt_text
+from pie_runtime.cli.bench import digest, measure_prompts, prompt_text
 from pie_runtime.reference import transformers_llama
 from pie_runtime.store import DEFAULT_MODEL, ensure_default_model, load_model
 
@@ -71,9 +71,9 @@ def main() -> None:
         hf_plain, plain_ids = hf_generate(model, ids, args.tokens, None)
         hf_lookup, lookup_ids = hf_generate(model, ids, args.tokens, args.lookup)
         del model
-    m = measure(
+    (m,) = measure_prompts(
         "cacheback-speculative-decoding",
-        text,
+        [text],
         [
             "--draft-length",
             str(args.draft_length),
@@ -84,7 +84,8 @@ def main() -> None:
         ],
         args.tokens,
     )
-    ours, base = m["spec"]["stats"]["decode_tokens_per_s"], m["base"]["stats"]["decode_tokens_per_s"]
+    spec, control = m["spec_runs"][0], m["base_runs"][0]
+    ours, base = spec["stats"]["decode_tokens_per_s"], control["stats"]["decode_tokens_per_s"]
 
     table = Table(
         title=f"prompt lookup, {len(ids)}-token prompt ({args.prompt}), {args.tokens} tokens, "
@@ -106,12 +107,12 @@ def main() -> None:
         f"{base:.1f}",
         f"{ours:.1f}",
         f"{ours / base:.2f}x",
-        digest(m["base"]["token_ids"]),
-        digest(m["spec"]["token_ids"]),
+        digest(control["token_ids"]),
+        digest(spec["token_ids"]),
     )
     console = Console(width=140)
     console.print(table)
-    s = m["spec"]["stats"]
+    s = spec["stats"]
     console.print(
         f"pie cacheback / transformers lookup: {ours / hf_lookup:.2f}x; acceptance {s['acceptance']:.3f} "
         f"per position {[round(a, 3) for a in s['acceptance_per_position']]}"

@@ -89,21 +89,6 @@ def _flag(words: list[str], name: str) -> str | None:
     return None
 
 
-def measure(
-    inferlet: str,
-    prompt: str,
-    words: list[str],
-    max_tokens: int = 128,
-    timing: bool = False,
-    models: list[str] | None = None,
-    engine_args: list[str] | None = None,
-    control: str = "text-completion",
-    repeats: int = 1,
-) -> dict:
-    """:func:`measure_prompts` for one prompt."""
-    return measure_prompts(inferlet, [prompt], words, max_tokens, timing, models, engine_args, control, repeats)[0]
-
-
 def measure_prompts(
     inferlet: str,
     prompts: list[str],
@@ -150,8 +135,6 @@ def measure_prompts(
                 {
                     "inferlet": path.stem,
                     "models": models,
-                    "spec": specs[0],
-                    "base": bases[0],
                     "spec_runs": specs,
                     "base_runs": bases,
                     "control": control,
@@ -193,8 +176,8 @@ def _rate(result: dict) -> float:
 
 
 def summary(m: dict) -> dict:
-    spec, base = m["spec"], m["base"]
-    specs, bases = m.get("spec_runs", [spec]), m.get("base_runs", [base])
+    specs, bases = m["spec_runs"], m["base_runs"]
+    spec, base = specs[0], bases[0]  # counters and tokens: the first run's (greedy runs repeat them)
     s = spec["stats"]
     rate, base_rate = statistics.median(map(_rate, specs)), statistics.median(map(_rate, bases))
     ratios = [_rate(a) / _rate(b) for a, b in zip(specs, bases, strict=True) if _rate(b)]
