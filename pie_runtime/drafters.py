@@ -224,9 +224,14 @@ def check_spec(store: ModelStore, target: Manifest, spec: str) -> None:
 # ---- attach / detach --------------------------------------------------------------------------------------
 
 
-def attach(store: ModelStore, model: str, spec: str, name: str | None = None) -> DrafterEntry:
-    """Checks, then attaches: an MTP or EAGLE head is copied under the model's ``drafters/<name>/``."""
+def attach(
+    store: ModelStore, model: str, spec: str, name: str | None = None, weights: str | None = None
+) -> DrafterEntry:
+    """Checks, then attaches: an MTP or EAGLE head is copied under the model's ``drafters/<name>/``.
+    ``weights``: a draft model's own weight format (the engine serves it so unless --weights names it)."""
     kind, value = parse_spec(spec)
+    if weights is not None and kind != "draft":
+        raise DrafterRefused(f"a weight format of its own is for a draft model: an {kind} head runs in the target's")
     target = store.get(model)
     src = Path(value).expanduser()
     config: dict = {}
@@ -265,7 +270,7 @@ def attach(store: ModelStore, model: str, spec: str, name: str | None = None) ->
             raise
         entry = DrafterEntry(kind=kind, name=name, path=f"{rel}/{weights}", config=config)
     else:
-        entry = DrafterEntry(kind="draft", name=name, path=value, config={})
+        entry = DrafterEntry.model_validate({"kind": "draft", "name": name, "path": value, "weights": weights})
     store.write_manifest(target.model_copy(update={"files": files, "drafters": [*target.drafters, entry]}))
     return entry
 
@@ -315,5 +320,20 @@ def load_eagle_head(store: ModelStore, target: Manifest, model, dtype: torch.dty
     return EagleHead(load_eagle(path, dtype, device), model)
 
 
-def draft_models(target: Manifest) -> list[str]:
-    return [d.path for d in target.drafters if d.kind == "draft"]
+def served_formats(store: ModelStore, names: list[str], default: str, chosen: dict[str, str]) -> dict[str, str]:
+    """Every model an engine serves, in order, with its weight format: the named models, then their draft
+    models. A model's format is the one ``chosen`` for it (--weights MODEL=FORMAT), else the format its draft
+    model attachment records (the first target's), else ``default``."""
+    attached: dict[str, str | None] = {}
+    for name in names:
+        for d in store.get(name).drafters:
+            if d.kind == "draft":
+                attached.setdefault(d.path, d.weights)
+    formats = {n: chosen.get(n) or attached.get(n) or default for n in [*names, *attached]}
+    unknown = sorted(set(chosen) - set(formats))
+    if unknown:
+        raise ValueError(
+            f"--weights {unknown[0]}={chosen[unknown[0]]}: this engine does not serve {unknown[0]!r} "
+            f"(it serves {', '.join(formats)})"
+        )
+    return formats

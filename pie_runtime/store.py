@@ -82,6 +82,9 @@ class DrafterEntry(BaseModel):
     name: str
     path: str  # a file under drafters/ (mtp, eagle) or a model name in the store (draft)
     config: dict = Field(default_factory=dict)
+    # draft: the weight format the engine serves the draft model in (None: the engine's --weights). A small
+    # draft model may not survive the target's 4-bit weights (README, "Drafters"); heads take the target's.
+    weights: Literal["fp32", "bf16", "int8", "int4"] | None = None
 
 
 class Manifest(BaseModel):

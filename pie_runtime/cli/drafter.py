@@ -85,6 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
     p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
+    p.add_argument(
+        "--attach-weights",
+        choices=["fp32", "bf16", "int8", "int4"],
+        default="int8",
+        help="draft, with --attach: the weight format the engine serves the draft model in, whatever its --weights "
+        "(default int8: the 4-layer default draft decodes garbage with 4-bit weights; README, Drafters)",
+    )
     p.add_argument("--force", action="store_true", help="draft: replace a store model of the same name")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_train)
@@ -108,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
     spec = {"mtp": _train_mtp, "eagle": _train_eagle, "draft": _train_draft}[args.kind](run)
     if args.attach:
         try:
-            entry = attach(store, name, spec)
+            entry = attach(store, name, spec, weights=args.attach_weights if args.kind == "draft" else None)
         except StoreError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -14,20 +14,50 @@ DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
+def weights_value(value: str) -> str:
+    """One --weights word: FORMAT (every model's default) or MODEL=FORMAT (that model's)."""
+    model, sep, fmt = value.rpartition("=")
+    if fmt not in WEIGHT_FORMATS or (sep and not model):
+        raise argparse.ArgumentTypeError(
+            f"--weights takes FORMAT or MODEL=FORMAT with FORMAT one of {', '.join(WEIGHT_FORMATS)}, not {value!r}"
+        )
+    return value
+
+
 def weight_format(args) -> str:
-    """--weights, or what the older --dtype flag names."""
-    return LEGACY_DTYPES[args.dtype] if getattr(args, "dtype", None) else args.weights
+    """The default weight format: the last plain --weights, or what the older --dtype flag names."""
+    if getattr(args, "dtype", None):
+        return LEGACY_DTYPES[args.dtype]
+    plain = [w for w in args.weights or [] if "=" not in w]
+    return plain[-1] if plain else DEFAULT_WEIGHTS
+
+
+def model_weights(args) -> dict[str, str]:
+    """The formats --weights MODEL=FORMAT names per model (the last one wins)."""
+    return dict(w.rpartition("=")[::2] for w in args.weights or [] if "=" in w)
+
+
+def weights_words(args) -> list[str]:
+    """--weights as a child engine's command line takes it."""
+    out = ["--weights", weight_format(args)]
+    for model, fmt in model_weights(args).items():
+        out += ["--weights", f"{model}={fmt}"]
+    return out
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--weights",
-        default=DEFAULT_WEIGHTS,
-        choices=list(WEIGHT_FORMATS),
-        help=f"weight format (default {DEFAULT_WEIGHTS}); the default model's projections and lm head take fp32 "
-        "513 MiB, bf16 256, int8 ~130, int4 90 (a GGUF's Q4/Q8 blocks run as they are, the lm head stays 8-bit); "
-        "activations are bf16 outside fp32",
+        action="append",
+        type=weights_value,
+        default=None,
+        metavar="[MODEL=]FORMAT",
+        help=f"weight format, one of {', '.join(WEIGHT_FORMATS)} (default {DEFAULT_WEIGHTS}); the default model's "
+        "projections and lm head take fp32 513 MiB, bf16 256, int8 ~130, int4 90 (a GGUF's Q4/Q8 blocks run as "
+        "they are, the lm head stays 8-bit); activations are bf16 outside fp32. MODEL=FORMAT (repeatable) serves "
+        "one model in its own format; a draft model attached with a format of its own (pie model drafter attach "
+        "--weights) is served in that one unless named here",
     )
     p.add_argument("--dtype", choices=list(LEGACY_DTYPES), help=argparse.SUPPRESS)  # the older name of --weights
     p.add_argument(
@@ -111,7 +141,7 @@ def register(sub) -> None:
 def run_engine(args) -> int:
     import torch
 
-    from ..drafters import draft_models
+    from ..drafters import served_formats
     from ..engine.build import build_served_model
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
@@ -124,14 +154,14 @@ def run_engine(args) -> int:
     try:
         if DEFAULT_MODEL in names:
             ensure_default_model()
-        names += [d for n in list(names) for d in draft_models(ModelStore().get(n)) if d not in names]
-        if args.tensor_parallel > 1 and len(names) > 1:
+        formats = served_formats(ModelStore(), names, weight_format(args), model_weights(args))
+        if args.tensor_parallel > 1 and len(formats) > 1:
             raise ValueError("--tensor-parallel serves one model (no draft models)")
         served = [
             build_served_model(
                 n,
                 device=args.device,
-                weights=weight_format(args),
+                weights=fmt,
                 compiled=args.compile,
                 page_size=args.page_size,
                 kv_pages=args.kv_pages,
@@ -143,7 +173,7 @@ def run_engine(args) -> int:
                 per_row_states=args.per_row_states,
                 tensor_parallel=args.tensor_parallel,
             )
-            for n in names
+            for n, fmt in formats.items()
         ]
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
         server = EngineServer(

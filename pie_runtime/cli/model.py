@@ -52,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("name", help="the target model")
     d.add_argument("spec", help="mtp:FILE, eagle:FILE or draft:MODEL_NAME")
     d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
+    d.add_argument(
+        "--weights",
+        choices=["fp32", "bf16", "int8", "int4"],
+        default=None,
+        help="draft:MODEL only: serve the draft model in this weight format whatever the engine's --weights",
+    )
     d.set_defaults(func=_guarded(_attach))
     d = dsub.add_parser("detach", help="detach a drafter by name")
     d.add_argument("name", help="the target model")
@@ -104,8 +110,9 @@ def _import(args: argparse.Namespace) -> int:
 def _attach(args: argparse.Namespace) -> int:
     from ..drafters import attach
 
-    entry = attach(ModelStore(), args.name, args.spec, args.drafter_name)
-    print(f"attached {entry.kind} drafter {entry.name} to {args.name}")
+    entry = attach(ModelStore(), args.name, args.spec, args.drafter_name, args.weights)
+    served = f" (served in {entry.weights})" if entry.weights else ""
+    print(f"attached {entry.kind} drafter {entry.name} to {args.name}{served}")
     return 0
 
 
@@ -185,6 +192,7 @@ def _info(args: argparse.Namespace) -> int:
     print("  drafters" + ("" if m.drafters else "    none"))
     for d in m.drafters:
         extra = "  " + ", ".join(f"{k} {v}" for k, v in d.config.items()) if d.config else ""
+        extra += f"  served in {d.weights}" if d.weights else ""
         print(f"    {d.name}  {d.kind}  {d.path}{extra}")
     return 0
 

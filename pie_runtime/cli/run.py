@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .engine import add_engine_options, weight_format
+from .engine import add_engine_options, weights_words
 
 
 def register(sub) -> None:
@@ -25,8 +25,7 @@ def engine_args(args) -> list[str]:
     out = [
         "--device",
         args.device,
-        "--weights",
-        weight_format(args),
+        *weights_words(args),
         "--page-size",
         str(args.page_size),
         "--max-batch-tokens",

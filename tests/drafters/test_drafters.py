@@ -4,6 +4,7 @@ than chance."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import inferlet
-from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach
+from pie_runtime.cli.engine import DEFAULT_WEIGHTS, add_engine_options, model_weights, weight_format, weights_words
+from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach, served_formats
 from pie_runtime.launcher import LaunchError
 from pie_runtime.models.mtp import config_path, read_config
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, StoreError, StoreIntegrityError
@@ -193,6 +195,40 @@ def test_trained_files(drafter_home, head):
     assert draft.config.num_hidden_layers == 2 and draft.files["tokenizer.json"] == target.files["tokenizer.json"]
 
 
+# ---- weight formats of draft models ---------------------------------------------------------------------------
+
+
+def test_served_formats_by_attachment_and_flag(drafter_home, head):
+    s = store(drafter_home)
+    with pytest.raises(DrafterRefused, match="for a draft model"):
+        attach(s, DEFAULT_MODEL, f"mtp:{head}", "fmt-head", weights="int8")
+    attach(s, DEFAULT_MODEL, f"draft:{DRAFT}", "fmt-draft", weights="int8")
+    try:
+        assert served_formats(s, [DEFAULT_MODEL], "int4", {}) == {DEFAULT_MODEL: "int4", DRAFT: "int8"}
+        assert served_formats(s, [DEFAULT_MODEL, DRAFT], "fp32", {})[DRAFT] == "int8"  # named: still its own
+        chosen = {DRAFT: "bf16", DEFAULT_MODEL: "fp32"}
+        assert served_formats(s, [DEFAULT_MODEL], "int4", chosen) == chosen  # the flag wins
+        with pytest.raises(ValueError, match="does not serve 'nope'"):
+            served_formats(s, [DEFAULT_MODEL], "int4", {"nope": "int8"})
+        proc = pie(drafter_home, "model", "info", DEFAULT_MODEL)
+        assert "fmt-draft  draft  smol-draft  served in int8" in proc.stdout
+    finally:
+        detach(s, DEFAULT_MODEL, "fmt-draft")
+    assert served_formats(s, [DEFAULT_MODEL], "int4", {}) == {DEFAULT_MODEL: "int4"}
+
+
+def test_weights_flag_words():
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    args = p.parse_args(["--weights", "int8", "--weights", "smol-draft=bf16"])
+    assert weight_format(args) == "int8" and model_weights(args) == {"smol-draft": "bf16"}
+    assert weights_words(args) == ["--weights", "int8", "--weights", "smol-draft=bf16"]
+    assert weight_format(p.parse_args([])) == DEFAULT_WEIGHTS and model_weights(p.parse_args([])) == {}
+    for bad in ("int3", "smol-draft=", "=int8", "smol-draft=q4"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--weights", bad])
+
+
 # ---- serving ---------------------------------------------------------------------------------------------------------
 
 
@@ -201,7 +237,7 @@ def served(drafter_home, head):
     """The default model with the trained MTP head and draft model attached, in a real engine."""
     s = store(drafter_home)
     attach(s, DEFAULT_MODEL, f"mtp:{head}", "head")
-    attach(s, DEFAULT_MODEL, f"draft:{DRAFT}")
+    attach(s, DEFAULT_MODEL, f"draft:{DRAFT}", weights="bf16")  # the engine's --weights is fp32
     eng = start_engine(drafter_home, [DEFAULT_MODEL])
     yield eng
     eng.stop()
@@ -301,6 +337,7 @@ async def test_mtp_first_column_obeys_the_mask(served_model, heldout_ids):
 async def test_draft_model_is_served_by_name(served_model, heldout_ids):
     target, draft = served_model, inferlet.model(DRAFT)
     assert draft.vocab_size == target.vocab_size and draft.mtp_depth == 0
+    assert (target.info.weights, draft.info.weights) == ("fp32", "bf16")  # the attachment's own format
     ids = heldout_ids
     out = []
     for m in (target, draft):
