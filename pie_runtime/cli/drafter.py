@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .engine import WEIGHT_FORMATS
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -87,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
     p.add_argument(
         "--attach-weights",
-        choices=["fp32", "bf16", "int8", "int4"],
+        choices=list(WEIGHT_FORMATS),
         default="int8",
         help="draft, with --attach: the weight format the engine serves the draft model in, whatever its --weights "
         "(default int8: the 4-layer default draft decodes garbage with 4-bit weights; README, Drafters)",

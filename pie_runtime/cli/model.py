@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from ..models.config import Lfm2Config, MambaConfig
 from ..store import DEFAULT_MODEL, PACKAGED, Manifest, ModelStore, StoreError, import_model
+from .engine import WEIGHT_FORMATS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
     d.add_argument(
         "--weights",
-        choices=["fp32", "bf16", "int8", "int4"],
+        choices=list(WEIGHT_FORMATS),
         default=None,
         help="draft:MODEL only: serve the draft model in this weight format whatever the engine's --weights",
     )
