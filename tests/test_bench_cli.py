@@ -46,7 +46,9 @@ def bench(pie_home, tmp_path):
 
 
 def test_against_text_completion(bench):
-    (row,) = bench("--inferlet", "cacheback-speculative-decoding", "--timing")
+    engine = ["--engine-arg=--weights", "--engine-arg=fp32", "--engine-arg=--threads", "--engine-arg=1"]
+    (row,) = bench("--inferlet", "cacheback-speculative-decoding", "--timing", *engine)
+    assert row["weights"] == {TINY: "fp32"} and row["threads"] == 1  # what the figures were measured on
     assert row["control"] == "text-completion" and row["greedy_match"] is True
     assert row["digest"] == row["text_completion_digest"]
     assert row["generated_tokens"] == 24 and row["speed_ratio"] > 0 and row["rounds"] > 0
@@ -64,6 +66,7 @@ def test_against_the_same_inferlet_at_draft_length_zero(bench):
         "(one |two |three |four )+",
     )
     assert row["control"] == "draft-length-0" and "text_completion_tokens_per_s" not in row
+    assert row["weights"] == {TINY: "int4"}  # the engine's default format
     assert row["greedy_match"] is True and row["digest"] == row["control_digest"]
 
 

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
-from ..store import DEFAULT_MODEL
+from ..store import DEFAULT_MODEL, ModelStore
+from .engine import add_engine_options, model_weights, weight_format
 
 PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
 
@@ -89,6 +90,20 @@ def _flag(words: list[str], name: str) -> str | None:
     return None
 
 
+def served_setup(models: list[str], engine_args: list[str]) -> dict:
+    """What a figure needs beside it: each served model's weight format and the engine's torch threads, decided
+    from the engine's flags as the engine decides them (``drafters.served_formats``)."""
+    import torch
+
+    from ..drafters import served_formats
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_options(p)
+    flags, _ = p.parse_known_args(engine_args)
+    formats = served_formats(ModelStore(), models, weight_format(flags), model_weights(flags))
+    return {"weights": formats, "threads": flags.threads or torch.get_num_threads()}
+
+
 def measure_prompts(
     inferlet: str,
     prompts: list[str],
@@ -125,6 +140,7 @@ def measure_prompts(
     results = []
     with EmbeddedEngine(models, engine_args or [], die_with_parent=True) as eng:
         go(resolve_inferlet("text-completion"), ["--max-tokens", "4"], prompts[0])  # warm-up: first-call costs
+        setup = served_setup(models, engine_args or [])
         for prompt in prompts:
             specs, bases = [], []
             for i in range(repeats):
@@ -135,6 +151,7 @@ def measure_prompts(
                 {
                     "inferlet": path.stem,
                     "models": models,
+                    **setup,
                     "spec_runs": specs,
                     "base_runs": bases,
                     "control": control,
@@ -185,6 +202,8 @@ def summary(m: dict) -> dict:
     ref = "text_completion" if control == "text-completion" else "control"  # names of the reference's figures
     out = {
         "inferlet": m["inferlet"],
+        "weights": m["weights"],
+        "threads": m["threads"],
         "decode_tokens_per_s": round(rate, 2),
         f"{ref}_tokens_per_s": round(base_rate, 2),
         "speed_ratio": round(statistics.median(ratios), 3) if ratios else None,
