@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
-from pie_runtime.store import DEFAULT_MODEL, MANIFEST_FILE, ModelStore, ensure_default_model
+from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
+from tests.drafter_fixtures import link_model
 
 pytest_plugins = ["tests.drafter_fixtures"]  # distill_slice, mtp_head: shared by tests/drafters and tests/inferlets
 
@@ -58,19 +59,6 @@ def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
     shutil.copy(tokenizer_json, folder / "tokenizer.json")
 
 
-def link_heads_only(src: Path, dst: Path) -> None:
-    """``src``'s model folder linked entry by entry, with a private manifest that keeps its heads (the shipped
-    MTP head the tests use) and drops its draft models: one a developer attached is not in the tests' store."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name == MANIFEST_FILE:
-            manifest = json.loads(f.read_text())
-            manifest["drafters"] = [d for d in manifest["drafters"] if d["kind"] != "draft"]
-            (dst / f.name).write_text(json.dumps(manifest, indent=2))
-        elif not f.name.startswith("."):
-            (dst / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
-
-
 @pytest.fixture(scope="session")
 def pie_home(tmp_path_factory) -> Path:
     """A store with the real default model (linked, read-only use) and the tiny model."""
@@ -78,7 +66,7 @@ def pie_home(tmp_path_factory) -> Path:
     real_dir = ModelStore().path(real.name)
     home = tmp_path_factory.mktemp("pie-home")
     (home / "models").mkdir()
-    link_heads_only(real_dir, home / "models" / DEFAULT_MODEL)
+    link_model(real_dir, home / "models" / DEFAULT_MODEL, keep_heads=True)
     ckpt = home / "tiny-ckpt"
     write_tiny_smol(ckpt, real_dir / "tokenizer.json")
     env = {**os.environ, "PIE_HOME": str(home)}

@@ -33,18 +33,23 @@ def pie(home: Path, *words: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
-def link_model(src: Path, dst: Path) -> None:
+def link_model(src: Path, dst: Path, keep_heads: bool = False) -> None:
     """A model folder whose data files link to ``src``'s and whose manifest is a private copy without
-    drafters: the tests attach their own, and one a developer attached in the real store is not theirs."""
+    drafters: the tests attach their own, and one a developer attached in the real store is not theirs. With
+    ``keep_heads`` it keeps the MTP and EAGLE heads (their folder linked too: the shipped head) and drops only
+    draft models, which are not in the tests' store."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name == MANIFEST_FILE:
             manifest = json.loads(f.read_text())
-            manifest["drafters"] = []
-            manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("drafters/")}
+            if keep_heads:
+                manifest["drafters"] = [d for d in manifest["drafters"] if d["kind"] != "draft"]
+            else:
+                manifest["drafters"] = []
+                manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("drafters/")}
             (dst / f.name).write_text(json.dumps(manifest, indent=2))
-        elif f.is_file() and not f.name.startswith("."):
-            (dst / f.name).symlink_to(f.resolve())
+        elif not f.name.startswith(".") and (f.is_file() or keep_heads):
+            (dst / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
 
 
 @pytest.fixture(scope="session")
