@@ -8,8 +8,10 @@ supervises them and streams their runs over its control socket (``tcp://`` when 
   guard, refusals) on the prompt's token ids; its working sets live on that engine for the whole run, since
   its host speaks only to that engine.
 - **Health**: a watcher per engine asks its actor for ``health()`` every ``health_interval`` seconds; a dead
-  actor or engine, or no answer within ``health_timeout``, marks the engine **lost**: the router places
-  nothing there, its runs end with ``engine_lost`` at once (none waits on a dead socket), its hosts are killed.
+  actor or engine, an answer from a new engine (the actor restarted between two asks), or no answer within
+  ``health_timeout`` ``health_misses`` times in a row marks the engine **lost**: the router places nothing
+  there, its runs end with ``engine_lost`` at once (none waits on a dead socket), its hosts are killed. One
+  late answer is not enough: on a loaded machine an engine busy with a long step answers late and is not dead.
 - **Retry**: a run with a text ``prompt`` (every completion) that lost its engine is run once more on another
   engine from its prompt. Text already streamed is not sent twice: the retry's text must begin with it (a
   greedy or seeded run does) and only the rest goes out; a retry that parts from it fails ``engine_lost``.
@@ -61,6 +63,11 @@ class EngineSlot:
     events: list[tuple[float, str]] = field(default_factory=list)  # (time.time(), what): the timeline
 
 
+def _replaced(slot: EngineSlot, health: EngineHealth) -> bool:
+    """The answer came from another engine than the one the slot joined (its actor restarted unseen)."""
+    return bool(health.engine_pid) and slot.info is not None and health.engine_pid != slot.info.engine_pid
+
+
 @dataclass
 class _Placed:
     slot: EngineSlot
@@ -80,6 +87,7 @@ class ClusterPool:
         limits: HostLimits | None = None,
         health_interval: float = 0.25,
         health_timeout: float = 1.5,
+        health_misses: int = 3,
         host_options: dict[str, Any] | None = None,
         control_ip: str | None = None,
     ) -> None:
@@ -92,6 +100,7 @@ class ClusterPool:
         self.limits = limits
         self.health_interval = health_interval
         self.health_timeout = health_timeout
+        self.health_misses = health_misses
         self.host_options = dict(host_options or {})
         self.control_ip = control_ip  # the server's address the hosts reach; None: ipc:// (one machine)
         self.retries = 0  # runs run again after their engine was lost
@@ -159,15 +168,22 @@ class ClusterPool:
             asyncio.get_running_loop().create_task(self._lose(slot, "its host actor is gone"))
 
     async def _watch(self, slot: EngineSlot) -> None:
+        misses = 0  # health asks in a row not answered in time
         while not self._closed:
             health: EngineHealth | None
             try:
                 health = await asyncio.wait_for(slot.actor.health.remote(), self.health_timeout)
+                misses = 0
                 why = "" if health is not None and health.alive else "its engine process died"
             except TimeoutError:
-                health, why = None, f"no health report within {self.health_timeout} s"
+                misses += 1
+                health, why = None, ""
+                if misses >= self.health_misses:
+                    why = f"no health report within {self.health_timeout} s, {misses} times in a row"
             except Exception as e:  # noqa: BLE001 - Ray's actor errors: the actor died or is restarting
                 health, why = None, f"{type(e).__name__}"
+            if slot.live and not why and health is not None and _replaced(slot, health):
+                why = f"its actor restarted with a new engine (pid {health.engine_pid})"
             if slot.live and why:
                 await self._lose(slot, why)
             elif slot.live and health is not None and not health.stale:

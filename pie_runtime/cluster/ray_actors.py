@@ -49,6 +49,7 @@ class EngineHealth(BaseModel):
     """An engine's load report (its ``stats``, summed over its models)."""
 
     alive: bool
+    engine_pid: int = 0  # the engine process answering (a restarted actor answers with a new one)
     stale: bool = False  # alive, but its load could not be read this time
     free_pages: int = 0
     total_pages: int = 0
@@ -125,10 +126,11 @@ class EngineActor:
         try:
             stats = self._request("stats", timeout_ms=500)
         except (TimeoutError, RuntimeError):
-            return EngineHealth(alive=True, stale=True)
+            return EngineHealth(alive=True, engine_pid=self.engine.proc.pid, stale=True)
         models = stats["models"].values()
         return EngineHealth(
             alive=True,
+            engine_pid=self.engine.proc.pid,
             free_pages=sum(m["pages_free"] for m in models),
             total_pages=sum(m["pages_total"] for m in models),
             working_sets=stats["working_sets"],
