@@ -150,7 +150,7 @@ def agreement(head: ProbeHead, fused: bool, target: LlamaForCausalLM, data: Data
             for i in range(0, len(si), 4096)
         ]
     )
-    counted = tokens[si, ti + 1] == top[si, ti, 0].long()  # token t+1 is the target's greedy choice
+    counted = distill.follows_greedy(data.data)[:, : t - 2].reshape(-1)  # token t+1 is the greedy choice
     per = s // groups
     return [float(hit[counted & (si // per == g)].float().mean()) for g in range(groups)]
 
