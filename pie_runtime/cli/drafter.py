@@ -50,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also train on this many tokens of the target's own greedy continuations",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="teacher data in this many rounds of --tokens and --gen-tokens each, every round on text the rounds "
+        "before did not cover and cached on its own: raising --rounds runs the teacher over the new rounds only",
+    )
+    p.add_argument(
         "--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 eagle and draft)"
     )
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
@@ -105,6 +112,9 @@ def run_train(args: argparse.Namespace) -> int:
     from ..drafters import attach
     from ..store import DEFAULT_MODEL, StoreError
 
+    if args.rounds < 1:
+        print(f"error: --rounds {args.rounds}: at least 1", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     name = args.model or DEFAULT_MODEL
     try:
@@ -262,7 +272,7 @@ def _teacher_pass(
     )
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(
-        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet
+        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet, rounds=args.rounds
     )
     command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {

@@ -80,13 +80,25 @@ def corpus_tokens(tokenizer_file: Path, corpus: Path) -> tuple[list[int], list[i
     return tok.encode(text[:cut]).ids, tok.encode(text[cut:]).ids
 
 
-def spaced_windows(ids: list[int], n: int, length: int) -> list[list[int]]:
-    """``n`` windows of ``length`` tokens spread evenly over ``ids`` (whole corpus, not its first pages)."""
+def spaced_windows(ids: list[int], n: int, length: int, phase: float = 0.0) -> list[list[int]]:
+    """``n`` windows of ``length`` tokens spread evenly over ``ids`` (whole corpus, not its first pages).
+    ``phase`` in [0, 1) shifts every start by that fraction of the spacing (windows past the end are dropped):
+    a later data round's windows fall between the earlier rounds'."""
     room = len(ids) - length
     if n <= 0 or room < 0:
         return []
-    starts = [round(i * room / max(1, n - 1)) for i in range(n)] if n > 1 else [0]
-    return [ids[s : s + length] for s in starts]
+    starts = [round((i + phase) * room / max(1, n - 1)) for i in range(n)] if n > 1 else [0]
+    return [ids[s : s + length] for s in starts if s <= room]
+
+
+def round_phase(r: int) -> float:
+    """Data round ``r``'s shift as a fraction of the window spacing: 0, 1/2, 1/4, 3/4, 1/8, ... (the van der
+    Corput sequence), so each round's windows fall in the largest gaps the rounds before left."""
+    phase, scale = 0.0, 0.5
+    while r:
+        phase += scale * (r & 1)
+        r, scale = r >> 1, scale / 2
+    return phase
 
 
 @dataclass
@@ -100,6 +112,7 @@ class DataPlan:
     heldout_tokens: int = 2048  # per corpus, teacher-forced, for the progress bar
     prompt_len: int = 32
     teacher_dtype: str = "float32"  # the teacher pass's weights: float32 (exact) or bfloat16 (fast)
+    data_round: int = 0  # round r > 0: windows and prompts shifted by round_phase(r), no held-out part
 
     def key(self, target_digest: str) -> str:
         files = [(str(Path(c).resolve()), Path(c).stat().st_size) for c in self.corpora]
@@ -117,20 +130,23 @@ class DataPlan:
                 1,
             ]
             + ([self.teacher_dtype] if self.teacher_dtype != "float32" else [])
+            + ([f"round{self.data_round}"] if self.data_round else [])  # round 0 keeps the keys cached before
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def windows(self, tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """(training windows, held-out windows, generation prompts) over every corpus, each window
-        ``seq_len`` tokens; the prompts are ``prompt_len`` tokens."""
+        ``seq_len`` tokens; the prompts are ``prompt_len`` tokens. A later round (``data_round`` > 0) has
+        no held-out windows: the held-out data is round 0's."""
         splits = [corpus_tokens(tokenizer_file, c) for c in self.corpora]
         per = self.tokens // self.seq_len // len(splits)
-        n_held = max(1, self.heldout_tokens // self.seq_len)
+        n_held = 0 if self.data_round else max(1, self.heldout_tokens // self.seq_len)
         n_gen = self.gen_tokens // self.seq_len // len(splits)
+        phase = round_phase(self.data_round)
         windows, held, prompts = [], [], []
         for train_ids, held_ids in splits:
             # corpus windows and generation prompts come from disjoint halves of each window slot
-            windows += spaced_windows(train_ids, per, self.seq_len)
+            windows += spaced_windows(train_ids, per, self.seq_len, phase)
             held += spaced_windows(held_ids, n_held, self.seq_len)
-            prompts += [w[-self.prompt_len :] for w in spaced_windows(train_ids, n_gen, self.seq_len + 97)]
+            prompts += [w[-self.prompt_len :] for w in spaced_windows(train_ids, n_gen, self.seq_len + 97, phase)]
         return windows, held, prompts

@@ -12,6 +12,7 @@ data per CPU minute than float32; about 1% of greedy labels differ from the floa
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,24 +111,47 @@ def build_teacher_data(
     cache_dir: Path | None,
     target_digest: str,
     progress: bool = True,
+    rounds: int = 1,
 ) -> tuple[TeacherData, TeacherData]:
-    """(train, held-out) teacher data, from ``cache_dir`` when an identical plan was cached before."""
+    """(train, held-out) teacher data of ``rounds`` data rounds (``plan`` and its shifted copies, see
+    :attr:`DataPlan.data_round`), each from ``cache_dir`` when an identical plan was cached before: raising
+    ``rounds`` computes only the new rounds. The held-out data is round 0's."""
+    train, heldout = _teacher_round(model, tokenizer_file, plan, cache_dir, target_digest, progress, rounds)
+    assert heldout is not None  # round 0 has its held-out part
+    for r in range(1, rounds):
+        more, _ = _teacher_round(
+            model, tokenizer_file, replace(plan, data_round=r), cache_dir, target_digest, progress, rounds
+        )
+        train = train.cat(more)
+    return train, heldout
+
+
+def _teacher_round(
+    model: CausalLM,
+    tokenizer_file: Path,
+    plan: DataPlan,
+    cache_dir: Path | None,
+    target_digest: str,
+    progress: bool,
+    rounds: int,
+) -> tuple[TeacherData, TeacherData | None]:
     from tqdm import tqdm
 
     path = cache_dir / f"teacher-{plan.key(target_digest)}.pt" if cache_dir else None
     if path is not None and path.is_file():
         d = torch.load(path)
-        return TeacherData(**d["train"]), TeacherData(**d["heldout"])
+        return TeacherData(**d["train"]), TeacherData(**d["heldout"]) if d.get("heldout") else None
     windows, held, prompts = plan.windows(tokenizer_file)
     total = (len(windows) + len(held) + len(prompts)) * plan.seq_len
     teacher = teacher_model(model, getattr(torch, plan.teacher_dtype))
-    with tqdm(total=total, desc="target", unit="tok", disable=not progress, smoothing=0.1) as bar:
-        heldout = teacher_windows(teacher, held, bar=bar, head=model)
+    desc = f"target, round {plan.data_round + 1}/{rounds}" if rounds > 1 else "target"
+    with tqdm(total=total, desc=desc, unit="tok", disable=not progress, smoothing=0.1) as bar:
+        heldout = teacher_windows(teacher, held, bar=bar, head=model) if held else None
         train = teacher_windows(teacher, windows, bar=bar, head=model)
         if prompts:
             gen_new = plan.seq_len - plan.prompt_len
             train = train.cat(teacher_generations(teacher, prompts, gen_new, bar=bar, head=model))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"train": vars(train), "heldout": vars(heldout)}, path)
+        torch.save({"train": vars(train), "heldout": vars(heldout) if heldout else None}, path)
     return train, heldout

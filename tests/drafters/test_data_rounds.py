@@ -1,0 +1,80 @@
+"""Teacher data in rounds (`pie drafter train --rounds R`): each round's windows fall between the earlier
+rounds', round 0 is the single-round plan (its cache key unchanged), and raising the rounds reuses the cached
+rounds and computes only the new ones. A tiny random target and a byte-level tokenizer: no store, no corpus."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pie_runtime.distill import DataPlan, build_teacher_data, spaced_windows
+from pie_runtime.distill.data import round_phase
+from pie_runtime.models.llama import LlamaForCausalLM
+from tests.models.tiny_models import tiny_llama_config, tiny_tokenizer_json
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[LlamaForCausalLM, Path, Path]:
+    folder = tmp_path_factory.mktemp("rounds")
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text(tiny_tokenizer_json())
+    rng = random.Random(0)
+    words = ["sea", "ship", "wind", "salt", "tide", "gull", "rope", "sail", "deck", "wave"]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)]
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(lines) + "\n")  # about 29K bytes: byte tokens, so about 29K tokens
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config())
+    for p in target.parameters():
+        torch.nn.init.normal_(p, std=0.15) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.8, 1.2)
+    return target.requires_grad_(False).eval(), tokenizer, corpus
+
+
+def test_round_phases_fill_the_largest_gaps():
+    assert [round_phase(r) for r in range(8)] == [0, 1 / 2, 1 / 4, 3 / 4, 1 / 8, 5 / 8, 3 / 8, 7 / 8]
+
+
+def test_the_first_four_rounds_cover_disjoint_text():
+    ids = list(range(10_000))
+    spans = []
+    for r in range(4):
+        for w in spaced_windows(ids, 8, 256, round_phase(r)):
+            assert w == list(range(w[0], w[0] + 256))
+            spans.append((w[0], w[-1]))
+    spans.sort()
+    assert len(spans) == 8 + 3 * 7  # a shifted round drops the window that would run past the end
+    assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_round_zero_is_the_single_round_plan():
+    assert spaced_windows(list(range(1000)), 5, 100) == spaced_windows(list(range(1000)), 5, 100, round_phase(0))
+    plan = DataPlan([Path(__file__)], tokens=4096, gen_tokens=0)
+    assert plan.key("d") == DataPlan([Path(__file__)], tokens=4096, gen_tokens=0, data_round=0).key("d")
+    assert plan.key("d") != DataPlan([Path(__file__)], tokens=4096, gen_tokens=0, data_round=1).key("d")
+
+
+def test_raising_the_rounds_computes_only_the_new_ones(setup, tmp_path):
+    target, tokenizer, corpus = setup
+    plan = DataPlan([corpus], tokens=16 * SEQ, gen_tokens=2 * SEQ, seq_len=SEQ, heldout_tokens=2 * SEQ, prompt_len=8)
+    cache = tmp_path / "cache"
+    one, held_one = build_teacher_data(target, tokenizer, plan, cache, "d", progress=False)
+    (first,) = cache.iterdir()
+    stamp = first.stat().st_mtime_ns
+
+    three, held_three = build_teacher_data(target, tokenizer, plan, cache, "d", progress=False, rounds=3)
+    assert len(list(cache.iterdir())) == 3 and first.stat().st_mtime_ns == stamp  # round 0 read, not rewritten
+    assert torch.equal(held_one.tokens, held_three.tokens)  # the held-out data is round 0's
+    # a later round drops its last corpus window and its last prompt, which would run past the text's end
+    assert three.num_tokens == one.num_tokens + 2 * (one.num_tokens - 2 * SEQ)
+    assert torch.equal(three.tokens[: len(one.tokens)], one.tokens)
+    windows = {tuple(row) for row in three.tokens.tolist()}
+    assert len(windows) == len(three.tokens)  # no window of a later round repeats one of an earlier round
+
+    # each later round's rows are the target's view of its own windows, as a round built alone would be
+    again, _ = build_teacher_data(target, tokenizer, plan, None, "d", progress=False, rounds=3)
+    assert torch.equal(again.tokens, three.tokens) and torch.equal(again.top, three.top)
