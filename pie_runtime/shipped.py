@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="d03a8750b2c84c2e867c73058fc13efdca58aaa720d0cffde975032d10c0193f",
+            sha256="224720bfa5d87b12f49a8b9dc5b808d76ada45771415a58a96dd9bf6db79713f",
         ),
     ),
 }
