@@ -87,7 +87,7 @@ def spaced_windows(ids: list[int], n: int, length: int, phase: float = 0.0) -> l
     room = len(ids) - length
     if n <= 0 or room < 0:
         return []
-    starts = [round((i + phase) * room / max(1, n - 1)) for i in range(n)] if n > 1 else [0]
+    starts = [round((i + phase) * room / (n - 1)) for i in range(n)] if n > 1 else [round(phase * room)]
     return [ids[s : s + length] for s in starts if s <= room]
 
 

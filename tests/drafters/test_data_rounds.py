@@ -53,6 +53,8 @@ def test_the_first_four_rounds_cover_disjoint_text():
 
 def test_round_zero_is_the_single_round_plan():
     assert spaced_windows(list(range(1000)), 5, 100) == spaced_windows(list(range(1000)), 5, 100, round_phase(0))
+    # one window a round: each round's lies elsewhere
+    assert [spaced_windows(list(range(1000)), 1, 100, round_phase(r))[0][0] for r in range(3)] == [0, 450, 225]
     plan = DataPlan([Path(__file__)], tokens=4096, gen_tokens=0)
     assert plan.key("d") == DataPlan([Path(__file__)], tokens=4096, gen_tokens=0, data_round=0).key("d")
     assert plan.key("d") != DataPlan([Path(__file__)], tokens=4096, gen_tokens=0, data_round=1).key("d")
