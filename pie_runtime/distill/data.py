@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,12 +53,13 @@ class TeacherData:
     def num_tokens(self) -> int:
         return self.tokens.numel()
 
-    def cat(self, other: TeacherData) -> TeacherData:
+    @staticmethod
+    def concat(parts: Sequence[TeacherData]) -> TeacherData:
+        """The sequences of every part, in order, joined with one copy."""
         return TeacherData(
-            *(
-                torch.cat([a, b])
-                for a, b in zip((self.tokens, self.hidden, self.top), (other.tokens, other.hidden, other.top))
-            )
+            torch.cat([p.tokens for p in parts]),
+            torch.cat([p.hidden for p in parts]),
+            torch.cat([p.top for p in parts]),
         )
 
     def every(self, k: int) -> TeacherData:

@@ -12,6 +12,7 @@ data per CPU minute than float32; about 1% of greedy labels differ from the floa
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,18 +117,27 @@ def build_teacher_data(
     """(train, held-out) teacher data of ``rounds`` data rounds (``plan`` and its shifted copies, see
     :attr:`DataPlan.data_round`), each from ``cache_dir`` when an identical plan was cached before: raising
     ``rounds`` computes only the new rounds. The held-out data is round 0's."""
-    train, heldout = _teacher_round(model, tokenizer_file, plan, cache_dir, target_digest, progress, rounds)
-    assert heldout is not None  # round 0 has its held-out part
-    for r in range(1, rounds):
-        more, _ = _teacher_round(
-            model, tokenizer_file, replace(plan, data_round=r), cache_dir, target_digest, progress, rounds
+    teachers: dict[str, CausalLM] = {}  # one copy of the target for every round the cache does not hold
+
+    def teacher(dtype: str) -> CausalLM:
+        if dtype not in teachers:
+            teachers[dtype] = teacher_model(model, getattr(torch, dtype))
+        return teachers[dtype]
+
+    parts = [
+        _teacher_round(
+            model, teacher, tokenizer_file, replace(plan, data_round=r), cache_dir, target_digest, progress, rounds
         )
-        train = train.cat(more)
-    return train, heldout
+        for r in range(rounds)
+    ]
+    heldout = parts[0][1]
+    assert heldout is not None  # round 0 has its held-out part
+    return TeacherData.concat([train for train, _ in parts]), heldout
 
 
 def _teacher_round(
     model: CausalLM,
+    teacher: Callable[[str], CausalLM],
     tokenizer_file: Path,
     plan: DataPlan,
     cache_dir: Path | None,
@@ -135,6 +145,8 @@ def _teacher_round(
     progress: bool,
     rounds: int,
 ) -> tuple[TeacherData, TeacherData | None]:
+    """One data round's (train, held-out) teacher data, from the cache or from ``teacher(plan.teacher_dtype)``
+    (the target's layers) ranked by ``model``'s float32 head."""
     from tqdm import tqdm
 
     path = cache_dir / f"teacher-{plan.key(target_digest)}.pt" if cache_dir else None
@@ -143,14 +155,15 @@ def _teacher_round(
         return TeacherData(**d["train"]), TeacherData(**d["heldout"]) if d.get("heldout") else None
     windows, held, prompts = plan.windows(tokenizer_file)
     total = (len(windows) + len(held) + len(prompts)) * plan.seq_len
-    teacher = teacher_model(model, getattr(torch, plan.teacher_dtype))
+    layers = teacher(plan.teacher_dtype)
     desc = f"target, round {plan.data_round + 1}/{rounds}" if rounds > 1 else "target"
     with tqdm(total=total, desc=desc, unit="tok", disable=not progress, smoothing=0.1) as bar:
-        heldout = teacher_windows(teacher, held, bar=bar, head=model) if held else None
-        train = teacher_windows(teacher, windows, bar=bar, head=model)
+        heldout = teacher_windows(layers, held, bar=bar, head=model) if held else None
+        train = teacher_windows(layers, windows, bar=bar, head=model)
         if prompts:
             gen_new = plan.seq_len - plan.prompt_len
-            train = train.cat(teacher_generations(teacher, prompts, gen_new, bar=bar, head=model))
+            more = teacher_generations(layers, prompts, gen_new, bar=bar, head=model)
+            train = TeacherData.concat([train, more])
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"train": vars(train), "heldout": vars(heldout) if heldout else None}, path)
