@@ -16,7 +16,9 @@ supervises them and streams their runs over its control socket (``tcp://`` when 
   engine from its prompt. Text already streamed is not sent twice: the retry's text must begin with it (a
   greedy or seeded run does) and only the rest goes out; a retry that parts from it fails ``engine_lost``.
 - **Rejoin**: Ray restarts the actor (``max_restarts``), which starts a new engine; the watcher then starts
-  a new host pool on it and the router adds it back, with an empty cache.
+  a new host pool on it and the router adds it back, with an empty cache. A join that fails (an answer not
+  within ``join_timeout``, hosts that did not start) is logged in the slot's timeline and tried again after a
+  pause that doubles from 0.5 s up to 10 s.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class ClusterPool:
         health_interval: float = 0.25,
         health_timeout: float = 1.5,
         health_misses: int = 3,
+        join_timeout: float = 60.0,
         host_options: dict[str, Any] | None = None,
         control_ip: str | None = None,
     ) -> None:
@@ -101,6 +104,7 @@ class ClusterPool:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.health_misses = health_misses
+        self.join_timeout = join_timeout
         self.host_options = dict(host_options or {})
         self.control_ip = control_ip  # the server's address the hosts reach; None: ipc:// (one machine)
         self.retries = 0  # runs run again after their engine was lost
@@ -121,10 +125,10 @@ class ClusterPool:
         self._watchers = [asyncio.create_task(self._watch(s)) for s in self.slots.values()]
 
     async def _join(self, slot: EngineSlot) -> None:
-        info: EngineInfo = await slot.actor.info.remote()
+        info: EngineInfo = await asyncio.wait_for(slot.actor.info.remote(), self.join_timeout)
         actor = host_actor(info.node_id)
         try:
-            node, parent = await actor.where.remote()
+            node, parent = await asyncio.wait_for(actor.where.remote(), self.join_timeout)
             pool = HostPool(
                 info.local_address,
                 self.workers,
@@ -169,6 +173,7 @@ class ClusterPool:
 
     async def _watch(self, slot: EngineSlot) -> None:
         misses = 0  # health asks in a row not answered in time
+        join_pause, join_at = 0.0, 0.0  # a failed join backs off: each try starts a host actor and its hosts
         while not self._closed:
             health: EngineHealth | None
             try:
@@ -189,10 +194,25 @@ class ClusterPool:
             elif slot.live and health is not None and not health.stale:
                 slot.health = health
                 await self.router.report.remote(slot.name, health.free_pages)
-            elif not slot.live and health is not None and health.alive and not self._closed:
-                with contextlib.suppress(Exception):  # not up yet: the next round tries again
-                    await self._join(slot)  # the restarted actor's new engine
+            elif not slot.live and health is not None and health.alive and time.monotonic() >= join_at:
+                join_pause = await self._rejoin(slot, join_pause)  # the restarted actor's new engine
+                join_at = time.monotonic() + join_pause
             await asyncio.sleep(self.health_interval)
+
+    async def _rejoin(self, slot: EngineSlot, pause: float) -> float:
+        """Joins ``slot`` again; returns the pause before the next try: 0 when it joined, else ``pause``
+        doubled (from 0.5 s, at most 10 s), since each try starts a host actor and its hosts."""
+        if self._closed:
+            return 0.0
+        try:
+            await self._join(slot)
+            return 0.0
+        except Exception as e:  # noqa: BLE001 - not up yet, or its hosts did not start: try again later
+            pause = min(max(2 * pause, 0.5), 10.0)
+            why = f"{type(e).__name__}: {e}".strip()
+            slot.events.append((time.time(), f"join failed ({why}); next try in {pause:.1f} s"))
+            log.warning("engine %s could not rejoin (%s); next try in %.1f s", slot.name, why, pause)
+            return pause
 
     # --- the HostPool interface ---
 

@@ -73,6 +73,10 @@ async def watch(answers: list[int | None], asks: int) -> tuple[EngineSlot, Route
     return slot, router
 
 
+def lost(slot: EngineSlot) -> list[str]:
+    return [what for _, what in slot.events if what.startswith("lost")]
+
+
 async def test_misses_below_the_limit_keep_the_engine():
     slot, router = await watch([None, None, 1, None, None, 1, None, None], asks=10)
     assert slot.live and router.lost == []
@@ -82,10 +86,39 @@ async def test_misses_below_the_limit_keep_the_engine():
 async def test_the_limit_of_misses_in_a_row_loses_the_engine():
     slot, router = await watch([1, None, None, None], asks=10)
     assert not slot.live and router.lost == ["e0"]
-    assert slot.events[-1][1] == f"lost: no health report within {TIMEOUT} s, 3 times in a row"
+    assert lost(slot) == [f"lost: no health report within {TIMEOUT} s, 3 times in a row"]
 
 
 async def test_an_answer_from_a_new_engine_loses_the_old_one():
     slot, router = await watch([1, 1, 7], asks=10)
     assert not slot.live and router.lost == ["e0"]
-    assert slot.events[-1][1] == "lost: its actor restarted with a new engine (pid 7)"
+    assert lost(slot) == ["lost: its actor restarted with a new engine (pid 7)"]
+
+
+async def test_a_failed_rejoin_is_in_the_timeline_and_backs_off():
+    """A lost engine whose restarted actor answers health but not ``info`` (a hung join): each try ends after
+    ``join_timeout``, is written in the slot's timeline, and the pause before the next one doubles."""
+    actor = Actor([])
+    infos = 0
+
+    async def hung_info() -> EngineInfo:
+        nonlocal infos
+        infos += 1
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    actor.info = _Method(hung_info)  # type: ignore[attr-defined]
+    slot = EngineSlot(name="e0", actor=actor, live=False)
+    pool = ClusterPool([slot], Router(), encode=lambda s: [], page_size=16, health_interval=0.1,
+                       health_timeout=1.0, join_timeout=TIMEOUT)  # fmt: skip
+    task = asyncio.create_task(pool._watch(slot))
+    for _ in range(2000):
+        if sum("join failed" in what for _, what in slot.events) >= 3:
+            break
+        await asyncio.sleep(0.005)
+    pool._closed = True
+    task.cancel()
+    failed = [what for _, what in slot.events if "join failed" in what]
+    assert len(failed) >= 3 and not slot.live and infos == len(failed)
+    assert all(what.startswith("join failed (TimeoutError") for what in failed)
+    assert [float(what.rsplit("in ", 1)[1].removesuffix(" s")) for what in failed[:3]] == [0.5, 1.0, 2.0]
