@@ -29,6 +29,7 @@ INVARIANT_MAX_ROWS = 64
 # its rounding) by shape
 FP32_ROWS = 4
 FP32_KEYS = 64
+INVARIANT_KEYS = 128
 # None: the float32 form on CPUs without bf16 units, else bf16's; tests set it to run either form anywhere
 FP32_ATTENTION: bool | None = None
 
@@ -136,9 +137,12 @@ def _attend_invariant_slice(
 
     A verify window of 1 + k rows must give each row the bits a 1-row decode pass gives it, or greedy
     speculation could part from plain decoding on a near tie. In bfloat16, SDPA's result moves with the
-    padded key length; oneDNN's bf16 matmuls do not (each output accumulates its own dot product in float32
-    in a fixed order, and padded keys add exact zeros). So the scores, and the weighted sum of V together
-    with its normaliser (a column of ones beside V), are matmuls; max and exp are exact elementwise ops.
+    padded key length. The scores are a matmul over D (one reduction length whatever the call); max and exp
+    are exact elementwise ops. The weighted sum of V together with its normaliser (a column of ones beside V)
+    runs over blocks of INVARIANT_KEYS keys, one matmul shape, summed in order in float32, so the blocks past
+    a sequence's keys add exact zeros: one matmul over all the padded keys reduced in another order once they
+    passed the kernel's own block on a CPU with AMX (a row's bits then moved with the longest sequence of its
+    batch).
     Query heads that share a key head are stacked as extra query rows of that head (grouped-query attention)."""
     b, h, nq, d = q.shape
     kvh = k.shape[1]
@@ -153,7 +157,15 @@ def _attend_invariant_slice(
     scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(q.dtype)
     ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)
-    summed = torch.matmul(weights, torch.cat([v, ones], dim=-1)).float()  # (B, kvh, g*Q, D + 1)
+    vo = torch.cat([v, ones], dim=-1)
+    n_keys, block = vo.shape[2], INVARIANT_KEYS
+    kpad = -n_keys % block
+    nb = (n_keys + kpad) // block
+    wb = F.pad(weights, (0, kpad)).view(b, kvh, g * nq, nb, block).transpose(2, 3)
+    parts = torch.matmul(wb, F.pad(vo, (0, 0, 0, kpad)).view(b, kvh, nb, block, d + 1)).float()
+    summed = parts[:, :, 0]
+    for j in range(1, nb):
+        summed = summed + parts[:, :, j]
     out = summed[..., :d] / summed[..., d:]
     return out.to(q.dtype).reshape(b, h, nq, d)
 
