@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="224720bfa5d87b12f49a8b9dc5b808d76ada45771415a58a96dd9bf6db79713f",
+            sha256="70b90791e26e30c2e2b9e9db87280246dbc8168fef27f172367b78e9c5999c81",
         ),
     ),
 }
