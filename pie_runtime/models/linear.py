@@ -25,13 +25,18 @@ class Linear(nn.Linear):
     oneDNN-prepacked copy of its weight."""
 
     packed: torch.Tensor | None = None
-    # bf16 batch invariance: oneDNN's 1-row kernel sums some shapes (K = 1536) in another order than its
-    # kernel for 2..64 rows, so a single row is computed as the first of two
-    pad_single_row = False
+    # bf16 batch invariance: oneDNN sums a row in another order depending on how many rows the call has (its
+    # 1-row kernel, a partial tile's rows, and on CPUs with AMX another kernel for the lm head at 33-300
+    # rows), so a bf16 layer takes its rows in slices of ``invariant_rows``, the last one padded: every
+    # matmul has one shape, and a row's bits do not depend on its pass (0: one call, whatever the rows)
+    invariant_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:
-            return F.linear(torch.cat([x, torch.zeros_like(x)]), self.weight, self.bias)[:1]
+        t = self.invariant_rows
+        if t and x.dim() == 2:
+            return torch.cat(
+                [F.linear(F.pad(c, (0, 0, 0, t - c.shape[0])), self.weight, self.bias) for c in x.split(t)]
+            )[: x.shape[0]]
         packed = self.packed
         if packed is None or x.dim() != 2 or x.shape[0] < 2 or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)

@@ -15,9 +15,10 @@ by the store) become the int4/int8 layers as they are; a float checkpoint is qua
 The lm head stays 8-bit in int4: at 1 row its int8 matmul takes 0.56 ms against bf16's 3.9, for 0.8 points
 of top-1 agreement with fp32 (0.972 against 0.980 on held-out text). Batch invariance is what keeps greedy
 speculation exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
-``attend_invariant``); the int matmuls are invariant by themselves, bf16's once a single row is computed as
-the first of two (``Linear.pad_single_row``), fp32's MKL ones are not (fp32's differences are ~1e-7, below
-what flips an argmax in practice).
+``attend_invariant``); the int matmuls are invariant by themselves, bf16's once every matmul has one shape
+(``Linear.invariant_rows``: slices of 16 rows, the last padded; oneDNN sums a partial tile's rows, a single
+row, and on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones are not (fp32's differences are
+~1e-7, below what flips an argmax in practice).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .quant import GroupQuant, Int4Linear, Int8Linear, quantize_int4, quantize_i
 INT4_GROUP = 32  # inputs per int4 scale and zero (GGUF's Q4 block)
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+BF16_ROWS = 16  # rows per matmul of a bf16 layer (Linear.invariant_rows): one shape, whatever the pass
 # activations and KV cache of each format
 ACTIVATION_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -87,7 +89,7 @@ def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQua
             gq = quantize_int8(model.lm_head.weight.detach().float())
         model.lm_head = Int8Linear(gq, None, model.lm_head.weight.device)  # type: ignore[assignment]  # the untied head's float copy goes with it
     elif fmt == "bf16":
-        model.lm_head.pad_single_row = True
+        model.lm_head.invariant_rows = BF16_ROWS
     model.to(ACTIVATION_DTYPE[fmt])  # what is left in float: the embedding table, norms, biases
     return model
 
@@ -102,7 +104,7 @@ def _layer(fmt: str, parts: list[nn.Module], names: list[str], blocks: dict[str,
         fused.weight = nn.Parameter(torch.cat(weights).to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
         if bias is not None:
             fused.bias = nn.Parameter(bias.to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
-        fused.pad_single_row = True
+        fused.invariant_rows = BF16_ROWS
         return fused
     # int4 needs whole groups of 32 inputs; a layer without them (rare widths) runs int8
     bits = 4 if fmt == "int4" and weights[0].shape[1] % INT4_GROUP == 0 else 8

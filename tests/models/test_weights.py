@@ -176,3 +176,19 @@ def test_on_the_default_model_a_row_beside_another_sequence_gets_its_bits_alone(
     logits_of(model, [Segment(tb, 0, 3)], b[:3], both_kv)
     both = logits_of(model, [Segment(tb, 3, 1), Segment(ta, 56, 1)], [b[3], a[56]], both_kv)
     assert torch.equal(both[1], alone[0])
+
+
+def test_on_the_default_model_a_bf16_row_gets_its_bits_however_many_rows_its_pass_has(smollm):
+    """A pass's rows go through each layer in one matmul, and the engine batches sequences, so a row's index
+    and the row count change with what it is batched with. oneDNN's bf16 kernels sum a row in another order at
+    one row, in a partial tile (rows 4-5 of a 6-row call of the 576 x 1536 down projection) and, on CPUs with
+    AMX, in the lm head at 33-300 rows: a prompt prefilled beside three others moved its logits by 0.3-0.5.
+    Every bf16 layer therefore runs slices of 16 rows, the last one padded (``Linear.invariant_rows``)."""
+    model = prepared("smollm2-135m", "bf16")
+    layer = cast(DecoderLayer, model.model.layers[0])
+    g = torch.Generator().manual_seed(3)
+    for linear in (layer.mlp.down_proj, layer.self_attn.o_proj, model.lm_head):
+        x = torch.randn(300, linear.in_features, generator=g).to(ACTIVATION_DTYPE["bf16"])
+        full = linear(x)
+        for rows in (*range(1, 41), 64, 65, 128):
+            assert torch.equal(linear(x[:rows]), full[:rows]), (linear.out_features, rows)
