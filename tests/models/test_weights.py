@@ -16,6 +16,7 @@ from pie_runtime.distill.data import find_corpus
 from pie_runtime.models import llama
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
+from pie_runtime.models.linear import Linear
 from pie_runtime.models.llama import DecoderLayer, LlamaForCausalLM
 from pie_runtime.models.quant import Int4Linear, Int8Linear
 from pie_runtime.models.weights import ACTIVATION_DTYPE, WEIGHT_FORMATS, load_dtype, prepare_for_serving
@@ -188,6 +189,7 @@ def test_on_the_default_model_a_bf16_row_gets_its_bits_however_many_rows_its_pas
     layer = cast(DecoderLayer, model.model.layers[0])
     g = torch.Generator().manual_seed(3)
     for linear in (layer.mlp.down_proj, layer.self_attn.o_proj, model.lm_head):
+        assert isinstance(linear, Linear) and linear.invariant_rows == 16
         x = torch.randn(300, linear.in_features, generator=g).to(ACTIVATION_DTYPE["bf16"])
         full = linear(x)
         for rows in (*range(1, 41), 64, 65, 128):
