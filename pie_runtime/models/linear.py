@@ -33,7 +33,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.invariant_rows
-        if t and x.dim() == 2:
+        if t and x.dim() == 2 and x.shape[0]:  # (no rows: F.linear below)
             return torch.cat(
                 [F.linear(F.pad(c, (0, 0, 0, t - c.shape[0])), self.weight, self.bias) for c in x.split(t)]
             )[: x.shape[0]]
