@@ -12,6 +12,7 @@ data per CPU minute than float32; about 1% of greedy labels differ from the floa
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -117,13 +118,8 @@ def build_teacher_data(
     """(train, held-out) teacher data of ``rounds`` data rounds (``plan`` and its shifted copies, see
     :attr:`DataPlan.data_round`), each from ``cache_dir`` when an identical plan was cached before: raising
     ``rounds`` computes only the new rounds. The held-out data is round 0's."""
-    teachers: dict[str, CausalLM] = {}  # one copy of the target for every round the cache does not hold
-
-    def teacher(dtype: str) -> CausalLM:
-        if dtype not in teachers:
-            teachers[dtype] = teacher_model(model, getattr(torch, dtype))
-        return teachers[dtype]
-
+    # one copy of the target for every round the cache does not hold, made when the first such round needs it
+    teacher = functools.cache(lambda dtype: teacher_model(model, getattr(torch, dtype)))
     parts = [
         _teacher_round(
             model, teacher, tokenizer_file, replace(plan, data_round=r), cache_dir, target_digest, progress, rounds

@@ -32,11 +32,10 @@ class Linear(nn.Linear):
     invariant_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.invariant_rows
-        if t and x.dim() == 2 and x.shape[0]:  # (no rows: F.linear below)
-            return torch.cat(
-                [F.linear(F.pad(c, (0, 0, 0, t - c.shape[0])), self.weight, self.bias) for c in x.split(t)]
-            )[: x.shape[0]]
+        t, n = self.invariant_rows, x.shape[0]
+        if t and x.dim() == 2 and n:  # (no rows: F.linear below)
+            padded = F.pad(x, (0, 0, 0, -n % t))
+            return torch.cat([F.linear(c, self.weight, self.bias) for c in padded.split(t)])[:n]
         packed = self.packed
         if packed is None or x.dim() != 2 or x.shape[0] < 2 or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)

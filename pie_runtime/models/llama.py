@@ -163,11 +163,18 @@ def _attend_invariant_slice(
     nb = (n_keys + kpad) // block
     wb = F.pad(weights, (0, kpad)).view(b, kvh, g * nq, nb, block).transpose(2, 3)
     parts = torch.matmul(wb, F.pad(vo, (0, 0, 0, kpad)).view(b, kvh, nb, block, d + 1)).float()
-    summed = parts[:, :, 0]
-    for j in range(1, nb):
-        summed = summed + parts[:, :, j]
+    summed = _sum_blocks_in_order(parts)
     out = summed[..., :d] / summed[..., d:]
     return out.to(q.dtype).reshape(b, h, nq, d)
+
+
+def _sum_blocks_in_order(parts: torch.Tensor) -> torch.Tensor:
+    """(B, kvh, blocks, ...) → (B, kvh, ...): the key blocks' partial sums added one after another, an order
+    that does not depend on how many blocks there are (``sum`` over the dim would reduce in its own order)."""
+    summed = parts[:, :, 0]
+    for j in range(1, parts.shape[2]):
+        summed = summed + parts[:, :, j]
+    return summed
 
 
 def attend_invariant_fp32(
@@ -200,9 +207,7 @@ def attend_invariant_fp32(
         scores = scores.masked_fill(~m, float("-inf"))
         peak = scores.amax(-1, keepdim=True).amax(2, keepdim=True)
         parts = torch.matmul(torch.exp(scores - peak), vb)  # (B, kvh, blocks, g*rows, D + 1)
-        summed = parts[:, :, 0]
-        for j in range(1, nb):
-            summed = summed + parts[:, :, j]
+        summed = _sum_blocks_in_order(parts)
         out = summed[..., :d] / summed[..., d:]
         outs.append(out.view(b, kvh, g, rows, d)[:, :, :, :n])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
