@@ -9,6 +9,7 @@ of one length, many times faster on a CPU than the paged path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -18,12 +19,31 @@ from ..models.llama import DecoderLayer, LlamaForCausalLM
 from ..models.rope import apply_rotary
 
 
+@dataclass
+class DenseCache:
+    """One layer's K/V for a batch of sequences that share one length: (B, kv_heads, capacity, D) buffers
+    written in place, of which the first ``n`` positions are filled (a decode step copies one position, not
+    the whole cache: growing it with ``torch.cat`` was half of a generation's time)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    n: int = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes (B, kv_heads, T, D) after the filled positions; returns every filled position's K and V."""
+        t = k.shape[2]
+        self.k[:, :, self.n : self.n + t] = k
+        self.v[:, :, self.n : self.n + t] = v
+        self.n += t
+        return self.k[:, :, : self.n], self.v[:, :, : self.n]
+
+
 def dense_layer(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list | None = None
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DenseCache | None = None
 ) -> torch.Tensor:
     """One decoder layer over (B, T) with plain causal attention; same weights as the paged path.
-    ``cache``: ``[k, v]`` of the positions before (None at first), extended in place; x then holds the T
-    positions after them (T = 1 when the cache is not empty: one decode step)."""
+    ``cache``: the K/V of the positions before, extended in place; x then holds the T positions after them
+    (T = 1 when the cache is not empty: one decode step)."""
     a = layer.self_attn
     b, t, _ = x.shape
     h = layer.input_layernorm(x).reshape(b * t, -1)
@@ -38,10 +58,8 @@ def dense_layer(
     v = v.transpose(1, 2)
     causal = True
     if cache is not None:
-        if cache[0] is not None:
-            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-            causal = False  # one new position attends to all
-        cache[0], cache[1] = k, v
+        causal = cache.n == 0  # else one new position attends to all
+        k, v = cache.extend(k, v)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.scale, enable_gqa=True)
     x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -70,7 +88,9 @@ def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], n_new: in
     p = ids.shape[1]
     x = model.embed(ids)
     cos, sin = model.rotary.cos_sin(torch.arange(p + n_new), x.dtype)
-    caches = [[None, None] for _ in model.model.layers]
+    a = decoder_layers(model)[0].self_attn
+    shape = (ids.shape[0], a.kv_heads, p + n_new, a.head_dim)
+    caches = [DenseCache(x.new_empty(shape), x.new_empty(shape)) for _ in model.model.layers]
 
     def run(x, lo, hi):
         for layer, cache in zip(decoder_layers(model), caches):
