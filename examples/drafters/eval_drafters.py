@@ -6,7 +6,9 @@ unconditionally.
 Two kinds of held-out rows per corpus:
 - text: the corpus's own held-out tokens, teacher-forced (the target's greedy token after each position);
 - greedy: the target's own greedy continuations of held-out prompts, i.e. exactly what a speculative
-  decoder drafts against.
+  decoder drafts against;
+- chat (a model with a chat template): its greedy replies to chat requests about held-out passages
+  (``distill.CHAT_REQUESTS``, as `pie drafter train --chat-rounds` builds them from training passages).
 
     python examples/drafters/eval_drafters.py --mtp pie_runtime/assets/drafters/smollm2-135m-mtp.safetensors \
         --eagle smollm2-135m-eagle.safetensors --draft smollm2-draft --corpus austen.txt --corpus kjv.txt
@@ -56,7 +58,15 @@ def main() -> None:
         text = distill.teacher_windows(target.llama, distill.spaced_windows(held, args.text_tokens // 256, 256))
         prompts = [w[:32] for w in distill.spaced_windows(held, args.prompts, 64)]
         greedy = distill.teacher_generations(target.llama, prompts, args.new)
-        for kind, data, start in (("text", text, 0), ("greedy", greedy, 31)):  # greedy: from the last prompt token
+        kinds = [("text", text, 0), ("greedy", greedy, 31)]  # greedy: from the last prompt token
+        if target.manifest.tokenizer.chat_template:
+            frame = distill.model_chat_frame(target.tokenizer_path, target.manifest.tokenizer)
+            n = distill.CHAT_PROMPT_LEN
+            requests = distill.chat_requests(
+                target.tokenizer_path, frame, distill.spaced_windows(held, args.prompts, n), n
+            )
+            kinds.append(("chat", distill.teacher_generations(target.llama, requests, args.new), n - 1))
+        for kind, data, start in kinds:
             row: dict[str, int | list[float]] = {"rows": int(data.tokens[:, start:].numel())}
             if head is not None:
                 d = min(k, head.depth)

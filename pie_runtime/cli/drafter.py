@@ -57,6 +57,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "before did not cover and cached on its own: raising --rounds runs the teacher over the new rounds only",
     )
     p.add_argument(
+        "--gen-rounds",
+        type=int,
+        default=0,
+        help="then this many rounds of the target's own continuations only (--gen-round-tokens each, no corpus "
+        "windows, prompts from the corpora), each cached on its own: data on the drafts' serving path, unlimited "
+        "where the corpora run out",
+    )
+    p.add_argument(
+        "--chat-rounds",
+        type=int,
+        default=0,
+        help="then this many rounds of the target's replies in its chat template to requests about corpus "
+        "passages (summarize, continue, explain, ...; --gen-round-tokens each): what a drafter sees serving a chat",
+    )
+    p.add_argument(
+        "--gen-round-tokens",
+        type=int,
+        default=None,
+        help="tokens of one --gen-rounds or --chat-rounds round (default 262144)",
+    )
+    p.add_argument(
         "--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 eagle and draft)"
     )
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
@@ -112,8 +133,8 @@ def run_train(args: argparse.Namespace) -> int:
     from ..drafters import attach
     from ..store import DEFAULT_MODEL, StoreError
 
-    if args.rounds < 1:
-        print(f"error: --rounds {args.rounds}: at least 1", file=sys.stderr)
+    if args.rounds < 1 or min(args.gen_rounds, args.chat_rounds) < 0:
+        print("error: --rounds is at least 1, --gen-rounds and --chat-rounds at least 0", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     name = args.model or DEFAULT_MODEL
@@ -240,6 +261,8 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
             f"model {name!r} carries recurrent state ({cfg.family}): only --kind mtp trains a drafter for it"
         )
     loaded = load_model(name, store=store)
+    if args.chat_rounds and not loaded.manifest.tokenizer.chat_template:
+        raise StoreError(f"model {name!r} has no chat template: --chat-rounds needs one")
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
         if store.exists(out) and not args.force:
@@ -272,7 +295,17 @@ def _teacher_pass(
     )
     t0 = time.monotonic()
     train, heldout = distill.build_teacher_data(
-        loaded.model, loaded.tokenizer_path, plan, cache, digest, progress=not args.quiet, rounds=args.rounds
+        loaded.model,
+        loaded.tokenizer_path,
+        plan,
+        cache,
+        digest,
+        progress=not args.quiet,
+        rounds=args.rounds,
+        gen_rounds=args.gen_rounds,
+        gen_round_tokens=args.gen_round_tokens or distill.GEN_ROUND_TOKENS,
+        chat_rounds=args.chat_rounds,
+        chat=distill.model_chat_frame(loaded.tokenizer_path, loaded.manifest.tokenizer) if args.chat_rounds else None,
     )
     command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {

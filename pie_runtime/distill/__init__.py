@@ -25,14 +25,20 @@ from the float32 target's.
 from ..models.cpu import bf16_is_fast
 from .agreement import draft_agreement, follows_greedy, mtp_agreement
 from .data import (
+    CHAT_PROMPT_LEN,
+    CHAT_REQUESTS,
     CORPUS_ENV,
+    GEN_ROUND_TOKENS,
     HELDOUT_FRACTION,
     TOP_K,
     DataPlan,
     TeacherData,
+    chat_frame,
+    chat_requests,
     corpus_folders,
     corpus_tokens,
     find_corpus,
+    model_chat_frame,
     spaced_windows,
 )
 from .dense import dense_hidden, dense_layer, greedy_generate
@@ -42,13 +48,18 @@ from .mtp import train_mtp
 from .teacher import build_teacher_data, teacher_generations, teacher_model, teacher_windows, top_ids
 
 __all__ = [
+    "CHAT_PROMPT_LEN",
+    "CHAT_REQUESTS",
     "CORPUS_ENV",
+    "GEN_ROUND_TOKENS",
     "HELDOUT_FRACTION",
     "TOP_K",
     "DataPlan",
     "TeacherData",
     "bf16_is_fast",
     "build_teacher_data",
+    "chat_frame",
+    "chat_requests",
     "candidates",
     "corpus_folders",
     "corpus_tokens",
@@ -60,6 +71,7 @@ __all__ = [
     "find_corpus",
     "follows_greedy",
     "greedy_generate",
+    "model_chat_frame",
     "mtp_agreement",
     "spaced_windows",
     "teacher_generations",

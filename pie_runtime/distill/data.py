@@ -3,7 +3,8 @@
 sequences with the target's view of them that training and evaluation read.
 
 Training data: windows of the corpus (teacher-forced) and, optionally, the target's own greedy
-continuations of corpus prompts, which are what a drafter sees when serving (see :mod:`.teacher`).
+continuations of corpus prompts, which are what a drafter sees when serving (see :mod:`.teacher`), and its
+replies in its chat template to requests about corpus passages (what a drafter sees serving a chat).
 """
 
 from __future__ import annotations
@@ -11,14 +12,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from ..models.checkpoint import TokenizerInfo
+
 TOP_K = 8  # target top-k ids cached per position (the candidate set's core)
 HELDOUT_FRACTION = 0.05  # the last 5% of every corpus file is never trained on
+CHAT_PROMPT_LEN = 96  # tokens of a chat-round prompt: the template's frame, a request and a corpus passage
+# what a chat round asks about each passage, in turn (the passage follows the request after a blank line)
+CHAT_REQUESTS = (
+    "Summarize this passage in a few sentences.",
+    "What happens in this passage?",
+    "Rewrite this passage in plain modern English.",
+    "Continue this story.",
+    "Explain this passage to a child.",
+    "Who is in this passage, and what do they want?",
+    "Write a short poem inspired by this passage.",
+    "What is the main idea of this text?",
+    "Answer in one word: is this passage happy or sad? Then explain why.",
+    "List three questions a reader might ask about this passage.",
+)
+GEN_ROUND_TOKENS = 262_144  # tokens of one generation-only data round (`pie drafter train --gen-rounds`)
 CORPUS_ENV = "PIE_CORPUS_DIR"  # a folder holding the corpus files (austen.txt, kjv.txt)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,6 +135,9 @@ class DataPlan:
     prompt_len: int = 32
     teacher_dtype: str = "float32"  # the teacher pass's weights: float32 (exact) or bfloat16 (fast)
     data_round: int = 0  # round r > 0: windows and prompts shifted by round_phase(r), no held-out part
+    # (text before, text after) a user message's content in the target's chat template, its assistant turn
+    # opened (:func:`chat_frame`): the generation prompts are then chat requests about corpus passages
+    chat: tuple[str, str] | None = None
 
     def key(self, target_digest: str) -> str:
         files = [(str(Path(c).resolve()), Path(c).stat().st_size) for c in self.corpora]
@@ -133,6 +156,7 @@ class DataPlan:
             ]
             + ([self.teacher_dtype] if self.teacher_dtype != "float32" else [])
             + ([f"round{self.data_round}"] if self.data_round else [])  # round 0 keeps the keys cached before
+            + ([list(self.chat), list(CHAT_REQUESTS)] if self.chat else [])
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -150,5 +174,46 @@ class DataPlan:
             # corpus windows and generation prompts come from disjoint halves of each window slot
             windows += spaced_windows(train_ids, per, self.seq_len, phase)
             held += spaced_windows(held_ids, n_held, self.seq_len)
-            prompts += [w[-self.prompt_len :] for w in spaced_windows(train_ids, n_gen, self.seq_len + 97, phase)]
+            starts = spaced_windows(train_ids, n_gen, self.seq_len + 97, phase)
+            if self.chat:
+                prompts += chat_requests(tokenizer_file, self.chat, starts, self.prompt_len, len(prompts))
+            else:
+                prompts += [w[-self.prompt_len :] for w in starts]
         return windows, held, prompts
+
+
+def chat_frame(render: Callable[[list[dict]], str]) -> tuple[str, str]:
+    """(text before, text after) a user message's content as ``render`` (a chat template with its
+    generation prompt) frames it."""
+    before, _, after = render([{"role": "user", "content": "\x00"}]).partition("\x00")
+    return before, after
+
+
+def model_chat_frame(tokenizer_file: Path, info: TokenizerInfo) -> tuple[str, str]:
+    """:func:`chat_frame` of a stored model's chat template (ValueError when it has none)."""
+    from inferlet.tokenizer import Tokenizer
+
+    if not info.chat_template:
+        raise ValueError("the model has no chat template")
+    tok = Tokenizer(Path(tokenizer_file).read_text(), info.eos_token_ids, info.bos_token_id, info.chat_template)
+    return chat_frame(tok.chat)
+
+
+def chat_requests(
+    tokenizer_file: Path, frame: tuple[str, str], windows: list[list[int]], length: int, first: int = 0
+) -> list[list[int]]:
+    """One chat prompt of exactly ``length`` tokens per corpus window: the frame around a request
+    (:data:`CHAT_REQUESTS` in turn, from the ``first``-th) and the end of the window's text, cut to fit."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    after = tok.encode(frame[1], add_special_tokens=False).ids
+    prompts = []
+    for i, w in enumerate(windows):
+        request = CHAT_REQUESTS[(first + i) % len(CHAT_REQUESTS)]
+        before = tok.encode(f"{frame[0]}{request}\n\n", add_special_tokens=False).ids
+        room = length - len(before) - len(after)
+        if room < 8:
+            raise ValueError(f"a chat prompt of {length} tokens leaves {room} for the passage: the template is longer")
+        prompts.append(before + w[-room:] + after)
+    return prompts

@@ -1,6 +1,7 @@
 """Teacher data in rounds (`pie drafter train --rounds R`): each round's windows fall between the earlier
 rounds', round 0 is the single-round plan (its cache key unchanged), and raising the rounds reuses the cached
-rounds and computes only the new ones. A tiny random target and a byte-level tokenizer: no store, no corpus."""
+rounds and computes only the new ones; generation and chat rounds hold the target's own continuations and
+replies. A tiny random target and a byte-level tokenizer: no store, no corpus."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
-from pie_runtime.distill import DataPlan, build_teacher_data, spaced_windows
+from pie_runtime.distill import (
+    CHAT_PROMPT_LEN,
+    CHAT_REQUESTS,
+    DataPlan,
+    TeacherData,
+    build_teacher_data,
+    spaced_windows,
+)
 from pie_runtime.distill.data import round_phase
 from pie_runtime.models.llama import LlamaForCausalLM
 from tests.models.tiny_models import tiny_llama_config, tiny_tokenizer_json
@@ -80,3 +89,56 @@ def test_raising_the_rounds_computes_only_the_new_ones(setup, tmp_path):
     # each later round's rows are the target's view of its own windows, as a round built alone would be
     again, _ = build_teacher_data(target, tokenizer, plan, None, "d", progress=False, rounds=3)
     assert torch.equal(again.tokens, three.tokens) and torch.equal(again.top, three.top)
+
+
+def test_generation_rounds_hold_only_the_targets_continuations_and_stay_cached(setup, tmp_path):
+    """`--gen-rounds`: each such round is the target's greedy continuations of corpus prompts, and no
+    corpus window; its cache file does not depend on ``--rounds``, so raising the corpus rounds keeps it."""
+    target, tokenizer, corpus = setup
+    plan = DataPlan([corpus], tokens=8 * SEQ, gen_tokens=0, seq_len=SEQ, heldout_tokens=2 * SEQ, prompt_len=8)
+    cache = tmp_path / "cache"
+    base, _ = build_teacher_data(target, tokenizer, plan, None, "d", progress=False)
+    data, _ = build_teacher_data(
+        target, tokenizer, plan, cache, "d", progress=False, gen_rounds=2, gen_round_tokens=4 * SEQ
+    )
+    gen = TeacherData(*(t[len(base.tokens) :] for t in (data.tokens, data.hidden, data.top)))
+    assert torch.equal(data.tokens[: len(base.tokens)], base.tokens)
+    assert 6 <= len(gen.tokens) <= 8  # 4 prompts a round, less one that would run past the text's end
+    assert torch.equal(gen.tokens[:, 8:], gen.top[:, 7:-1, 0].long())  # every token after the prompt is greedy
+    prompts = {tuple(row[:8]) for row in gen.tokens.tolist()}
+    assert len(prompts) == len(gen.tokens)  # the two rounds' prompts lie apart
+    tok, text = Tokenizer.from_file(str(tokenizer)), corpus.read_text()
+    assert all(tok.decode(list(p)) in text for p in prompts)  # each prompt is corpus text
+
+    files = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()}
+    assert len(files) == 3
+    build_teacher_data(
+        target, tokenizer, plan, cache, "d", progress=False, rounds=2, gen_rounds=2, gen_round_tokens=4 * SEQ
+    )
+    after = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()}
+    assert len(after) == 4 and all(after[name] == stamp for name, stamp in files.items())
+
+
+def test_chat_rounds_are_the_targets_replies_to_requests_about_passages(setup):
+    """`--chat-rounds`: each prompt is the chat template's frame around one of CHAT_REQUESTS and a corpus
+    passage, CHAT_PROMPT_LEN tokens; the rest of the row is the target's greedy reply."""
+    target, tokenizer, corpus = setup
+    frame = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+    plan = DataPlan([corpus], tokens=4 * 128, gen_tokens=0, seq_len=128, heldout_tokens=128)
+    base, _ = build_teacher_data(target, tokenizer, plan, None, "d", progress=False)
+    data, _ = build_teacher_data(
+        target, tokenizer, plan, None, "d", progress=False, chat_rounds=1, gen_round_tokens=6 * 128, chat=frame
+    )
+    chat = data.tokens[len(base.tokens) :]
+    top = data.top[len(base.tokens) :]
+    assert len(chat) >= 5
+    p = CHAT_PROMPT_LEN
+    assert torch.equal(chat[:, p:], top[:, p - 1 : -1, 0].long())  # the reply is the target's greedy choice
+    tok, text = Tokenizer.from_file(str(tokenizer)), corpus.read_text()
+    for i, row in enumerate(chat.tolist()):
+        prompt = tok.decode(row[:p], skip_special_tokens=False)
+        assert prompt.startswith(frame[0] + CHAT_REQUESTS[i] + "\n\n") and prompt.endswith(frame[1])
+        passage = prompt[len(frame[0] + CHAT_REQUESTS[i] + "\n\n") : -len(frame[1])]
+        assert len(passage) >= 8 and passage in text
+    with pytest.raises(ValueError, match="chat template"):
+        build_teacher_data(target, tokenizer, plan, None, "d", progress=False, chat_rounds=1)
