@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="70b90791e26e30c2e2b9e9db87280246dbc8168fef27f172367b78e9c5999c81",
+            sha256="d89098b869624356291f403e4c0977ec3030bf15856975983b13f6ff487d4225",
         ),
     ),
 }
