@@ -208,12 +208,12 @@ def chat_requests(
 
     tok = Tokenizer.from_file(str(tokenizer_file))
     after = tok.encode(frame[1], add_special_tokens=False).ids
+    befores = [tok.encode(f"{frame[0]}{request}\n\n", add_special_tokens=False).ids for request in CHAT_REQUESTS]
+    room = [length - len(before) - len(after) for before in befores]
+    if min(room) < 8:
+        raise ValueError(f"a chat prompt of {length} tokens leaves {min(room)} for the passage: the template is longer")
     prompts = []
     for i, w in enumerate(windows):
-        request = CHAT_REQUESTS[(first + i) % len(CHAT_REQUESTS)]
-        before = tok.encode(f"{frame[0]}{request}\n\n", add_special_tokens=False).ids
-        room = length - len(before) - len(after)
-        if room < 8:
-            raise ValueError(f"a chat prompt of {length} tokens leaves {room} for the passage: the template is longer")
-        prompts.append(before + w[-room:] + after)
+        r = (first + i) % len(CHAT_REQUESTS)
+        prompts.append(befores[r] + w[-room[r] :] + after)
     return prompts

@@ -136,12 +136,17 @@ def build_teacher_data(
         raise ValueError("chat rounds need the target's chat template")
     plans += [replace(gen, prompt_len=CHAT_PROMPT_LEN, chat=chat, data_round=r + 1) for r in range(chat_rounds)]
     parts = [
-        _teacher_round(model, teacher, tokenizer_file, p, cache_dir, target_digest, progress, f"{i + 1}/{len(plans)}")
-        for i, p in enumerate(plans)
+        _teacher_round(model, teacher, tokenizer_file, p, cache_dir, target_digest, progress, desc)
+        for p, desc in zip(plans, _round_labels(len(plans)))
     ]
     heldout = parts[0][1]
     assert heldout is not None  # round 0 has its held-out part
     return TeacherData.concat([train for train, _ in parts]), heldout
+
+
+def _round_labels(n: int) -> list[str]:
+    """The teacher pass's progress-bar label of each of ``n`` data rounds."""
+    return [f"target, round {i + 1}/{n}" for i in range(n)] if n > 1 else ["target"]
 
 
 def _teacher_round(
@@ -152,7 +157,7 @@ def _teacher_round(
     cache_dir: Path | None,
     target_digest: str,
     progress: bool,
-    of: str,
+    desc: str,
 ) -> tuple[TeacherData, TeacherData | None]:
     """One data round's (train, held-out) teacher data, from the cache or from ``teacher(plan.teacher_dtype)``
     (the target's layers) ranked by ``model``'s float32 head."""
@@ -165,7 +170,6 @@ def _teacher_round(
     windows, held, prompts = plan.windows(tokenizer_file)
     total = (len(windows) + len(held) + len(prompts)) * plan.seq_len
     layers = teacher(plan.teacher_dtype)
-    desc = f"target, round {of}" if of != "1/1" else "target"
     with tqdm(total=total, desc=desc, unit="tok", disable=not progress, smoothing=0.1) as bar:
         heldout = teacher_windows(layers, held, bar=bar, head=model) if held else None
         parts = [teacher_windows(layers, windows, bar=bar, head=model)] if windows else []
