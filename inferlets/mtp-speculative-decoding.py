@@ -28,6 +28,7 @@ import numpy as np
 
 import inferlet
 from inferlet.args import DecodeArgs
+from inferlet.chained import next_depth
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.device_rounds import mtp_run_ahead
@@ -44,14 +45,14 @@ class Args(DecodeArgs):
 
 
 class MTPDrafter(Drafter):
-    """Each fire's MTP readout drafts the next round. Its depth follows the draft count the planner asked
-    for last (a round late: this fire's drafts are next round's), since every level of depth costs an MTP
-    step and an lm head whether or not its draft is used; before a round the planner will not draft in,
-    the fire reads out no MTP at all."""
+    """Each fire's MTP readout drafts the next round. Its depth is the most drafts the planner could ask for
+    next round, whatever this round's verdict (``next_depth``), since every level of depth costs an MTP step
+    and an lm head whether or not its draft is used; before a round the planner will not draft in, the fire
+    reads out no MTP at all."""
 
     def __init__(self, k: int, step_ms: float = 0.0, widths: list[int] | None = None):
         self.k = k
-        self.depth = k
+        self.proposed = 0  # chain drafts the fire being built verifies
         self.next: list[int] = []
         self.next_tree: TokenTree | None = None
         self.draft_cost_ms = step_ms
@@ -61,7 +62,8 @@ class MTPDrafter(Drafter):
 
     def readouts(self, verifier: Verifier) -> list:
         self.reading_tree = False
-        if self.k == 0 or (self.planner is not None and not self.planner.will_draft()):
+        depth = next_depth(self, self.proposed, self.k)
+        if depth == 0:
             return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         w = self.widths
         # reading the tree's distributions costs an MTP chain on every row of this fire, not on one
@@ -72,11 +74,11 @@ class MTPDrafter(Drafter):
             mtp = inferlet.MTP(len(w), with_probs=True)
             return [mtp] if verifier.greedy else [verifier.kind(), mtp]
         if verifier.greedy and not self.tree_fire:  # the engine chains drafts only from the kept row
-            return [inferlet.MTP(self.depth, at_accepted=True)]
-        return [verifier.kind(), inferlet.MTP(self.depth)]
+            return [inferlet.MTP(depth, at_accepted=True)]
+        return [verifier.kind(), inferlet.MTP(depth)]
 
     def observe(self, res: inferlet.PassResult, verified: VerifyResult | TreeVerdict) -> None:
-        self.next, self.next_tree, self.tree_fire = [], None, False
+        self.next, self.next_tree, self.tree_fire, self.proposed = [], None, False, 0
         if res.readouts[-1].kind != "mtp":
             return
         row = verified.path[-1] if isinstance(verified, TreeVerdict) else verified.accepted
@@ -92,11 +94,10 @@ class MTPDrafter(Drafter):
             self.next = [int(t) for t in tokens[1:]]
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
-        if self.k:
-            self.depth = min(max(k, 1), self.k)
         self.tree_fire = self.next_tree is not None
         if self.next_tree is not None:
             return Proposal(tree=self.next_tree)
+        self.proposed = min(k, len(self.next))
         return Proposal(self.next[:k])
 
 

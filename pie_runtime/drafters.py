@@ -24,6 +24,7 @@ from .models import eagle as eagle_file
 from .models.config import ModelConfig
 from .models.eagle import EagleConfig, EagleHead, load_eagle
 from .models.mtp import MTPConfig, MTPHead, config_path, load_mtp, read_config
+from .models.weights import serve_drafter
 from .store import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
@@ -300,24 +301,30 @@ def _drafter_name(stem: str) -> str:
 # ---- serving ----------------------------------------------------------------------------------------------
 
 
-def load_mtp_head(store: ModelStore, target: Manifest, model, dtype: torch.dtype, device) -> MTPHead | None:
-    """The target's MTP head (the first attached), checked and bound to the loaded target, or None."""
+def load_mtp_head(
+    store: ModelStore, target: Manifest, model, dtype: torch.dtype, device, weights: str = "fp32"
+) -> MTPHead | None:
+    """The target's MTP head (the first attached), checked, in the target's weight format ``weights`` and bound
+    to the loaded target, or None."""
     entry = next((d for d in target.drafters if d.kind == "mtp"), None)
     if entry is None:
         return None
     path = store.path(target.name) / entry.path
     check_mtp(target, path)
-    return MTPHead(load_mtp(path, dtype, device), model)
+    return MTPHead(serve_drafter(load_mtp(path, dtype, device), weights), model)
 
 
-def load_eagle_head(store: ModelStore, target: Manifest, model, dtype: torch.dtype, device) -> EagleHead | None:
-    """The target's EAGLE head (at most one is attached), checked and bound to the loaded target, or None."""
+def load_eagle_head(
+    store: ModelStore, target: Manifest, model, dtype: torch.dtype, device, weights: str = "fp32"
+) -> EagleHead | None:
+    """The target's EAGLE head (at most one is attached), checked, in the target's weight format ``weights``
+    and bound to the loaded target, or None."""
     entry = next((d for d in target.drafters if d.kind == "eagle"), None)
     if entry is None:
         return None
     path = store.path(target.name) / entry.path
     check_eagle(target, path)
-    return EagleHead(load_eagle(path, dtype, device), model)
+    return EagleHead(serve_drafter(load_eagle(path, dtype, device), weights), model)
 
 
 def served_formats(store: ModelStore, names: list[str], default: str, chosen: dict[str, str]) -> dict[str, str]:

@@ -94,8 +94,8 @@ def build_served_model(
     check_attached(store, manifest)  # a drafter the target cannot use stops the engine here
     # heads are not sharded: a tensor-parallel engine serves the target without them (mtp_depth 0)
     sharded = tensor_parallel > 1
-    mtp = None if sharded else load_mtp_head(store, manifest, loaded.model, torch_dtype, device)
-    eagle = None if sharded else load_eagle_head(store, manifest, loaded.model, torch_dtype, device)
+    mtp = None if sharded else load_mtp_head(store, manifest, loaded.model, torch_dtype, device, weights)
+    eagle = None if sharded else load_eagle_head(store, manifest, loaded.model, torch_dtype, device, weights)
     extra = 1 if eagle is not None else 0  # the EAGLE draft layer's K/V live in the same pages
     if kv_pages is None:
         per_page = KVCache.bytes_per_page(cfg, page_size, torch_dtype, extra)

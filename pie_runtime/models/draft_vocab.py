@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .quant import Int8Linear, quantize_int8
+
 
 def frequent_ids(
     greedy: torch.Tensor, vocab_size: int, n: int, always: list[int] | tuple[int, ...] = ()
@@ -61,6 +63,7 @@ class DraftLogits:
         self.vocab_size = vocab_size
         self.ids = ids
         self.weight: torch.Tensor | None = None
+        self.int8: Int8Linear | None = None  # the slice as an int8 layer where the served head is int8
         if ids is not None:
             p = next(iter(lm_head.buffers()), None)
             p = next(iter(lm_head.parameters()), p)
@@ -69,12 +72,17 @@ class DraftLogits:
             full = served_head_weight(lm_head, hidden_size, dtype, device)
             self.ids = ids.to(device=device, dtype=torch.int64)
             self.weight = full.index_select(0, self.ids).contiguous()
+            if isinstance(lm_head, Int8Linear):  # the slice's rows are int8 already: keep them so
+                self.int8 = Int8Linear(quantize_int8(self.weight.float()), None, device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) normed hidden states → (..., V) float32 logits."""
         if self.weight is None or self.ids is None:
             return self.target_logits(hidden)
-        sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()  # (..., N)
+        if self.int8 is not None:
+            sub = self.int8(hidden.to(torch.bfloat16)).float()  # (..., N)
+        else:
+            sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()
         out = sub.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.ids] = sub
         return out

@@ -17,28 +17,30 @@ HeadReadout = Callable[[int, bool], ReadoutSpec]
 
 
 class ChainedDrafter(Drafter):
-    """Each fire's head readout drafts the next round. Its depth follows the draft count the planner asked
-    for last (a round late: this fire's drafts are next round's), since every level of depth costs a head
-    step and an lm head whether or not its draft is used; before a round the planner will not draft in, the
-    fire reads out no head at all. Greedy: the engine chains only from the row verification stops at
+    """Each fire's head readout drafts the next round. Its depth is the most drafts the planner could ask for
+    next round, whatever this round's verdict (``DraftPlanner.most_next``), since every level of depth costs
+    a head step and an lm head whether or not its draft is used; before a round the planner will not draft
+    in, the fire reads out no head at all. Greedy: the engine chains only from the row verification stops at
     (at_accepted). Sampled: every row chains from the target's argmax, and the drafts are kept only where
     the sampled token is that argmax."""
 
     def __init__(self, head: HeadReadout, k: int, step_ms: float = 0.0):
         self.head = head
         self.k = k
-        self.depth = k
+        self.proposed = 0  # drafts the fire being built verifies
         self.next: list[int] = []
         self.draft_cost_ms = step_ms
 
     def readouts(self, verifier: Verifier) -> list[ReadoutSpec]:
-        if self.k == 0 or (self.planner is not None and not self.planner.will_draft()):
+        depth = next_depth(self, self.proposed, self.k)
+        if depth == 0:
             return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         if verifier.greedy:
-            return [self.head(self.depth, True)]
-        return [verifier.kind(), self.head(self.depth, False)]
+            return [self.head(depth, True)]
+        return [verifier.kind(), self.head(depth, False)]
 
     def observe(self, res: PassResult, verified: VerifyResult) -> None:
+        self.proposed = 0
         last = res.readouts[-1]
         if last.tokens is None or last.tokens.ndim != 2:  # no head readout this fire
             self.next = []
@@ -48,6 +50,15 @@ class ChainedDrafter(Drafter):
         self.next = drafts if int(tokens[0]) == verified.tokens[-1] and min(drafts, default=0) >= 0 else []
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
-        if self.k:
-            self.depth = min(max(k, 1), self.k)
-        return Proposal(self.next[:k])
+        drafts = self.next[:k]
+        self.proposed = len(drafts)
+        return Proposal(drafts)
+
+
+def next_depth(drafter: Drafter, proposed: int, k: int) -> int:
+    """The drafts a head readout in the fire being built should chain for the next round: at most the
+    drafter's ``k``, as many as the planner could ask for after this round's ``proposed`` drafts (all ``k``
+    without a planner), 0 for none."""
+    if k == 0 or drafter.planner is None:
+        return k
+    return min(k, drafter.planner.most_next(proposed))

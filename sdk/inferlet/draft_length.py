@@ -44,6 +44,8 @@ would never see the drafter start hitting again.
 
 from __future__ import annotations
 
+import copy
+
 
 class DraftPlanner:
     """Per-round draft counts for one run: ``next()`` before a round, ``observe()`` after its verification."""
@@ -195,25 +197,39 @@ class DraftPlanner:
         """One draft at the slowly forgotten acceptance beats a plain step."""
         return (1 + self.slow_hits / self.slow_trials) / self.round_cost(1) > 1 / self.round_cost(0)
 
-    def will_draft(self) -> bool:
-        """Whether ``next()`` would draft if asked now (it does not count as asking): a drafter whose drafts
-        come from the previous fire (MTP) skips computing them before a round that will not use them."""
-        if not self.adaptive or self.max_k == 0:
-            return self.max_k > 0
-        return self.drafting_pays() or self.idle + 1 >= self.probe_every
-
-    def next(self) -> int:
-        """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
+    def upcoming(self) -> int:
+        """What ``next()`` would return if asked now, without counting as asking."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
         if self.drafting_pays():
-            self.idle = 0
             return max(1, self.best())
-        self.idle += 1
-        if self.idle >= self.probe_every:
-            self.idle = 0
-            return 1
-        return 0
+        return 1 if self.idle + 1 >= self.probe_every else 0  # a one-draft probe after probe_every plain rounds
+
+    def will_draft(self) -> bool:
+        """Whether ``next()`` would draft if asked now (it does not count as asking)."""
+        return self.upcoming() > 0
+
+    def most_next(self, proposed: int) -> int:
+        """The most drafts ``next()`` could ask for after the round now being verified (``proposed`` chain
+        drafts), whatever its verdict. A drafter whose next drafts come from this round's fire (an MTP or EAGLE
+        head) computes that many: the round's own count would cut a run of hits short (one after a round of
+        one, however well it went), and 0 (no head at all) when no verdict would lead to drafting."""
+        if not self.adaptive or self.max_k == 0 or proposed <= 0:
+            return self.upcoming()
+        most = 0
+        for accepted in range(proposed + 1):
+            after = copy.copy(self)
+            after.pos_hits, after.pos_trials = list(self.pos_hits), list(self.pos_trials)
+            after.observe(proposed, accepted)
+            most = max(most, after.upcoming())
+        return most
+
+    def next(self) -> int:
+        """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
+        k = self.upcoming()
+        if self.adaptive and self.max_k:
+            self.idle = 0 if k else self.idle + 1
+        return k
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A verified round: ``accepted`` of ``proposed`` drafts kept (a full acceptance is no rejection)."""

@@ -1,9 +1,12 @@
 """A drafter's reduced vocabulary (models/draft_vocab.py) on a tiny random target: the slice is the most
 frequent greedy tokens plus the ones always kept; sliced logits equal the target's on the slice and are -inf
 elsewhere, for float and quantized lm heads; MTP and EAGLE heads draft only from their slice and carry it
-through save and load exactly (ids stay integers), while files without one still load."""
+through save and load exactly (ids stay integers), while files without one still load; a head served beside an
+int4 target runs int8 layers that compute its quantized weights."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -19,6 +22,7 @@ from pie_runtime.models.eagle import EagleConfig, EagleModule, load_eagle, save_
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.models.mtp import MTPConfig, MTPHead, MTPModule, load_mtp, read_config, save_mtp
 from pie_runtime.models.quant import Int8Linear, quantize_int8
+from pie_runtime.models.weights import prepare_for_serving, serve_drafter
 from tests.models.tiny_models import tiny_llama_config
 
 CFG = tiny_llama_config()
@@ -118,3 +122,28 @@ def test_an_eagle_head_carries_its_slice_through_save_and_load(tmp_path):
     back = load_eagle(tmp_path / "eagle.safetensors", torch.bfloat16)
     assert back.config.draft_vocab == 4 and torch.equal(back.draft_ids, ids)
     assert back.fc.weight.dtype == torch.bfloat16
+
+
+def test_a_head_served_beside_an_int4_target_runs_int8_layers_that_compute_its_quantized_weights():
+    t = prepare_for_serving(target(), "int4")  # int4 projections, an int8 lm head, bf16 activations
+    module = mtp_module()
+    set_draft_vocab(module, torch.arange(0, 300, 3))
+    ref = copy.deepcopy(module)  # what int8 should compute: each weight, loaded in bf16, as it dequantizes
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight.copy_(quantize_int8(m.weight.to(torch.bfloat16)).dequantize(torch.float32))
+    ref = MTPHead(ref.to(torch.bfloat16), t)
+    served = MTPHead(serve_drafter(module.to(torch.bfloat16), "int4"), t)
+    assert not any(isinstance(m, torch.nn.Linear) for m in served.module.modules())
+    assert any(isinstance(m, Int8Linear) for m in served.module.modules())
+    assert isinstance(served.logits.int8, Int8Linear)  # the slice of the int8 head stays int8
+    h, first = torch.randn(16, 64, dtype=torch.bfloat16), torch.randint(0, 300, (16,))
+    want, got = ref.step(h, first).float(), served.step(h, first).float()
+    assert (got - want).norm() / want.norm() < 0.02  # bf16 rounding of the activations and sums
+    lw, lg = ref.logits(ref.step(h, first)), served.logits(served.step(h, first))
+    ids = served.logits.ids
+    assert ids is not None and torch.isneginf(lg[:, torch.isin(torch.arange(300), ids, invert=True)]).all()
+    assert (lg[:, ids] - lw[:, ids]).norm() / lw[:, ids].norm() < 0.03
+    for fmt in ("fp32", "bf16"):  # formats with float projections keep the module as loaded
+        kept = mtp_module()
+        assert serve_drafter(kept, fmt) is kept and isinstance(kept.proj, torch.nn.Linear)

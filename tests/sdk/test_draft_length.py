@@ -3,6 +3,8 @@ given, follows acceptance up and down, and falls back to the fixed length withou
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from inferlet.draft_length import DraftPlanner
@@ -109,6 +111,38 @@ def test_will_draft_predicts_next_without_counting_as_a_round():
         assert p.will_draft() == predicted and p.idle == idle  # asking twice changes nothing
         assert (p.next() > 0) == predicted
     assert DraftPlanner(4, []).will_draft() and not DraftPlanner(0, CPU).will_draft()
+
+
+def test_most_next_bounds_what_any_verdict_of_the_round_leads_to():
+    """A head drafter computes next round's drafts in this round's fire, before the verdict: most_next is the
+    most that next() can then ask for, and no less than what a round of hits leads to."""
+    import random
+
+    rng = random.Random(0)
+    for curve in (CPU, INT4, FLAT, LINEAR):
+        p = DraftPlanner(4, curve, probe_every=3)
+        for _ in range(60):
+            k = p.next()
+            bound = p.most_next(k)
+            outcomes = []
+            for accepted in range(k + 1):
+                after = copy.deepcopy(p)
+                after.observe(k, accepted)
+                outcomes.append(after.next())
+            assert bound == max(outcomes)
+            p.observe(k, min(k, int(rng.random() * (k + 1))))
+
+
+def test_after_a_round_of_one_that_may_hit_the_head_chains_more_than_one():
+    p = DraftPlanner(3, INT4)
+    p.observe(p.next(), 0)  # a miss: the planner probes with one
+    k = p.next()
+    assert k == 1
+    hit = copy.deepcopy(p)
+    hit.observe(k, k)
+    assert hit.next() > k and p.most_next(k) == hit.next()
+    loser = DraftPlanner(4, LINEAR, probe_every=8)
+    assert loser.next() == 0 and loser.most_next(0) == 0  # nothing to chain before a plain round
 
 
 # int4 on the same CPU (pie bench decode): flat to 2 rows, then about 1 ms a row
