@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="d89098b869624356291f403e4c0977ec3030bf15856975983b13f6ff487d4225",
+            sha256="fc2d51653889d1031b9bca3c43e0602442795fb88cd017c78204ecf32f1c2201",
         ),
     ),
 }
