@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .quant import Int8Linear, quantize_int8
+from .quant import Int8Linear
 
 
 def frequent_ids(
@@ -62,26 +62,28 @@ class DraftLogits:
         self.target_logits = target_logits
         self.vocab_size = vocab_size
         self.ids = ids
-        self.weight: torch.Tensor | None = None
-        self.int8: Int8Linear | None = None  # the slice as an int8 layer where the served head is int8
+        self.weight: torch.Tensor | None = None  # the slice's rows, dense (a float or a non-CPU head)
+        self.int8: Int8Linear | None = None  # or the served int8 head's own rows (a CPU int8 head)
         if ids is not None:
             p = next(iter(lm_head.buffers()), None)
             p = next(iter(lm_head.parameters()), p)
             device = p.device if p is not None else torch.device("cpu")
-            dtype = p.dtype if p is not None and p.is_floating_point() else torch.bfloat16
-            full = served_head_weight(lm_head, hidden_size, dtype, device)
             self.ids = ids.to(device=device, dtype=torch.int64)
-            self.weight = full.index_select(0, self.ids).contiguous()
-            if isinstance(lm_head, Int8Linear):  # the slice's rows are int8 already: keep them so
-                self.int8 = Int8Linear(quantize_int8(self.weight.float()), None, device)
+            if isinstance(lm_head, Int8Linear) and lm_head.on_cpu:
+                self.int8 = lm_head.rows(self.ids)
+            else:
+                dtype = p.dtype if p is not None and p.is_floating_point() else torch.bfloat16
+                full = served_head_weight(lm_head, hidden_size, dtype, device)
+                self.weight = full.index_select(0, self.ids).contiguous()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) normed hidden states → (..., V) float32 logits."""
-        if self.weight is None or self.ids is None:
+        if self.ids is None:
             return self.target_logits(hidden)
         if self.int8 is not None:
             sub = self.int8(hidden.to(torch.bfloat16)).float()  # (..., N)
         else:
+            assert self.weight is not None  # a slice without the int8 rows has dense ones
             sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()
         out = sub.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.ids] = sub

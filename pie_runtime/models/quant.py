@@ -338,6 +338,15 @@ class Int8Linear(_QuantLinear):
     def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scales
 
+    def rows(self, ids: torch.Tensor) -> Int8Linear:
+        """A CPU layer computing only the output rows ``ids``, with this layer's int8 values and scales as they
+        are (a drafter's slice of the lm head: its logits are the served head's, bit for bit). No bias."""
+        if not self.on_cpu:
+            raise QuantError("rows() needs the CPU layer's int8 buffers")
+        d = self.scales.index_select(0, ids).float().unsqueeze(-1)  # bf16 values: _pack keeps them exactly
+        gq = GroupQuant(self.q.index_select(0, ids), d, torch.zeros_like(d), bits=8, group=self.in_features)
+        return Int8Linear(gq)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch._weight_int8pack_mm  # pyright: ignore[reportPrivateImportUsage]
         return mm(x, self.q, self.scales)

@@ -218,7 +218,7 @@ class DraftPlanner:
             return self.upcoming()
         most = 0
         for accepted in range(proposed + 1):
-            after = copy.copy(self)
+            after = copy.copy(self)  # observe() rebinds the floats but updates these two lists in place
             after.pos_hits, after.pos_trials = list(self.pos_hits), list(self.pos_trials)
             after.observe(proposed, accepted)
             most = max(most, after.upcoming())

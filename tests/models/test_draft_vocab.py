@@ -137,6 +137,9 @@ def test_a_head_served_beside_an_int4_target_runs_int8_layers_that_compute_its_q
     assert not any(isinstance(m, torch.nn.Linear) for m in served.module.modules())
     assert any(isinstance(m, Int8Linear) for m in served.module.modules())
     assert isinstance(served.logits.int8, Int8Linear)  # the slice of the int8 head stays int8
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    sliced = served.logits.ids
+    assert sliced is not None and torch.equal(served.logits(x)[:, sliced], t.logits(x)[:, sliced])  # its own rows
     h, first = torch.randn(16, 64, dtype=torch.bfloat16), torch.randint(0, 300, (16,))
     want, got = ref.step(h, first).float(), served.step(h, first).float()
     assert (got - want).norm() / want.norm() < 0.02  # bf16 rounding of the activations and sums

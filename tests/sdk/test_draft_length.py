@@ -4,6 +4,7 @@ given, follows acceptance up and down, and falls back to the fixed length withou
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 
@@ -116,8 +117,6 @@ def test_will_draft_predicts_next_without_counting_as_a_round():
 def test_most_next_bounds_what_any_verdict_of_the_round_leads_to():
     """A head drafter computes next round's drafts in this round's fire, before the verdict: most_next is the
     most that next() can then ask for, and no less than what a round of hits leads to."""
-    import random
-
     rng = random.Random(0)
     for curve in (CPU, INT4, FLAT, LINEAR):
         p = DraftPlanner(4, curve, probe_every=3)
