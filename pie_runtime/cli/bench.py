@@ -230,6 +230,8 @@ def summary(m: dict) -> dict:
         out["round_ms_mean"] = round(statistics.fmean(s["round_ms"]), 2)
         out["round_ms_median"] = round(statistics.median(s["round_ms"]), 2)
         out["draft_ms_mean"] = round(statistics.fmean(s["draft_ms"]), 2) if s.get("draft_ms") else 0.0
+        if "overhead_ms" in s:  # the adaptive planner's estimate of what a round costs past its pass and drafts
+            out["round_overhead_ms"] = s["overhead_ms"]
         out[f"{ref}_ms_per_token"] = round(1e3 / base_rate, 2) if base_rate else None
     return out
 

@@ -63,6 +63,7 @@ class Run:
     decode_s: float = 0.0
     round_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
+    overhead_ms: float | None = None  # the planner's last estimate of a round's overhead (adaptive schedule)
     logprobs: list[dict] | None = None
 
     @classmethod
@@ -99,6 +100,8 @@ class Run:
         if self.args.timing:
             stats["round_ms"] = [round(t, 3) for t in self.round_ms]
             stats["draft_ms"] = [round(t, 3) for t in self.draft_ms]
+            if self.overhead_ms is not None:
+                stats["overhead_ms"] = round(self.overhead_ms, 3)
         res = {**self.out.result(), "stats": stats, "speculation": self.stats.summary()}
         if self.logprobs is not None:
             res["logprobs"] = self.logprobs
@@ -129,7 +132,7 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             new, _ = await asyncio.gather(step(window, Proposal()), drafter.prefill(prompt))
         run.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.round_ms.clear()
-        t_decode = time.perf_counter()
+        t_decode = t_round = time.perf_counter()
         while True:
             taken = new[: out.push(new)]
             seq += taken
@@ -159,7 +162,11 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             else:
                 planner.observe(len(proposal.tokens), len(new) - 1)
             planner.observe_load(ws.step_rows, 1 + proposal.rows)
+            t_now = time.perf_counter()
+            planner.observe_time((t_now - t_round) * 1e3, ws.step_rows, proposal.rows)
+            t_round = t_now
         run.decode_s = time.perf_counter() - t_decode
+        run.overhead_ms = planner.overhead_ms if planner.adaptive and planner.residuals else None
     finally:
         await drafter.close()
         await ws.release()

@@ -11,10 +11,24 @@ overhead, then picks
 
     k* = argmax over 0 <= k <= max_k of  E[tokens | k, α] / (pass_cost(1 + k) + k * draft_cost + overhead)
 
-The α's come from recent rounds with exponential forgetting (weight ``decay`` per round), so k drops
-after a miss and climbs during a run of copies. On a CPU in float32, where 3 rows cost about one and 9
-rows 1.6x, that means short probes while the drafter misses and long windows while it hits; where wide
-windows are nearly free (bf16 with AMX, GPUs) it keeps k at the maximum.
+The overhead is not a guess either: a round's wall time past the curve's pass and the drafts' cost is what
+the loop spends besides (the engine's step bookkeeping, the messages, the verification on the host, and the
+attention over a context longer than the curve was measured at), and on a CPU it is a third of a 1-row pass.
+``observe_time`` keeps the median of the last rounds' residuals as ``overhead_ms``. Priced at 1 ms instead, a
+draft row looked three times dearer than it is, and the planner drafted one after most misses where two pay.
+
+The α's come from recent rounds with exponential forgetting, and each is conditioned on how the last
+drafting round ended: all its drafts kept, or one rejected. A prompt lookup's hits come in runs (a copied
+passage) and its misses too, so after a full round α|full is high and after a rejection α|rejected low, and k
+follows the runs: on a CPU in float32, where 3 rows cost about one and 9 rows 1.6x, short probes while the
+drafter misses and long windows while it hits; where wide windows are nearly free (bf16 with AMX, GPUs), k
+at the maximum. An MTP head's verdicts are nearly independent from round to round, so the two estimates
+agree and k holds where it pays on average. Each state's counts forget slowly (``state_decay``, about twenty
+rounds), toward the per-position α of the last few rounds (``decay``) where a state has little evidence.
+Forgetting fast without the state (as this planner first did) made an independent drafter's k swing with
+every miss: one halved α, and the next round drafted one or none where two pay on average. Simulated at an
+MTP head's 0.45 / 0.55 / 0.5 on the AMX CPU's int4 curve with an 8 ms overhead: 1.42x for that planner,
+1.46x with the state, 1.48x for a fixed 2; on a lookup's runs of hits the state gains on it as well.
 
 Under load the round is not alone in its step: other sequences' rows share the pass. The planner then
 prices a round by what it adds to the step, ``pass_cost(load + 1 + k) - pass_cost(load)`` (``load``: the other
@@ -45,6 +59,12 @@ would never see the drafter start hitting again.
 from __future__ import annotations
 
 import copy
+import statistics
+from collections import deque
+
+OVERHEAD_ROUNDS = (
+    15  # rounds whose median residual is the overhead: a slow spell of the machine moves it, one pause does not
+)
 
 
 class DraftPlanner:
@@ -58,6 +78,7 @@ class DraftPlanner:
         *,
         probe_every: int = 8,
         decay: float = 0.5,
+        state_decay: float = 0.95,
         slow_decay: float = 0.8,
         prior_alpha: float = 0.5,
         overhead_ms: float = 1.0,
@@ -69,14 +90,20 @@ class DraftPlanner:
         self.idle = 0  # plain rounds in a row the planner chose since the last drafting round
         self.costs = list(pass_cost_ms)
         self.draft_cost_ms = draft_cost_ms
-        self.overhead_ms = overhead_ms
+        self.overhead_ms = overhead_ms  # the prior, until observe_time has timed a round
+        self.residuals: deque[float] = deque(maxlen=OVERHEAD_ROUNDS)
         self.decay = decay
+        self.state_decay = state_decay
         self.slow_decay = slow_decay
         self.slow_hits, self.slow_trials = prior_alpha, 1.0  # the same counts, forgotten slowly
         self.hits = prior_alpha  # discounted accepted drafts
         self.trials = 1.0  # discounted accepted drafts + rejections (geometric trials)
         self.pos_hits = [0.0] * self.max_k  # [i]: discounted rounds that kept draft i+1
         self.pos_trials = [0.0] * self.max_k  # [i]: discounted rounds that verified draft i+1 after keeping i
+        self.full = False  # the last drafting round kept all its drafts (the state the α's are conditioned on)
+        # [full][i]: the same counts, forgotten slowly, of the rounds that followed a rejection (0) or a full round (1)
+        self.state_hits = [[0.0] * self.max_k for _ in range(2)]
+        self.state_trials = [[0.0] * self.max_k for _ in range(2)]
         self.load = 0  # other sequences' rows in the engine's last step (see the module docstring)
         self.replay = replay  # a rejecting round costs a replay of its kept rows (recurrent state)
         self.free_fold_rows = free_fold_rows  # ... unless they are this many or fewer (per-row states)
@@ -93,9 +120,16 @@ class DraftPlanner:
         """Pooled acceptance of a draft given the ones before it were kept."""
         return self.hits / self.trials
 
-    def position_alpha(self, i: int) -> float:
-        """Acceptance of draft i+1 given drafts 1..i were kept; one round's worth of the pooled α as prior."""
+    def recent_alpha(self, i: int) -> float:
+        """Acceptance of draft i+1 given drafts 1..i were kept, over the last few rounds whatever their state; one
+        round's worth of the pooled α as prior."""
         return min((self.pos_hits[i] + self.alpha) / (self.pos_trials[i] + 1.0), 0.999)
+
+    def position_alpha(self, i: int) -> float:
+        """Acceptance of draft i+1 given drafts 1..i were kept, after a round that ended as the last one did; one
+        round's worth of :meth:`recent_alpha` as prior."""
+        hits, trials = self.state_hits[self.full][i], self.state_trials[self.full][i]
+        return min((hits + self.recent_alpha(i)) / (trials + 1.0), 0.999)
 
     def pass_cost(self, rows: int) -> float:
         """Measured cost of a ``rows``-row pass; extended linearly past the measured widths."""
@@ -190,8 +224,19 @@ class DraftPlanner:
             self.tree_trials[d] += 1.0
             self.tree_hits[d] += 1.0 if d < accepted else 0.0
         rejected = 1 if accepted < depth else 0  # whether to draft at all: a tree round is a trial too
+        self.full = not rejected
         self.slow_hits = self.slow_hits * self.slow_decay + accepted
         self.slow_trials = self.slow_trials * self.slow_decay + accepted + rejected
+
+    def observe_time(self, elapsed_ms: float, step_rows: int, drafts: int) -> None:
+        """A round took ``elapsed_ms`` of wall time, from the end of the last round to the end of its own, in an
+        engine step of ``step_rows`` rows (its own included) with ``drafts`` draft steps: what the pass and the
+        drafts do not explain is the round's overhead (module docstring)."""
+        if not self.adaptive:
+            return
+        residual = elapsed_ms - self.pass_cost(max(1, step_rows)) - drafts * self.draft_cost_ms
+        self.residuals.append(max(0.0, residual))
+        self.overhead_ms = statistics.median(self.residuals)
 
     def drafting_pays(self) -> bool:
         """One draft at the slowly forgotten acceptance beats a plain step."""
@@ -218,8 +263,10 @@ class DraftPlanner:
             return self.upcoming()
         most = 0
         for accepted in range(proposed + 1):
-            after = copy.copy(self)  # observe() rebinds the floats but updates these two lists in place
+            after = copy.copy(self)  # observe() rebinds the floats but updates these lists in place
             after.pos_hits, after.pos_trials = list(self.pos_hits), list(self.pos_trials)
+            after.state_hits = [list(h) for h in self.state_hits]
+            after.state_trials = [list(t) for t in self.state_trials]
             after.observe(proposed, accepted)
             most = max(most, after.upcoming())
         return most
@@ -243,6 +290,13 @@ class DraftPlanner:
         for i in range(self.max_k):
             self.pos_hits[i] *= self.decay
             self.pos_trials[i] *= self.decay
+        hits, trials = self.state_hits[self.full], self.state_trials[self.full]
+        for i in range(self.max_k):
+            hits[i] *= self.state_decay
+            trials[i] *= self.state_decay
         for i in range(min(accepted + rejected, self.max_k)):  # drafts 1..accepted kept, the next one tried
             self.pos_trials[i] += 1.0
             self.pos_hits[i] += 1.0 if i < accepted else 0.0
+            trials[i] += 1.0
+            hits[i] += 1.0 if i < accepted else 0.0
+        self.full = not rejected

@@ -95,9 +95,9 @@ def test_per_position_acceptance_follows_the_drafter():
 
 def test_no_draft_rounds_teach_nothing():
     p = DraftPlanner(8, CPU)
-    before = (p.hits, p.trials, list(p.pos_trials))
+    before = (p.hits, p.trials, list(p.pos_trials), copy.deepcopy(p.state_trials), p.full)
     p.observe(0, 0)
-    assert (p.hits, p.trials, list(p.pos_trials)) == before
+    assert (p.hits, p.trials, list(p.pos_trials), p.state_trials, p.full) == before
 
 
 def test_costs_extend_past_the_measured_widths():
@@ -229,3 +229,93 @@ def test_without_costs_a_tree_drafter_always_drafts_its_tree():
 def test_with_recurrent_state_rounds_are_chains():  # the engine refuses tree fires on such a model
     assert not DraftPlanner(4, [], replay=True).use_tree([2, 2], rows=6)
     assert not DraftPlanner(8, FLAT, prior_alpha=0.3, replay=True).use_tree([4, 1, 1, 1], rows=16)
+
+
+# int4 on the 2-core Xeon with AMX (the engine's start-up measurement): 4 rows cost little more than 1, 5 a step more
+AMX_INT4 = [20.7, 22.6, 23.1, 24.8, 32.5, 32.5, 33.7, 34.8]
+MTP_STEP_MS = 0.74
+
+
+def iid_verdict(k: int, alphas: list[float], rng: random.Random) -> int:
+    """Drafts kept of k when the i-th is kept with probability alphas[i] given the ones before it were,
+    independently of earlier rounds (an MTP head)."""
+    accepted = 0
+    while accepted < k and rng.random() < alphas[accepted]:
+        accepted += 1
+    return accepted
+
+
+def iid_rounds(p: DraftPlanner, rounds: int, alphas: list[float], rng: random.Random) -> list[int]:
+    """``rounds`` rounds of such a drafter; returns the draft counts the planner chose."""
+    ks = []
+    for _ in range(rounds):
+        k = p.next()
+        p.observe(k, iid_verdict(k, alphas, rng))
+        ks.append(k)
+    return ks
+
+
+def test_the_round_overhead_is_the_median_of_what_timed_rounds_leave_unexplained():
+    p = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
+    assert p.overhead_ms == 1.0  # the prior, before any round is timed
+    for elapsed in (32.0, 33.0, 31.5, 400.0, 32.5):  # 3-row rounds alone in their step; one stalled
+        p.observe_time(elapsed, step_rows=3, drafts=2)
+    assert p.overhead_ms == pytest.approx(32.5 - 23.1 - 2 * MTP_STEP_MS)  # the stall does not move it
+    fixed = DraftPlanner(3, [], MTP_STEP_MS)
+    fixed.observe_time(50.0, step_rows=3, drafts=2)
+    assert fixed.overhead_ms == 1.0  # a fixed schedule prices nothing
+
+
+def test_a_measured_overhead_prices_draft_rows_at_their_share_of_the_round():
+    """An MTP head's verdicts in rounds whose real overhead is 8 ms: timed, the planner drafts more a round and
+    emits more tokens per ms than priced at the 1 ms prior, which made each draft row look three times dearer."""
+    rates, mean_k = [], []
+    for timed in (False, True):
+        rng = random.Random(2)
+        p = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
+        tokens = ms = 0.0
+        ks = []
+        for _ in range(400):
+            k = p.next()
+            accepted = iid_verdict(k, [0.45, 0.55, 0.5], rng)
+            p.observe(k, accepted)
+            elapsed = AMX_INT4[k] + k * MTP_STEP_MS + 8.0
+            if timed:
+                p.observe_time(elapsed, step_rows=1 + k, drafts=k)
+            tokens, ms = tokens + 1 + accepted, ms + elapsed
+            ks.append(k)
+        rates.append(tokens / ms)
+        mean_k.append(sum(ks) / len(ks))
+    assert mean_k[1] > mean_k[0] and rates[1] > rates[0]
+
+
+def test_an_independent_drafter_keeps_its_window_after_a_miss():
+    """Verdicts independent from round to round: conditioned on the last round and forgotten slowly, the
+    estimates settle and k holds at what pays on average; forgotten within two rounds, one miss halves α and
+    the next round drafts one or none."""
+    rng = random.Random(1)
+    steady = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
+    steady.overhead_ms = 8.0
+    ks = iid_rounds(steady, 300, [0.45, 0.55, 0.5], rng)[100:]
+    assert min(ks) >= 2
+    swinging = DraftPlanner(3, AMX_INT4, MTP_STEP_MS, state_decay=0.5)
+    swinging.overhead_ms = 8.0
+    assert min(iid_rounds(swinging, 300, [0.45, 0.55, 0.5], rng)[100:]) <= 1
+
+
+def test_a_drafter_whose_hits_come_in_runs_drafts_long_after_a_full_round_and_short_after_a_miss():
+    """A prompt lookup: inside a copied passage every draft is kept, outside nearly none. Conditioned on how the
+    last round ended, the planner drafts the maximum after a full round and little after a rejection."""
+    p = DraftPlanner(8, CPU)
+    for _ in range(10):  # runs of copies and of free text, alternating
+        for _ in range(4):
+            k = p.next()
+            p.observe(k, k)
+        for _ in range(4):
+            k = p.next()
+            p.observe(k, 0)
+    after_miss = p.next()
+    k = p.next()
+    p.observe(k, k)
+    after_full = p.next()
+    assert after_miss <= 2 and after_full == 8
