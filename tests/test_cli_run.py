@@ -145,9 +145,27 @@ def test_pie_run_unknown_inferlet_is_one_line_error():
 )
 def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet, words, says):
     """The tiny model has no drafter: the inferlet says what is missing and how to get it, without a traceback."""
+    assert_one_line_error(tiny_engine, inferlet, ["--prompt", "hi", *words], says)
+
+
+@pytest.mark.parametrize(
+    ("inferlet", "words", "says"),
+    [
+        ("text-completion", ["--prompt", "hi", "--max-tokenz", "3"], ["--max-tokenz (did you mean --max-tokens?)"]),
+        ("mtp-speculative-decoding", ["--prompt-file", "p.txt"], ["unknown argument: --prompt-file"]),
+        ("text-completion", ["--prompt", "hi", "--max-tokens", "0"], ["--max-tokens: ", "greater than or equal to 1"]),
+        ("text-completion", ["--max-tokens", "3"], ["--prompt: Field required"]),
+    ],
+)
+def test_a_bad_argument_is_one_line_naming_it(tiny_engine, inferlet, words, says):
+    """A misspelt, unknown, missing or out-of-range argument: one line naming it (a typo with the name it
+    resembles), no traceback, and never silently ignored."""
+    assert_one_line_error(tiny_engine, inferlet, words, says)
+
+
+def assert_one_line_error(engine, inferlet: str, words: list[str], says: list[str]) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pie_runtime.cli.main", "run", inferlet, "--engine", tiny_engine.address]
-        + ["--", "--prompt", "hi", *words],
+        [sys.executable, "-m", "pie_runtime.cli.main", "run", inferlet, "--engine", engine.address, "--", *words],
         capture_output=True,
         text=True,
         timeout=120,

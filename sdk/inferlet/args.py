@@ -8,12 +8,15 @@ Values are typed by the pydantic model; in a dict, numbers become numbers and th
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin
 
 import numpy as np
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from .errors import ArgumentError
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -33,7 +36,7 @@ class CompletionArgs(BaseModel):
     Penalties and the logit bias make the run sample on the host from each step's logits (inferlet.sampler)."""
 
     prompt: str
-    max_tokens: int = 128
+    max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -133,7 +136,7 @@ def split_words(words: list[str]) -> dict[str, Any]:
     while i < len(words):
         word = words[i]
         if not word.startswith("--") or len(word) == 2:
-            raise ValueError(f"expected --name, got {word!r}")
+            raise ArgumentError(f"expected --name, got {word!r}")
         key, _, inline = word[2:].partition("=")
         key = key.replace("-", "_")
         if inline or "=" in word:
@@ -186,18 +189,17 @@ def args_model(fn) -> type[BaseModel] | None:
 def parse_arg_dict(raw: dict[str, Any], fn) -> Any:
     """The arguments for ``fn(args)`` from a JSON-like dict (an inferlet host's run request): validated by its
     pydantic model, or the dict itself when ``fn`` takes a dict. A name the model does not know is refused
-    (``ValueError``) unless the model allows extra fields: a caller must learn that its option was not applied."""
+    (``ArgumentError``, a ``ValueError``) unless the model allows extra fields: a caller must learn that its
+    option was not applied."""
     model = args_model(fn)
     if model is None:
         return dict(raw)
-    unknown = sorted(set(raw) - set(model.model_fields))
-    if unknown and model.model_config.get("extra") != "allow":
-        raise ValueError(f"unknown argument{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-    return model.model_validate(raw)
+    return validated(model, raw, flags=False)
 
 
 def parse_args(words: list[str], fn) -> Any:
-    """Parses ``words`` for ``fn(args)``: into its first parameter's pydantic model, or a dict."""
+    """Parses ``words`` for ``fn(args)``: into its first parameter's pydantic model, or a dict. An unknown,
+    missing or unreadable ``--name`` raises ``ArgumentError``, one line that ``pie run`` prints as it is."""
     raw = split_words(words)
     ann = args_model(fn)
     if ann is not None:
@@ -207,5 +209,30 @@ def parse_args(words: list[str], fn) -> Any:
                 raw[key] = [value]
             elif key in fields and fields[key].annotation is dict and isinstance(value, str):
                 raw[key] = json.loads(value)
-        return ann.model_validate(raw)
+        return validated(ann, raw, flags=True)
     return {k: _guess(v) for k, v in raw.items()}
+
+
+def validated(model: type[BaseModel], raw: dict[str, Any], flags: bool) -> BaseModel:
+    """``model`` from ``raw``, or ``ArgumentError`` naming what is wrong: a name the model does not know (unless
+    it allows extra fields; with the known name nearest to it), or each field pydantic refused and why.
+    ``flags``: name them as ``--max-tokens`` (the words after ``--``), else as ``max_tokens``."""
+
+    def name(key: str) -> str:
+        return "--" + key.replace("_", "-") if flags else key
+
+    unknown = sorted(set(raw) - set(model.model_fields))
+    if unknown and model.model_config.get("extra") != "allow":
+        parts = []
+        for key in unknown:
+            near = difflib.get_close_matches(key, list(model.model_fields), n=1)
+            parts.append(name(key) + (f" (did you mean {name(near[0])}?)" if near else ""))
+        raise ArgumentError(f"unknown argument{'s' if len(unknown) > 1 else ''}: {', '.join(parts)}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "arguments"
+            problems.append(f"{name(loc) if loc in model.model_fields else loc}: {err['msg']}")
+        raise ArgumentError("; ".join(problems)) from None

@@ -7,3 +7,8 @@ from __future__ import annotations
 
 class UsageError(Exception):
     """A one-line message saying what is missing and the command that provides it."""
+
+
+class ArgumentError(UsageError, ValueError):
+    """An argument the inferlet does not take, lacks or cannot read (the words after ``--``, or a host's run
+    request): one line naming it, and for an unknown name the inferlet's own name closest to it."""
