@@ -14,6 +14,14 @@ its draft distributions on every row, and the next round verifies the tree whose
 top-W_(d+1) tokens of the head's depth-(d+1) distribution at the last kept row as children, in one tree window
 (inferlet.tree). The draft-length planner keeps chains while it expects more tokens per millisecond from them.
 
+With --lookup L the head shares the rounds with a prompt lookup (Saxena 2023; the hybrid of SuffixDecoding's
+authors, Oliaro et al. 2024, with a model's drafter): when the last 3 or 2 tokens occurred earlier in the
+prompt or the output, the round drafts up to L tokens that followed them, else the head's drafts. A copied
+passage or a loop in the output then goes at the lookup's pace (many tokens a round) and free text at the
+head's; every fire still reads the head's chain, so its drafts are there whenever the lookup finds nothing.
+A lookup round's drafts cost nothing to make; the head's chain is paid every round and the planner sees it as
+part of the round's measured overhead.
+
 With --run-ahead (greedy) the loop stays in the engine: the window comes from a channel, the epilogue
 verifies (n = cumprod(drafts == target[:k]).sum()), folds n + 1, writes target[0..n] to an output channel
 and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/device_rounds.py); this
@@ -25,6 +33,7 @@ n > 1 (forks of the prompt, inferlet.choices) and ignore_eos (the engine loop st
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
 import inferlet
 from inferlet.args import DecodeArgs
@@ -33,6 +42,8 @@ from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.device_rounds import mtp_run_ahead
 from inferlet.drafter import Drafter, Proposal
+from inferlet.errors import ArgumentError
+from inferlet.lookup import NgramIndex
 from inferlet.sampler import Verifier
 from inferlet.speculative import VerifyResult
 from inferlet.tree import TokenTree, TreeVerdict, parse_shape, shape_rows
@@ -42,6 +53,10 @@ class Args(DecodeArgs):
     draft_length: int  # required: at most the model's MTP depth
     run_ahead: bool = False  # greedy: the whole loop in the engine
     tree: str | None = None  # widths per depth, e.g. "3,2,1": draft a tree of the head's top-k per depth
+    lookup: int = Field(default=0, ge=0)  # > 0: prompt-lookup drafts of up to this many tokens where they match
+
+
+LOOKUP_NGRAM = (2, 3)  # --lookup matches the last 3 tokens, else the last 2 (one token matches too much text)
 
 
 class MTPDrafter(Drafter):
@@ -50,12 +65,16 @@ class MTPDrafter(Drafter):
     and an lm head whether or not its draft is used; before a round the planner will not draft in, the fire
     reads out no MTP at all."""
 
-    def __init__(self, k: int, step_ms: float = 0.0, widths: list[int] | None = None):
+    def __init__(self, k: int, step_ms: float = 0.0, widths: list[int] | None = None, lookup: int = 0):
         self.k = k
+        # with --lookup: the text so far, n-gram indexed, and the longest lookup draft
+        self.index = NgramIndex(LOOKUP_NGRAM[1], LOOKUP_NGRAM[0]) if lookup else None
+        self.lookup = lookup
         self.proposed = 0  # chain drafts the fire being built verifies
         self.next: list[int] = []
         self.next_tree: TokenTree | None = None
-        self.draft_cost_ms = step_ms
+        # a lookup draft costs nothing; the head's chain, run every fire, is then the round's overhead
+        self.draft_cost_ms = 0.0 if lookup else step_ms
         self.widths = widths[:k] if widths else None
         self.tree_fire = False  # the fire being built verifies a tree (at_accepted reads chains only)
         self.reading_tree = False  # the fire being built reads the next round's tree
@@ -93,16 +112,28 @@ class MTPDrafter(Drafter):
         else:
             self.next = [int(t) for t in tokens[1:]]
 
+    async def prefill(self, prompt: list[int]) -> None:
+        if self.index is not None:
+            self.index.extend(prompt)
+
+    async def commit(self, new_tokens: list[int], seq: list[int], committed: int) -> None:
+        if self.index is not None:
+            self.index.extend(new_tokens)
+
     async def propose(self, seq: list[int], k: int) -> Proposal:
         self.tree_fire = self.next_tree is not None
         if self.next_tree is not None:
             return Proposal(tree=self.next_tree)
-        self.proposed = min(k, len(self.next))
-        return Proposal(self.next[:k])
+        found = self.index.draft(min(k, self.lookup)) if self.index is not None else []
+        drafts = found or self.next[: min(k, self.k)]
+        self.proposed = len(drafts)
+        return Proposal(drafts)
 
 
 @inferlet.main
 async def main(args: Args) -> dict:
+    if args.lookup and (args.tree or args.run_ahead):
+        raise ArgumentError("--lookup drafts chains on the host: it does not combine with --tree or --run-ahead")
     model = inferlet.model()
     model.require_mtp(args.draft_length)
     widths = parse_shape(args.tree) if args.tree else None
@@ -110,8 +141,9 @@ async def main(args: Args) -> dict:
         model.require_mtp(len(widths))
     if args.run_ahead and args.n == 1 and not args.ignore_eos and widths is None:
         return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
-    return await run_choices(
-        model,
-        args,
-        lambda a, ws: speculate(model, a, MTPDrafter(a.draft_length, model.mtp_step_ms, widths), a.draft_length, ws=ws),
-    )
+    most = max(args.draft_length, args.lookup) if args.draft_length else 0  # --draft-length 0: plain steps
+
+    def drafter(a: Args) -> MTPDrafter:
+        return MTPDrafter(a.draft_length, model.mtp_step_ms, widths, a.lookup)
+
+    return await run_choices(model, args, lambda a, ws: speculate(model, a, drafter(a), most, ws=ws))

@@ -155,6 +155,11 @@ def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet,
         ("mtp-speculative-decoding", ["--prompt-file", "p.txt"], ["unknown argument: --prompt-file"]),
         ("text-completion", ["--prompt", "hi", "--max-tokens", "0"], ["--max-tokens: ", "greater than or equal to 1"]),
         ("text-completion", ["--max-tokens", "3"], ["--prompt: Field required"]),
+        (
+            "mtp-speculative-decoding",
+            ["--prompt", "hi", "--draft-length", "2", "--lookup", "8", "--tree", "2,1"],
+            ["--lookup", "does not combine with --tree"],
+        ),
     ],
 )
 def test_a_bad_argument_is_one_line_naming_it(tiny_engine, inferlet, words, says):

@@ -105,6 +105,29 @@ def test_mtp_greedy_equals_text_completion(spec_engine, reference):
     assert all(s["proposed"] <= draft_length * s["rounds"] for s in stats)
 
 
+@pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
+def test_mtp_with_prompt_lookup_greedy_equals_text_completion(spec_engine, reference, schedule):
+    """--lookup: rounds whose last tokens occurred earlier draft what followed them (longer than the head's
+    depth), the others the head's drafts; the output is still the target's greedy text."""
+    lookup = MTP_DEPTH + 4
+    got = call_many(
+        spec_engine.address,
+        "mtp-speculative-decoding",
+        [
+            {**p, "max_tokens": MAX, "draft_length": MTP_DEPTH, "lookup": lookup, "draft_schedule": schedule}
+            for p in PROMPTS
+        ],
+    )
+    for want, res in zip(reference, got):
+        assert res["token_ids"] == want["token_ids"]
+        assert (res["text"], res["finish_reason"]) == (want["text"], want["finish_reason"])
+    stats = [r["stats"] for r in got]
+    assert sum(s["proposed"] for s in stats) > 0 and sum(s["accepted"] for s in stats) > 0
+    deepest = max(len(s["acceptance_per_position"]) for s in stats)
+    assert MTP_DEPTH < deepest <= lookup  # some round drafted a lookup past the head's depth
+    assert all(s["proposed"] <= lookup * s["rounds"] for s in stats)
+
+
 def test_eagle_greedy_equals_text_completion(spec_engine, reference):
     """The EAGLE head (trained for a few steps by the session fixture) drafts from the target's features, its
     draft layer's K/V in the pool's extra layer; the output is the target's greedy text whatever it proposes."""
