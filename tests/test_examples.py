@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import REPO, run
 
 
@@ -54,3 +56,31 @@ def test_fuzz_engine_imports_without_running_and_its_cases_are_seeded():
     assert build(3) == build(3) and build(3) != build(4)
     assert {"random_bytes", "wrong_types", "huge_numbers", "foreign_handles", "lying_arrays"} <= set(fz.KINDS)
     assert {"deep_program", "huge_program", "sampler_extremes", "huge_readout", "flood"} <= set(fz.KINDS)
+
+
+def test_replay_planner_replays_schedules_on_a_traced_greedy_decode(engine):
+    """trace_head.py's column 0 is the greedy decode and its other columns the head's chain; replaying a
+    schedule on it drafts from that chain, and a head that is always right makes every round as wide as asked."""
+    from examples.drafters import replay_planner as rp
+
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2,"
+    out = run(
+        str(REPO / "examples/drafters/trace_head.py"),
+        engine.address,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "12",
+        "--depth",
+        "2",
+    )
+    plain = run("text-completion", engine.address, "--prompt", prompt, "--max-tokens", "12")
+    trace = rp.Trace.from_result("count", out)
+    assert trace.tokens == plain["token_ids"] and all(len(d) == 2 for d in trace.drafts)
+    for adaptive in (False, True):
+        speedup, rows = rp.replay(trace, 2, adaptive)
+        assert speedup > 0 and 1 <= rows <= 3
+    right = rp.Trace("right", list(range(61)), [[i + 1, i + 2] for i in range(61)], [20.0, 21.0, 22.0], 0.5, 2.0)
+    speedup, rows = rp.replay(right, 2, adaptive=False)
+    assert rows == 3 and speedup == pytest.approx(60 * 22.0 / (20 * (22.0 + 2 * 0.5 + 2.0)))
+    assert rp.replay(right, 2, adaptive=True)[1] > 2.5  # the planner widens to what keeps being kept

@@ -1,0 +1,125 @@
+"""Replays draft-length schedules offline on real greedy decodes: the same speedup comparison as `pie bench
+speculation`, without the machine's noise, so that a change to the planner (sdk/inferlet/draft_length.py)
+can be judged in seconds on many prompts.
+
+Speculative greedy output is the target's greedy output, and the head's drafts at a row depend only on the
+text before it, so one greedy decode that reads the MTP head's chain at every step
+(examples/drafters/trace_head.py) says what every round of every schedule would draft and keep. Each
+schedule is then replayed through the SDK's own planner and head-depth code (``DraftPlanner``,
+``Proposal``, ``chained.next_depth``), each round priced as the engine measured it at start: the pass cost of
+its rows, a head step per level of the chain its fire reads, and the prompt's overhead (the median wall time
+of the traced steps past a 1-row pass: messages, sampling, attention over a longer context than the curve's).
+Modelled, not timed: the ratios run above `pie bench`'s (which also pays what the model leaves out), but
+they rank schedules the same way without its ±5% between runs.
+
+    python examples/drafters/replay_planner.py --prompt mixed --prompt repetitive --prompt chat.txt --depth 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from inferlet.chained import ChainedDrafter, next_depth
+from inferlet.draft_length import DraftPlanner
+from inferlet.drafter import Proposal
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE.parent / "speculation_prompts"
+
+
+@dataclass
+class Trace:
+    """One greedy decode: per step the target's token and the head's chained drafts for the tokens after it."""
+
+    name: str
+    tokens: list[int]
+    drafts: list[list[int]]
+    pass_cost_ms: list[float]
+    step_ms: float
+    overhead_ms: float
+
+    @classmethod
+    def record(cls, prompt: str, max_tokens: int, depth: int, pie: str) -> Trace:
+        path = PROMPTS / f"{prompt}.txt" if (PROMPTS / f"{prompt}.txt").exists() else Path(prompt)
+        cmd = [pie, "run", str(HERE / "trace_head.py"), "--json", "--"]
+        cmd += ["--prompt", path.read_text(), "--max-tokens", str(max_tokens), "--depth", str(depth)]
+        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        return cls.from_result(path.stem, out)
+
+    @classmethod
+    def from_result(cls, name: str, out: dict) -> Trace:
+        """The trace in trace_head.py's result ``out``."""
+        costs, rows = out["pass_cost_ms"], out["rows"]
+        chain = out["step_ms"] * (len(rows[0]) - 1)  # each traced step read the whole chain
+        overhead = statistics.median([max(0.0, w - costs[0] - chain) for w in out["wall_ms"]] or [0.0])
+        return cls(name, [r[0] for r in rows], [r[1:] for r in rows], costs, out["step_ms"], overhead)
+
+    def pass_cost(self, rows: int) -> float:
+        c = self.pass_cost_ms
+        return c[rows - 1] if rows <= len(c) else c[-1] + (c[-1] - c[-2]) * (rows - len(c))
+
+
+def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
+    """(speedup over plain steps, rows a round) of a run drafting up to ``k`` a round, the planner's count with
+    ``adaptive``, else always ``k``; the loop mirrors inferlet.decode.drive_rounds for a chained head."""
+    drafter = ChainedDrafter(lambda depth, at_accepted: None, k, trace.step_ms)  # type: ignore[arg-type, return-value]
+    planner = drafter.planner = DraftPlanner(k, trace.pass_cost_ms if adaptive else [], trace.step_ms)
+    n, ms, chained, rounds, rows = 0, 0.0, k, 0, 0
+    last = len(trace.tokens) - 1  # the first token comes with the prefill
+    while n < last:
+        want = planner.next() if last - n > 1 else 0
+        proposal = Proposal.chain(trace.drafts[n][:chained], min(want, last - n - 1))
+        if len(proposal.tokens) >= k:
+            proposal.spare = None
+        depth = next_depth(drafter, proposal, k)
+        kept = 0
+        while kept < len(proposal.tokens) and proposal.tokens[kept] == trace.tokens[n + 1 + kept]:
+            kept += 1
+        planner.observe(*proposal.verdict(proposal.tokens[:kept] + [trace.tokens[n + 1 + kept]]))
+        elapsed = trace.pass_cost(1 + len(proposal.tokens)) + depth * trace.step_ms + trace.overhead_ms
+        planner.observe_time(elapsed, 1 + len(proposal.tokens), depth)
+        ms, n, chained = ms + elapsed, n + kept + 1, depth
+        rounds, rows = rounds + 1, rows + 1 + len(proposal.tokens)
+    plain = last * (trace.pass_cost(1) + trace.overhead_ms)
+    return plain / ms, rows / max(rounds, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", action="append", help="mixed, repetitive (examples/speculation_prompts) or a file")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=3, help="schedules draft up to 1..depth (the head's depth at most)")
+    ap.add_argument("--traces", type=Path, help="a JSON file of traces: read if it exists, else written")
+    ap.add_argument("--pie", default=str(Path(sys.executable).parent / "pie"))
+    args = ap.parse_args(argv)
+    if args.traces is not None and args.traces.exists():
+        traces = [Trace(**t) for t in json.loads(args.traces.read_text())]
+    else:
+        prompts = args.prompt or ["mixed", "repetitive"]
+        traces = [Trace.record(p, args.max_tokens, args.depth, args.pie) for p in prompts]
+        if args.traces is not None:
+            args.traces.write_text(json.dumps([t.__dict__ for t in traces]))
+    table = Table(title="modelled speedup over plain steps (rows a round)")
+    for name in ["schedule", *(t.name for t in traces), "mean"]:
+        table.add_column(name, no_wrap=True)
+    table.add_row("tokens / overhead", *(f"{len(t.tokens)} / {t.overhead_ms:.1f} ms" for t in traces), "")
+    for k in range(1, args.depth + 1):
+        for adaptive in (False, True):
+            results = [replay(t, k, adaptive) for t in traces]
+            cells = [f"{r:.3f}x ({w:.2f})" for r, w in results]
+            mean = statistics.mean(r for r, _ in results)
+            table.add_row(f"{'adaptive' if adaptive else 'fixed'} {k}", *cells, f"{mean:.3f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
