@@ -38,7 +38,7 @@ draft would have been checked against, and ``observe`` counts it as if it had be
 costs a head step, so the head chains it only where the position could pay (``worth_measuring``). Simulated
 for an MTP head at a chat reply's 0.38 / 0.42 on the AMX int4 curve (128-token runs, a 2 ms overhead): 1.35
 draft rows a round and 1.24x plain without it, 1.80 and 1.30x with it, against 1.32x for a fixed 2. Measured,
-the mixed prompt went from 1.25-1.29x to 1.31-1.33x (fixed 2: 1.30-1.32x); chat replies, most of them short,
+the mixed prompt went from 1.25-1.29x to 1.30-1.33x (fixed 2: 1.30-1.32x); chat replies, most of them short,
 stayed at 1.10-1.20x, below a fixed 2's 1.11-1.25x. Prompt lookups make no spare: theirs, free to make,
 measured no faster (2.50x against 2.55x on the repetitive prompt, 1.07x against 1.09x on a chat reply).
 
