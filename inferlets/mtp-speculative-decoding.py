@@ -70,7 +70,7 @@ class MTPDrafter(Drafter):
         # with --lookup: the text so far, n-gram indexed, and the longest lookup draft
         self.index = NgramIndex(LOOKUP_NGRAM[1], LOOKUP_NGRAM[0]) if lookup else None
         self.lookup = lookup
-        self.proposal = Proposal()  # what the fire being built verifies
+        self.proposed = 0  # chain drafts the fire being built verifies
         self.next: list[int] = []
         self.next_tree: TokenTree | None = None
         # a lookup draft costs nothing; the head's chain, run every fire, is then the round's overhead
@@ -81,7 +81,7 @@ class MTPDrafter(Drafter):
 
     def readouts(self, verifier: Verifier) -> list:
         self.reading_tree = False
-        depth = next_depth(self, self.proposal, self.k)
+        depth = next_depth(self, self.proposed, self.k)
         if depth == 0:
             return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         w = self.widths
@@ -97,7 +97,7 @@ class MTPDrafter(Drafter):
         return [verifier.kind(), inferlet.MTP(depth)]
 
     def observe(self, res: inferlet.PassResult, verified: VerifyResult | TreeVerdict) -> None:
-        self.next, self.next_tree, self.tree_fire, self.proposal = [], None, False, Proposal()
+        self.next, self.next_tree, self.tree_fire, self.proposed = [], None, False, 0
         if res.readouts[-1].kind != "mtp":
             return
         row = verified.path[-1] if isinstance(verified, TreeVerdict) else verified.accepted
@@ -125,8 +125,9 @@ class MTPDrafter(Drafter):
         if self.next_tree is not None:
             return Proposal(tree=self.next_tree)
         found = self.index.draft(min(k, self.lookup)) if self.index is not None else []
-        self.proposal = Proposal(found) if found else Proposal.chain(self.next, min(k, self.k))
-        return self.proposal
+        drafts = found or self.next[: min(k, self.k)]
+        self.proposed = len(drafts)
+        return Proposal(drafts)
 
 
 @inferlet.main

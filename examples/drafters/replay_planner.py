@@ -6,11 +6,15 @@ Speculative greedy output is the target's greedy output, and the head's drafts a
 text before it, so one greedy decode that reads the MTP head's chain at every step
 (examples/drafters/trace_head.py) says what every round of every schedule would draft and keep. Each
 schedule is then replayed through the SDK's own planner and head-depth code (``DraftPlanner``,
-``Proposal``, ``chained.next_depth``), each round priced as the engine measured it at start: the pass cost of
+``chained.next_depth``), each round priced as the engine measured it at start: the pass cost of
 its rows, a head step per level of the chain its fire reads, and the prompt's overhead (the median wall time
 of the traced steps past a 1-row pass: messages, sampling, attention over a longer context than the curve's).
-Modelled, not timed: the ratios run above `pie bench`'s (which also pays what the model leaves out), but
-they rank schedules the same way without its ±5% between runs.
+Modelled, not timed: it has no noise, but it is only as right as its prices. The ratios run above `pie
+bench`'s, and where two counts are near break-even the planner's choice turns on small cost differences that
+move between engine starts: scoring a spare draft (the head's chain one level deeper) modelled +5-10% on two
+chat replies, where the replayed planner then drafted 2.5 rows a round, and measured -4% to -6% there, where
+the engine's drafted 2.2 as before and paid the extra head step. Check a change it favours with `pie bench
+speculation` before trusting it.
 
     python examples/drafters/replay_planner.py --prompt mixed --prompt repetitive --prompt chat.txt --depth 3
 """
@@ -30,7 +34,6 @@ from rich.table import Table
 
 from inferlet.chained import ChainedDrafter, next_depth
 from inferlet.draft_length import DraftPlanner
-from inferlet.drafter import Proposal
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE.parent / "speculation_prompts"
@@ -77,18 +80,16 @@ def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
     last = len(trace.tokens) - 1  # the first token comes with the prefill
     while n < last:
         want = planner.next() if last - n > 1 else 0
-        proposal = Proposal.chain(trace.drafts[n][:chained], min(want, last - n - 1))
-        if len(proposal.tokens) >= k:
-            proposal.spare = None
-        depth = next_depth(drafter, proposal, k)
+        drafts = trace.drafts[n][: min(chained, want, last - n - 1)]
+        depth = next_depth(drafter, len(drafts), k)
         kept = 0
-        while kept < len(proposal.tokens) and proposal.tokens[kept] == trace.tokens[n + 1 + kept]:
+        while kept < len(drafts) and drafts[kept] == trace.tokens[n + 1 + kept]:
             kept += 1
-        planner.observe(*proposal.verdict(proposal.tokens[:kept] + [trace.tokens[n + 1 + kept]]))
-        elapsed = trace.pass_cost(1 + len(proposal.tokens)) + depth * trace.step_ms + trace.overhead_ms
-        planner.observe_time(elapsed, 1 + len(proposal.tokens), depth)
+        planner.observe(len(drafts), kept)
+        elapsed = trace.pass_cost(1 + len(drafts)) + depth * trace.step_ms + trace.overhead_ms
+        planner.observe_time(elapsed, 1 + len(drafts), depth)
         ms, n, chained = ms + elapsed, n + kept + 1, depth
-        rounds, rows = rounds + 1, rows + 1 + len(proposal.tokens)
+        rounds, rows = rounds + 1, rows + 1 + len(drafts)
     plain = last * (trace.pass_cost(1) + trace.overhead_ms)
     return plain / ms, rows / max(rounds, 1)
 

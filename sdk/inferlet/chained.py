@@ -27,12 +27,12 @@ class ChainedDrafter(Drafter):
     def __init__(self, head: HeadReadout, k: int, step_ms: float = 0.0):
         self.head = head
         self.k = k
-        self.proposal = Proposal()  # what the fire being built verifies
+        self.proposed = 0  # drafts the fire being built verifies
         self.next: list[int] = []
         self.draft_cost_ms = step_ms
 
     def readouts(self, verifier: Verifier) -> list[ReadoutSpec]:
-        depth = next_depth(self, self.proposal, self.k)
+        depth = next_depth(self, self.proposed, self.k)
         if depth == 0:
             return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
         if verifier.greedy:
@@ -40,7 +40,7 @@ class ChainedDrafter(Drafter):
         return [verifier.kind(), self.head(depth, False)]
 
     def observe(self, res: PassResult, verified: VerifyResult) -> None:
-        self.proposal = Proposal()
+        self.proposed = 0
         last = res.readouts[-1]
         if last.tokens is None or last.tokens.ndim != 2:  # no head readout this fire
             self.next = []
@@ -50,19 +50,15 @@ class ChainedDrafter(Drafter):
         self.next = drafts if int(tokens[0]) == verified.tokens[-1] and min(drafts, default=0) >= 0 else []
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
-        self.proposal = Proposal.chain(self.next, k)
-        return self.proposal
+        drafts = self.next[:k]
+        self.proposed = len(drafts)
+        return Proposal(drafts)
 
 
-def next_depth(drafter: Drafter, proposal: Proposal, k: int) -> int:
+def next_depth(drafter: Drafter, proposed: int, k: int) -> int:
     """The drafts a head readout in the fire being built should chain for the next round: at most the
-    drafter's ``k``; as many as the planner could ask for after this round's verdict on ``proposal``, and one
-    more, the next round's spare (``Proposal.spare``), where measuring that position could change the planner's
-    count (``DraftPlanner.worth_measuring``): each level costs a head step; all ``k`` without a planner, 0 for
-    none."""
+    drafter's ``k``, as many as the planner could ask for after this round's ``proposed`` drafts (all ``k``
+    without a planner), 0 for none."""
     if k == 0 or drafter.planner is None:
         return k
-    most = drafter.planner.most_next(proposal.scored)
-    if most == 0:
-        return 0
-    return min(k, most + 1 if drafter.planner.worth_measuring(most) else most)
+    return min(k, drafter.planner.most_next(proposed))

@@ -152,8 +152,6 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             else:
                 t = time.perf_counter()
                 proposal = await drafter.propose(seq, min(want, out.room - 1))
-                if len(proposal.tokens) >= k:
-                    proposal.spare = None  # past the planner's positions
                 proposal = fit_tree(proposal, out.room - 1, model.max_positions - ws.committed - 1)
                 run.draft_ms.append((time.perf_counter() - t) * 1e3)
                 if not proposal.rows:
@@ -162,7 +160,7 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             if proposal.tree is not None:
                 planner.observe_tree(proposal.tree.max_depth, len(new) - 1)
             else:
-                planner.observe(*proposal.verdict(new))
+                planner.observe(len(proposal.tokens), len(new) - 1)
             planner.observe_load(ws.step_rows, 1 + proposal.rows)
             t_now = time.perf_counter()
             planner.observe_time((t_now - t_round) * 1e3, ws.step_rows, proposal.rows)

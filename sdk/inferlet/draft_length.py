@@ -30,18 +30,6 @@ every miss: one halved α, and the next round drafted one or none where two pay 
 MTP head's 0.45 / 0.55 / 0.5 on the AMX CPU's int4 curve with an 8 ms overhead: 1.42x for that planner,
 1.46x with the state, 1.48x for a fixed 2; on a lookup's runs of hits the state gains on it as well.
 
-A position the planner stops drafting at would never be measured again, and an estimate that came out low
-early (a few misses at the second position in a run's first rounds) would keep rounds short for the rest of
-the run. So a round scores one draft past those it verifies where the drafter has it (``Proposal.spare``: an
-MTP or EAGLE head's chain one deeper): when every verified draft is kept, the target's own token is what that
-draft would have been checked against, and ``observe`` counts it as if it had been verified. The extra level
-costs a head step, so the head chains it only where the position could pay (``worth_measuring``). Simulated
-for an MTP head at a chat reply's 0.38 / 0.42 on the AMX int4 curve (128-token runs, a 2 ms overhead): 1.35
-draft rows a round and 1.24x plain without it, 1.80 and 1.30x with it, against 1.32x for a fixed 2. Measured,
-the mixed prompt went from 1.25-1.29x to 1.30-1.33x (fixed 2: 1.30-1.32x); chat replies, most of them short,
-stayed at 1.10-1.20x, below a fixed 2's 1.11-1.25x. Prompt lookups make no spare: theirs, free to make,
-measured no faster (2.50x against 2.55x on the repetitive prompt, 1.07x against 1.09x on a chat reply).
-
 Under load the round is not alone in its step: other sequences' rows share the pass. The planner then
 prices a round by what it adds to the step, ``pass_cost(load + 1 + k) - pass_cost(load)`` (``load``: the other
 rows of the step its last fire ran in, from the fire reply's ``step_rows``). Where the curve is flat (a few
@@ -71,7 +59,6 @@ would never see the drafter start hitting again.
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 from collections import deque
 
@@ -269,10 +256,9 @@ class DraftPlanner:
 
     def most_next(self, proposed: int) -> int:
         """The most drafts ``next()`` could ask for after the round now being verified (``proposed`` chain
-        drafts, a scored spare included), whatever its verdict. A drafter whose next drafts come from this
-        round's fire (an MTP or EAGLE head) computes that many: the round's own count would cut a run of hits
-        short (one after a round of one, however well it went), and 0 (no head at all) when no verdict would
-        lead to drafting."""
+        drafts), whatever its verdict. A drafter whose next drafts come from this round's fire (an MTP or EAGLE
+        head) computes that many: the round's own count would cut a run of hits short (one after a round of
+        one, however well it went), and 0 (no head at all) when no verdict would lead to drafting."""
         if not self.adaptive or self.max_k == 0 or proposed <= 0:
             return self.upcoming()
         most = 0
@@ -285,18 +271,6 @@ class DraftPlanner:
             most = max(most, after.upcoming())
         return most
 
-    def worth_measuring(self, k: int) -> bool:
-        """Whether learning draft k+1's acceptance could change a round of k: a round of k+1 drafts would beat it
-        if that acceptance were one standard error above its estimate. A drafter that pays for each draft it
-        makes (a head's chain step) makes the spare (module docstring) only then."""
-        if not self.adaptive or k >= self.max_k:
-            return False
-        alpha = self.position_alpha(k)
-        upper = min(alpha + math.sqrt(alpha * (1 - alpha) / (self.state_trials[self.full][k] + 1.0)), 0.999)
-        survive = math.prod(self.position_alpha(i) for i in range(k))
-        tokens = self.expected_tokens(k)
-        return (tokens + survive * upper) / self.round_cost(k + 1) > tokens / self.round_cost(k)
-
     def next(self) -> int:
         """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
         k = self.upcoming()
@@ -305,8 +279,7 @@ class DraftPlanner:
         return k
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """A verified round: ``accepted`` of ``proposed`` drafts kept (a full acceptance is no rejection). A
-        scored spare (module docstring) counts as one more draft verified."""
+        """A verified round: ``accepted`` of ``proposed`` drafts kept (a full acceptance is no rejection)."""
         if proposed <= 0:
             return
         rejected = 1 if accepted < proposed else 0

@@ -6,12 +6,9 @@ from __future__ import annotations
 import copy
 import random
 
-import numpy as np
 import pytest
 
-from inferlet.chained import ChainedDrafter, next_depth
 from inferlet.draft_length import DraftPlanner
-from inferlet.drafter import Proposal
 
 FLAT = [40.0] * 32  # every window costs one pass (a GPU, or bf16 with AMX)
 # The shape measured on the 2-core CPU in float32: up to 3 rows cost about one, then a step, then a slope.
@@ -322,82 +319,3 @@ def test_a_drafter_whose_hits_come_in_runs_drafts_long_after_a_full_round_and_sh
     p.observe(k, k)
     after_full = p.next()
     assert after_miss <= 2 and after_full == 8
-
-
-def test_a_spare_draft_is_scored_against_the_targets_token_only_where_every_draft_was_kept():
-    p = Proposal.chain([5, 6, 7], 2)
-    assert (p.tokens, p.spare, p.scored) == ([5, 6], 7, 3)
-    assert p.verdict([5, 6, 7]) == (3, 3)  # both kept, and the target's own token is the spare
-    assert p.verdict([5, 6, 9]) == (3, 2)  # both kept, the spare would have been rejected
-    assert p.verdict([5, 9]) == (2, 1)  # the second rejected: the spare was never reached
-    assert Proposal.chain([5], 2).spare is None and Proposal.chain([5], 2).verdict([5, 8]) == (1, 1)
-    sampled = Proposal([5, 6], q=np.ones((2, 4)) / 4, spare=7)  # a sampled draft's test is not the token's
-    assert sampled.scored == 2 and sampled.verdict([5, 6, 7]) == (2, 2)
-
-
-def no_head(depth: int, at_accepted: bool) -> None:
-    """A head readout for drafters that never reach the engine."""
-
-
-def spared_rate(alphas: list[float], spare: bool, seeds: range, k: int = 2, tokens: int = 128) -> tuple[float, float]:
-    """Runs of ``tokens`` tokens with an MTP head (verdicts independent, ``alphas`` per position) whose fire
-    chains ``next_depth`` drafts, on the AMX int4 curve with a 2 ms overhead; with ``spare`` the round scores
-    the draft after its own where the head chained it. Returns (tokens per ms, draft rows per round), each the
-    mean over ``seeds``."""
-    rates, rows = [], []
-    for seed in seeds:
-        rng = random.Random(seed)
-        drafter = ChainedDrafter(no_head, k, MTP_STEP_MS)  # type: ignore[arg-type]
-        p = drafter.planner = DraftPlanner(k, AMX_INT4, MTP_STEP_MS)
-        emitted, ms, drafted, rounds, chained = 0, 0.0, 0, 0, k
-        while emitted < tokens:
-            proposal = Proposal.chain(list(range(chained)), p.next())
-            if not spare:
-                proposal.spare = None
-            depth = next_depth(drafter, proposal, k) if spare else min(k, p.most_next(len(proposal.tokens)))
-            kept = iid_verdict(proposal.scored, alphas, rng)  # of the drafts and the spare
-            drafts = len(proposal.tokens)
-            target = proposal.spare if proposal.spare is not None and kept > drafts else -1  # the target's token
-            emitted_now = proposal.tokens[:kept] + [target]
-            p.observe(*proposal.verdict(emitted_now))
-            elapsed = AMX_INT4[drafts] + depth * MTP_STEP_MS + 2.0
-            p.observe_time(elapsed, 1 + drafts, depth)
-            emitted, ms = emitted + len(emitted_now), ms + elapsed
-            drafted, rounds, chained = drafted + drafts, rounds + 1, depth
-        rates.append(emitted / ms)
-        rows.append(drafted / rounds)
-    return sum(rates) / len(rates), sum(rows) / len(rows)
-
-
-def test_a_scored_spare_keeps_a_second_draft_that_pays_from_going_unmeasured():
-    """An MTP head at the chat reply's acceptance (0.38, then 0.42 given the first): two drafts a round pay on
-    this curve, but an early run of misses at the second position used to leave rounds at one draft, and a
-    round of one never measured the second position again. With the spare scored against the target's token
-    (at the price of one more head step in the fire) the planner keeps measuring it: more rounds draft two
-    and more tokens come per ms."""
-    without = spared_rate([0.38, 0.42], spare=False, seeds=range(60))
-    with_spare = spared_rate([0.38, 0.42], spare=True, seeds=range(60))
-    assert with_spare[1] > without[1] + 0.2 and with_spare[0] > without[0] * 1.02
-
-
-def test_the_head_chains_one_past_what_the_planner_could_ask_for_where_that_position_may_pay():
-    drafter = ChainedDrafter(no_head, 3, MTP_STEP_MS)  # type: ignore[arg-type]
-    assert next_depth(drafter, Proposal([1]), 3) == 3  # no planner: every draft
-    p = drafter.planner = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
-    p.overhead_ms = 2.0
-    for _ in range(3):  # the second draft kept once in three rounds: two drafts may pay, three unmeasured
-        p.observe(2, 2)
-        p.observe(2, 1)
-        p.observe(2, 1)
-    most = p.most_next(2)
-    assert most == 2 and p.worth_measuring(2) and next_depth(drafter, Proposal([1, 2]), 3) == 3
-    for _ in range(40):  # the third scored by spares and never kept: no longer worth a head step
-        p.observe(3, 2)
-    assert p.most_next(3) == 2 and not p.worth_measuring(2)
-    assert next_depth(drafter, Proposal([1, 2], spare=3), 3) == 2
-    shallow = ChainedDrafter(no_head, 2, MTP_STEP_MS)  # type: ignore[arg-type]
-    shallow.planner = DraftPlanner(6, FLAT)  # a lookup's window (--lookup 6) past the head's depth 2
-    assert next_depth(shallow, Proposal([1, 2]), 2) == 2
-    loser = ChainedDrafter(no_head, 3, MTP_STEP_MS)  # type: ignore[arg-type]
-    loser.planner = DraftPlanner(3, LINEAR, probe_every=8)
-    assert next_depth(loser, Proposal(), 3) == 0  # a plain round ahead: no chain at all
