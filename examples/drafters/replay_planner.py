@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +33,10 @@ from rich.table import Table
 
 from inferlet.chained import ChainedDrafter, next_depth
 from inferlet.draft_length import DraftPlanner
+from pie_runtime.cli.bench import prompt_text
+from pie_runtime.launcher import EmbeddedEngine, LaunchError, run_inferlet
 
-HERE = Path(__file__).resolve().parent
-PROMPTS = HERE.parent / "speculation_prompts"
+TRACER = Path(__file__).resolve().parent / "trace_head.py"
 
 
 @dataclass
@@ -51,12 +51,13 @@ class Trace:
     overhead_ms: float
 
     @classmethod
-    def record(cls, prompt: str, max_tokens: int, depth: int, pie: str) -> Trace:
-        path = PROMPTS / f"{prompt}.txt" if (PROMPTS / f"{prompt}.txt").exists() else Path(prompt)
-        cmd = [pie, "run", str(HERE / "trace_head.py"), "--json", "--"]
-        cmd += ["--prompt", path.read_text(), "--max-tokens", str(max_tokens), "--depth", str(depth)]
-        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        return cls.from_result(path.stem, out)
+    def record(cls, prompt: str, max_tokens: int, depth: int, engine: str) -> Trace:
+        """The trace of ``prompt`` (mixed, repetitive or a file) decoded by ``engine``."""
+        words = ["--prompt", prompt_text(prompt), "--max-tokens", str(max_tokens), "--depth", str(depth)]
+        out = run_inferlet(TRACER, engine, words, stdout=subprocess.DEVNULL)
+        if not out["ok"]:
+            raise LaunchError(f"{TRACER.stem}: {out.get('error')}")
+        return cls.from_result(Path(prompt).stem, out["result"])
 
     @classmethod
     def from_result(cls, name: str, out: dict) -> Trace:
@@ -66,16 +67,13 @@ class Trace:
         overhead = statistics.median([max(0.0, w - costs[0] - chain) for w in out["wall_ms"]] or [0.0])
         return cls(name, [r[0] for r in rows], [r[1:] for r in rows], costs, out["step_ms"], overhead)
 
-    def pass_cost(self, rows: int) -> float:
-        c = self.pass_cost_ms
-        return c[rows - 1] if rows <= len(c) else c[-1] + (c[-1] - c[-2]) * (rows - len(c))
-
 
 def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
     """(speedup over plain steps, rows a round) of a run drafting up to ``k`` a round, the planner's count with
     ``adaptive``, else always ``k``; the loop mirrors inferlet.decode.drive_rounds for a chained head."""
     drafter = ChainedDrafter(lambda depth, at_accepted: None, k, trace.step_ms)  # type: ignore[arg-type, return-value]
     planner = drafter.planner = DraftPlanner(k, trace.pass_cost_ms if adaptive else [], trace.step_ms)
+    pass_cost = DraftPlanner(k, trace.pass_cost_ms).pass_cost  # the price of a round, whatever the schedule
     n, ms, chained, rounds, rows = 0, 0.0, k, 0, 0
     last = len(trace.tokens) - 1  # the first token comes with the prefill
     while n < last:
@@ -86,11 +84,11 @@ def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
         while kept < len(drafts) and drafts[kept] == trace.tokens[n + 1 + kept]:
             kept += 1
         planner.observe(len(drafts), kept)
-        elapsed = trace.pass_cost(1 + len(drafts)) + depth * trace.step_ms + trace.overhead_ms
+        elapsed = pass_cost(1 + len(drafts)) + depth * trace.step_ms + trace.overhead_ms
         planner.observe_time(elapsed, 1 + len(drafts), depth)
         ms, n, chained = ms + elapsed, n + kept + 1, depth
         rounds, rows = rounds + 1, rows + 1 + len(drafts)
-    plain = last * (trace.pass_cost(1) + trace.overhead_ms)
+    plain = last * (pass_cost(1) + trace.overhead_ms)
     return plain / ms, rows / max(rounds, 1)
 
 
@@ -100,13 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=3, help="schedules draft up to 1..depth (the head's depth at most)")
     ap.add_argument("--traces", type=Path, help="a JSON file of traces: read if it exists, else written")
-    ap.add_argument("--pie", default=str(Path(sys.executable).parent / "pie"))
     args = ap.parse_args(argv)
     if args.traces is not None and args.traces.exists():
         traces = [Trace(**t) for t in json.loads(args.traces.read_text())]
     else:
         prompts = args.prompt or ["mixed", "repetitive"]
-        traces = [Trace.record(p, args.max_tokens, args.depth, args.pie) for p in prompts]
+        with EmbeddedEngine(die_with_parent=True) as eng:  # one engine: one cost curve for every trace
+            traces = [Trace.record(p, args.max_tokens, args.depth, eng.address) for p in prompts]
         if args.traces is not None:
             args.traces.write_text(json.dumps([t.__dict__ for t in traces]))
     table = Table(title="modelled speedup over plain steps (rows a round)")
