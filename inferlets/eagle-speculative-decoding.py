@@ -39,6 +39,8 @@ async def main(args: Args) -> dict:
     k = min(args.draft_length, model.eagle_depth)
 
     def drafter() -> ChainedDrafter:
-        return ChainedDrafter(lambda d, acc: inferlet.Eagle(d, at_accepted=acc), k, model.eagle_step_ms)
+        return ChainedDrafter(
+            lambda d, acc: inferlet.Eagle(d, at_accepted=acc), k, model.eagle_step_ms, model.eagle_acceptance
+        )
 
     return await run_choices(model, args, lambda a, ws: speculate(model, a, drafter(), k, ws=ws))

@@ -32,6 +32,8 @@ n > 1 (forks of the prompt, inferlet.choices) and ignore_eos (the engine loop st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from pydantic import Field
 
@@ -65,7 +67,14 @@ class MTPDrafter(Drafter):
     and an lm head whether or not its draft is used; before a round the planner will not draft in, the fire
     reads out no MTP at all."""
 
-    def __init__(self, k: int, step_ms: float = 0.0, widths: list[int] | None = None, lookup: int = 0):
+    def __init__(
+        self,
+        k: int,
+        step_ms: float = 0.0,
+        widths: list[int] | None = None,
+        lookup: int = 0,
+        acceptance: Sequence[float] = (),
+    ):
         self.k = k
         # with --lookup: the text so far, n-gram indexed, and the longest lookup draft
         self.index = NgramIndex(LOOKUP_NGRAM[1], LOOKUP_NGRAM[0]) if lookup else None
@@ -75,6 +84,8 @@ class MTPDrafter(Drafter):
         self.next_tree: TokenTree | None = None
         # a lookup draft costs nothing; the head's chain, run every fire, is then the round's overhead
         self.draft_cost_ms = 0.0 if lookup else step_ms
+        # the head's training record (Model.mtp_acceptance) as the planner's prior, unless lookups share the rounds
+        self.acceptance_prior = () if lookup else acceptance
         self.widths = widths[:k] if widths else None
         self.tree_fire = False  # the fire being built verifies a tree (at_accepted reads chains only)
         self.reading_tree = False  # the fire being built reads the next round's tree
@@ -144,6 +155,6 @@ async def main(args: Args) -> dict:
     most = max(args.draft_length, args.lookup) if args.draft_length else 0  # --draft-length 0: plain steps
 
     def drafter(a: Args) -> MTPDrafter:
-        return MTPDrafter(a.draft_length, model.mtp_step_ms, widths, a.lookup)
+        return MTPDrafter(a.draft_length, model.mtp_step_ms, widths, a.lookup, model.mtp_acceptance)
 
     return await run_choices(model, args, lambda a, ws: speculate(model, a, drafter(a), most, ws=ws))

@@ -314,6 +314,15 @@ def load_mtp_head(
     return MTPHead(serve_drafter(load_mtp(path, dtype, device), weights), model)
 
 
+def heldout_acceptance(training: dict) -> list[float]:
+    """[i]: a head's acceptance of draft i+1 given drafts 1..i kept, on the held-out text of its training
+    (``pie drafter train`` records it); empty when its record holds none that reads as probabilities."""
+    got = training.get("heldout_acceptance")
+    if not isinstance(got, list) or not all(isinstance(a, int | float) and 0 <= a <= 1 for a in got):
+        return []
+    return [float(a) for a in got]
+
+
 def load_eagle_head(
     store: ModelStore, target: Manifest, model, dtype: torch.dtype, device, weights: str = "fp32"
 ) -> EagleHead | None:

@@ -25,7 +25,7 @@ import argparse
 import json
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -49,6 +49,7 @@ class Trace:
     pass_cost_ms: list[float]
     step_ms: float
     overhead_ms: float
+    acceptance: list[float] = field(default_factory=list)  # the head's training record: the planner's prior
 
     @classmethod
     def record(cls, prompt: str, max_tokens: int, depth: int, engine: str) -> Trace:
@@ -65,14 +66,16 @@ class Trace:
         costs, rows = out["pass_cost_ms"], out["rows"]
         chain = out["step_ms"] * (len(rows[0]) - 1)  # each traced step read the whole chain
         overhead = statistics.median([max(0.0, w - costs[0] - chain) for w in out["wall_ms"]] or [0.0])
-        return cls(name, [r[0] for r in rows], [r[1:] for r in rows], costs, out["step_ms"], overhead)
+        drafts = [r[1:] for r in rows]
+        return cls(name, [r[0] for r in rows], drafts, costs, out["step_ms"], overhead, out.get("acceptance", []))
 
 
 def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
     """(speedup over plain steps, rows a round) of a run drafting up to ``k`` a round, the planner's count with
     ``adaptive``, else always ``k``; the loop mirrors inferlet.decode.drive_rounds for a chained head."""
-    drafter = ChainedDrafter(lambda depth, at_accepted: None, k, trace.step_ms)  # type: ignore[arg-type, return-value]
-    planner = drafter.planner = DraftPlanner(k, trace.pass_cost_ms if adaptive else [], trace.step_ms)
+    drafter = ChainedDrafter(lambda depth, at_accepted: None, k, trace.step_ms, trace.acceptance)  # type: ignore[arg-type, return-value]
+    costs = trace.pass_cost_ms if adaptive else []
+    planner = drafter.planner = DraftPlanner(k, costs, trace.step_ms, prior=drafter.acceptance_prior)
     pass_cost = DraftPlanner(k, trace.pass_cost_ms).pass_cost  # the price of a round, whatever the schedule
     n, ms, chained, rounds, rows = 0, 0.0, k, 0, 0
     last = len(trace.tokens) - 1  # the first token comes with the prefill

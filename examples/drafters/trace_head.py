@@ -45,4 +45,10 @@ async def main(args: Args) -> dict:
             window = rows[-1][:1]
     finally:
         await ws.release()
-    return {"rows": rows, "pass_cost_ms": model.pass_cost_ms, "step_ms": model.mtp_step_ms, "wall_ms": wall_ms}
+    return {
+        "rows": rows,
+        "pass_cost_ms": model.pass_cost_ms,
+        "step_ms": model.mtp_step_ms,
+        "wall_ms": wall_ms,
+        "acceptance": model.mtp_acceptance,
+    }

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..drafters import check_attached, load_eagle_head, load_mtp_head
+from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
 from ..models.compiled import compile_layers
 from ..models.families import state_shapes
 from ..models.kv_cache import KVCache
@@ -122,7 +122,9 @@ def build_served_model(
         chat_template=manifest.tokenizer.chat_template,
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
+        mtp_acceptance=heldout_acceptance(mtp.module.config.training) if mtp is not None else [],
         eagle_depth=eagle.depth if eagle is not None else 0,
+        eagle_acceptance=heldout_acceptance(eagle.module.config.training) if eagle is not None else [],
         prepacked_bytes=packed_bytes,
         weights=weights,
         weight_bytes=linear_bytes(loaded.model),

@@ -308,8 +308,12 @@ class ModelInfo(BaseModel):
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic
     pass_cost_ms: list[float] = []  # [w-1]: ms of one sequence's w-row pass + lm head, measured at start
     mtp_step_ms: float = 0.0  # ms of one more MTP(k) draft on a row, measured at start
+    # [i]: the MTP head's held-out acceptance of draft i+1 given drafts 1..i kept, from its training record
+    # (empty: not recorded); the draft-length planner's prior
+    mtp_acceptance: list[float] = []
     eagle_depth: int = 0  # > 0 when the model serves Eagle(k) readouts
     eagle_step_ms: float = 0.0  # ms of one more Eagle(k) draft on a row, measured at start
+    eagle_acceptance: list[float] = []  # the EAGLE head's, as mtp_acceptance
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
     weight_bytes: int = 0  # bytes of the projections and lm head as served

@@ -4,7 +4,7 @@ kept going from. The EAGLE inferlet drafts with it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .drafter import Drafter, Proposal
 from .forward import PassResult
@@ -24,12 +24,13 @@ class ChainedDrafter(Drafter):
     (at_accepted). Sampled: every row chains from the target's argmax, and the drafts are kept only where
     the sampled token is that argmax."""
 
-    def __init__(self, head: HeadReadout, k: int, step_ms: float = 0.0):
+    def __init__(self, head: HeadReadout, k: int, step_ms: float = 0.0, acceptance: Sequence[float] = ()):
         self.head = head
         self.k = k
         self.proposed = 0  # drafts the fire being built verifies
         self.next: list[int] = []
         self.draft_cost_ms = step_ms
+        self.acceptance_prior = acceptance  # the head's training record (Model.eagle_acceptance)
 
     def readouts(self, verifier: Verifier) -> list[ReadoutSpec]:
         depth = next_depth(self, self.proposed, self.k)

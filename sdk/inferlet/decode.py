@@ -117,7 +117,12 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
     model, out, stats, ws = run.model, run.out, run.stats, run.ws
     costs = model.pass_cost_ms if run.args.draft_schedule == "adaptive" else []
     planner = drafter.planner = DraftPlanner(
-        k, costs, drafter.draft_cost_ms, replay=model.recurrent, free_fold_rows=model.per_row_states
+        k,
+        costs,
+        drafter.draft_cost_ms,
+        replay=model.recurrent,
+        free_fold_rows=model.per_row_states,
+        prior=drafter.acceptance_prior,
     )
     if model.state_granule > 1:  # every fire folds all its rows: no round can leave a draft out
         fallback = [*fallback, "granule"]

@@ -3,6 +3,7 @@ of each round (a ``Proposal``) and may constrain, read and observe the round's f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,9 @@ class Drafter:
     """What a speculative inferlet plugs into `speculate`. The defaults draft nothing."""
 
     draft_cost_ms: float = 0.0  # what proposing one more draft costs (a draft model's step); 0 for lookups
+    # [i]: acceptance of draft i+1 given 1..i kept, known before the run (a head's training record): the
+    # planner's prior; empty: none known
+    acceptance_prior: Sequence[float] = ()
     planner: DraftPlanner | None = None  # the run's draft-length planner, set by the round loop
 
     async def prefill(self, prompt: list[int]) -> None:

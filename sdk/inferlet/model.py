@@ -102,6 +102,17 @@ class Model:
         return self.info.mtp_step_ms
 
     @property
+    def mtp_acceptance(self) -> list[float]:
+        """[i]: the MTP head's held-out acceptance of draft i+1 given drafts 1..i kept, from its training record
+        (empty: not recorded)."""
+        return self.info.mtp_acceptance
+
+    @property
+    def eagle_acceptance(self) -> list[float]:
+        """The EAGLE head's, as :attr:`mtp_acceptance`."""
+        return self.info.eagle_acceptance
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids
 

@@ -13,7 +13,7 @@ import pytest
 
 import inferlet
 from pie_runtime.cli.engine import DEFAULT_WEIGHTS, add_engine_options, model_weights, weight_format, weights_words
-from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach, served_formats
+from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach, heldout_acceptance, served_formats
 from pie_runtime.launcher import LaunchError
 from pie_runtime.models.mtp import config_path, read_config
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, StoreError, StoreIntegrityError
@@ -195,6 +195,12 @@ def test_trained_files(drafter_home, head):
     assert draft.config.num_hidden_layers == 2 and draft.files["tokenizer.json"] == target.files["tokenizer.json"]
 
 
+def test_a_heads_recorded_acceptance_is_read_only_where_it_is_probabilities():
+    assert heldout_acceptance({"heldout_acceptance": [0.61, 0.5]}) == [0.61, 0.5]
+    for odd in ({}, {"heldout_acceptance": "0.6"}, {"heldout_acceptance": [0.6, 1.5]}, {"heldout_acceptance": [None]}):
+        assert heldout_acceptance(odd) == []  # a hand-written record: no prior rather than a wrong one
+
+
 # ---- weight formats of draft models ---------------------------------------------------------------------------
 
 
@@ -262,9 +268,11 @@ async def served_model(served):
     session.client.close()
 
 
-async def test_mtp_readout_through_engine(served_model, heldout_ids):
+async def test_mtp_readout_through_engine(served_model, heldout_ids, head):
     m = served_model
     assert m.mtp_depth == 2
+    recorded = read_config(head).training["heldout_acceptance"]  # what `pie drafter train` measured
+    assert m.mtp_acceptance == recorded and len(recorded) == 2 and all(0 <= a <= 1 for a in recorded)
     assert {d["name"] for d in m.drafters} == {"head", DRAFT}
     ids = heldout_ids
     rows = list(range(len(ids)))
