@@ -36,10 +36,10 @@ estimate holds it with the weight of ``prior_weight`` rounds, never forgotten. W
 decided alone: two misses at the second position made that draft look like a loss, and a position the
 planner stops drafting at is not measured again, so chat replies ran at one draft a round where two pay (the
 shipped head: 2.1 rows a round, the second position shown as 0.0). With the record they draft two, and on
-the machine the shipped head's adaptive 2 gained 3% on average over six prompts (+11% on one chat reply, -1.4% on
-the one whose second draft was kept 0.07 of the time against the record's 0.54). About twenty rounds of
-evidence outweigh the prior: a head its record flatters that much drafts its second near break-even, where
-the second row costs a few percent of a round.
+the machine the shipped head's adaptive 2 gained 1.7% on average over eight prompts (+3.4% on the mixed one,
++11% on one chat reply, -2% to +2% on the others, where the second draft is kept 0.07-0.2 of the time against
+the record's 0.54). About twenty rounds of evidence outweigh the prior: a head its record flatters that much
+drafts its second near break-even, where the second row costs a few percent of a round.
 
 Under load the round is not alone in its step: other sequences' rows share the pass. The planner then
 prices a round by what it adds to the step, ``pass_cost(load + 1 + k) - pass_cost(load)`` (``load``: the other
