@@ -117,7 +117,7 @@ class DraftPlanner:
         # [i]: the drafter's own acceptance of draft i+1 given 1..i kept, from its training record (held-out
         # text), worth prior_weight rounds that are never forgotten; empty: none known
         self.prior = [prior[min(i, len(prior) - 1)] for i in range(self.max_k)] if prior else []
-        self.prior_weight = prior_weight if prior else 0.0
+        self.prior_weight = prior_weight
         if self.prior:
             prior_alpha = self.prior[0]
         self.slow_hits, self.slow_trials = prior_alpha, 1.0  # the same counts, forgotten slowly
