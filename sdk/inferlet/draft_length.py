@@ -75,6 +75,7 @@ again.
 from __future__ import annotations
 
 import copy
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -82,6 +83,9 @@ from collections.abc import Sequence
 OVERHEAD_ROUNDS = (
     15  # rounds whose median residual is the overhead: a slow spell of the machine moves it, one pause does not
 )
+# The least a round is priced at. Under load on a flat stretch of the curve, with no measured overhead and a
+# drafter that costs nothing (a lookup), a round adds nothing to its step; priced at 0 the rates divide by it.
+MIN_ROUND_MS = 1e-3
 
 
 class DraftPlanner:
@@ -107,7 +111,9 @@ class DraftPlanner:
         self.max_k = max(0, max_k)
         self.probe_every = probe_every
         self.idle = 0  # plain rounds in a row the planner chose since the last drafting round
-        self.costs = list(pass_cost_ms)
+        # a wider pass never costs less: timed at start on a busy machine, the curve may dip, and a dip under
+        # load would price a round's rows below nothing
+        self.costs = list(itertools.accumulate(pass_cost_ms, max))
         self.draft_cost_ms = draft_cost_ms
         self.overhead_ms = overhead_ms  # the prior, until observe_time has timed a round
         self.residuals: deque[float] = deque(maxlen=OVERHEAD_ROUNDS)
@@ -178,7 +184,7 @@ class DraftPlanner:
         """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
         recurrent state the expected replay of the kept rows after a rejection."""
         rows = self.pass_cost(self.load + 1 + k) - (self.pass_cost(self.load) if self.load else 0.0)
-        return rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k)
+        return max(MIN_ROUND_MS, rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k))
 
     def replay_cost(self, k: int) -> float:
         """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts, or when
@@ -235,7 +241,9 @@ class DraftPlanner:
         k = self.best()
         chain = self.expected_tokens(k) / self.round_cost(k)
         cost = self.pass_cost(self.load + 1 + rows) - (self.pass_cost(self.load) if self.load else 0.0)
-        tree = self.tree_expected_tokens(widths) / (cost + draft_fires * self.draft_cost_ms + self.overhead_ms)
+        tree = self.tree_expected_tokens(widths) / max(
+            MIN_ROUND_MS, cost + draft_fires * self.draft_cost_ms + self.overhead_ms
+        )
         return tree >= chain
 
     def observe_tree(self, depth: int, accepted: int) -> None:

@@ -352,3 +352,23 @@ def test_a_recorded_acceptance_fills_the_positions_it_does_not_reach():
     p = DraftPlanner(4, AMX_INT4, MTP_STEP_MS, prior=HEAD)
     assert p.prior == [0.62, 0.54, 0.54, 0.54]
     assert DraftPlanner(4, AMX_INT4, prior=()).prior == []
+
+
+def test_a_round_that_adds_nothing_to_a_loaded_step_is_still_priced():
+    """Under load on a flat stretch of the curve, a lookup (no draft cost) whose rounds left no overhead adds
+    nothing to its step: the planner drafts the most it may instead of dividing by that nothing (CI once
+    failed there, two cacheback runs sharing the engine)."""
+    p = DraftPlanner(4, FLAT)
+    p.observe_time(0.0, step_rows=2, drafts=0)  # a round faster than the curve's pass: no overhead
+    assert p.overhead_ms == 0.0
+    p.observe_load(step_rows=8, own_rows=3)
+    assert p.round_cost(0) > 0 and p.drafting_pays()
+    assert p.next() == 4
+    assert p.use_tree([2, 2], rows=4)
+
+
+def test_a_curve_timed_with_a_dip_never_prices_a_wider_pass_below_a_narrower_one():
+    p = DraftPlanner(4, [10.0, 12.0, 11.0, 13.0])
+    assert [p.pass_cost(w) for w in range(1, 6)] == [10.0, 12.0, 12.0, 13.0, 14.0]
+    p.observe_load(step_rows=3, own_rows=1)  # load 2: its own row would otherwise cost -1 ms
+    assert p.round_cost(0) == pytest.approx(p.overhead_ms)
