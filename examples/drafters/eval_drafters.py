@@ -10,6 +10,10 @@ Two kinds of held-out rows per corpus:
 - chat (a model with a chat template): its greedy replies to chat requests about held-out passages
   (``distill.CHAT_REQUESTS``, as `pie drafter train --chat-rounds` builds them from training passages).
 
+and, for a model with a chat template, once: open, its greedy replies to open requests about held-out topics
+(``distill.open_requests``, as `pie drafter train --open-rounds` builds them from the other topics), the
+kind of request most chats make and the one a head trained on passages drafts worst.
+
     python examples/drafters/eval_drafters.py --mtp pie_runtime/assets/drafters/smollm2-135m-mtp.safetensors \
         --eagle smollm2-135m-eagle.safetensors --draft smollm2-draft --corpus austen.txt --corpus kjv.txt
 
@@ -42,6 +46,7 @@ def main() -> None:
     p.add_argument("--text-tokens", type=int, default=2048, help="held-out text tokens per corpus")
     p.add_argument("--prompts", type=int, default=16, help="greedy continuations per corpus")
     p.add_argument("--new", type=int, default=48, help="tokens per greedy continuation")
+    p.add_argument("--open-prompts", type=int, default=32, help="replies to open requests (held-out topics)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the table here")
     args = p.parse_args()
@@ -53,37 +58,43 @@ def main() -> None:
     draft = load_model(args.draft).llama if args.draft else None
     k = args.depth
     table = {}
+    chat = target.manifest.tokenizer.chat_template
+    frame = distill.model_chat_frame(target.tokenizer_path, target.manifest.tokenizer) if chat else None
+
+    def measure(name: str, data: distill.TeacherData, start: int) -> None:
+        """Agreement per draft position of every drafter over ``data``'s rows from ``start`` on."""
+        row: dict[str, int | list[float]] = {"rows": int(data.tokens[:, start:].numel())}
+        if head is not None:
+            d = min(k, head.depth)
+            row["mtp"] = distill.mtp_agreement(head, data, d, conditional=True, start=start)
+            row["mtp_unconditional"] = distill.mtp_agreement(head, data, d, start=start)
+        if eagle is not None:
+            d = min(k, eagle.config.depth)
+            row["eagle"] = eagle_agreement(eagle, target.llama, data, d, conditional=True, start=start)
+        if draft is not None:
+            row["draft"] = distill.draft_agreement(draft, data, k, start=start)
+        table[name] = row
+        shown = {n: [round(x, 3) for x in v] if isinstance(v, list) else v for n, v in row.items()}
+        print(name, json.dumps(shown), flush=True)
+
     for corpus in args.corpus:
         _, held = distill.corpus_tokens(target.tokenizer_path, Path(corpus))
         text = distill.teacher_windows(target.llama, distill.spaced_windows(held, args.text_tokens // 256, 256))
         prompts = [w[:32] for w in distill.spaced_windows(held, args.prompts, 64)]
-        greedy = distill.teacher_generations(target.llama, prompts, args.new)
-        kinds = [("text", text, 0), ("greedy", greedy, 31)]  # greedy: from the last prompt token
-        if target.manifest.tokenizer.chat_template:
-            frame = distill.model_chat_frame(target.tokenizer_path, target.manifest.tokenizer)
+        measure(f"{Path(corpus).stem}/text", text, 0)
+        measure(f"{Path(corpus).stem}/greedy", distill.teacher_generations(target.llama, prompts, args.new), 31)
+        if frame is not None:  # greedy and chat: from the last prompt token
             n = distill.CHAT_PROMPT_LEN
             requests = distill.chat_requests(
                 target.tokenizer_path, frame, distill.spaced_windows(held, args.prompts, n), n
             )
-            kinds.append(("chat", distill.teacher_generations(target.llama, requests, args.new), n - 1))
-        for kind, data, start in kinds:
-            row: dict[str, int | list[float]] = {"rows": int(data.tokens[:, start:].numel())}
-            if head is not None:
-                d = min(k, head.depth)
-                row["mtp"] = distill.mtp_agreement(head, data, d, conditional=True, start=start)
-                row["mtp_unconditional"] = distill.mtp_agreement(head, data, d, start=start)
-            if eagle is not None:
-                d = min(k, eagle.config.depth)
-                row["eagle"] = eagle_agreement(eagle, target.llama, data, d, conditional=True, start=start)
-            if draft is not None:
-                row["draft"] = distill.draft_agreement(draft, data, k, start=start)
-            table[f"{Path(corpus).stem}/{kind}"] = row
-            print(
-                Path(corpus).stem,
-                kind,
-                json.dumps({n: [round(x, 3) for x in v] if isinstance(v, list) else v for n, v in row.items()}),
-                flush=True,
-            )
+            measure(f"{Path(corpus).stem}/chat", distill.teacher_generations(target.llama, requests, args.new), n - 1)
+    if frame is not None and args.open_prompts:
+        requests = distill.chat_prompts(
+            target.tokenizer_path, frame, distill.open_requests(args.open_prompts, heldout=True)
+        )
+        longest = max(map(len, requests))  # every reply is measured from here: the shorter prompts' first tokens wait
+        measure("open", distill.teacher_replies(target.llama, requests, longest + args.new), longest - 1)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
 

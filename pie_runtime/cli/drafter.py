@@ -72,10 +72,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "passages (summarize, continue, explain, ...; --gen-round-tokens each): what a drafter sees serving a chat",
     )
     p.add_argument(
+        "--open-rounds",
+        type=int,
+        default=0,
+        help='then this many rounds of its replies to open requests, no passage ("Explain {topic} to a '
+        'ten-year-old.", 24 templates x 153 topics; --gen-round-tokens each): what a drafter sees serving most chats',
+    )
+    p.add_argument(
         "--gen-round-tokens",
         type=int,
         default=None,
-        help="tokens of one --gen-rounds or --chat-rounds round (default 262144)",
+        help="tokens of one --gen-rounds, --chat-rounds or --open-rounds round (default 262144)",
     )
     p.add_argument(
         "--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 eagle and draft)"
@@ -133,8 +140,10 @@ def run_train(args: argparse.Namespace) -> int:
     from ..drafters import attach
     from ..store import DEFAULT_MODEL, StoreError
 
-    if args.rounds < 1 or min(args.gen_rounds, args.chat_rounds) < 0:
-        print("error: --rounds is at least 1, --gen-rounds and --chat-rounds at least 0", file=sys.stderr)
+    if args.rounds < 1 or min(args.gen_rounds, args.chat_rounds, args.open_rounds) < 0:
+        print(
+            "error: --rounds is at least 1, --gen-rounds, --chat-rounds and --open-rounds at least 0", file=sys.stderr
+        )
         return 2
     torch.set_num_threads(args.threads)
     name = args.model or DEFAULT_MODEL
@@ -261,8 +270,8 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
             f"model {name!r} carries recurrent state ({cfg.family}): only --kind mtp trains a drafter for it"
         )
     loaded = load_model(name, store=store)
-    if args.chat_rounds and not loaded.manifest.tokenizer.chat_template:
-        raise StoreError(f"model {name!r} has no chat template: --chat-rounds needs one")
+    if (args.chat_rounds or args.open_rounds) and not loaded.manifest.tokenizer.chat_template:
+        raise StoreError(f"model {name!r} has no chat template: --chat-rounds and --open-rounds need one")
     if args.kind == "draft":
         out = args.out or f"{name}-draft"
         if store.exists(out) and not args.force:
@@ -305,7 +314,10 @@ def _teacher_pass(
         gen_rounds=args.gen_rounds,
         gen_round_tokens=args.gen_round_tokens or distill.GEN_ROUND_TOKENS,
         chat_rounds=args.chat_rounds,
-        chat=distill.model_chat_frame(loaded.tokenizer_path, loaded.manifest.tokenizer) if args.chat_rounds else None,
+        open_rounds=args.open_rounds,
+        chat=distill.model_chat_frame(loaded.tokenizer_path, loaded.manifest.tokenizer)
+        if args.chat_rounds or args.open_rounds
+        else None,
     )
     command = "pie " + shlex.join(_portable_words(sys.argv[1:])) if sys.argv and sys.argv[0].endswith("pie") else None
     info = {

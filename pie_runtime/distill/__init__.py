@@ -34,6 +34,7 @@ from .data import (
     DataPlan,
     TeacherData,
     chat_frame,
+    chat_prompts,
     chat_requests,
     corpus_folders,
     corpus_tokens,
@@ -45,7 +46,15 @@ from .dense import dense_hidden, dense_layer, greedy_generate
 from .draft import draft_from_target, train_draft
 from .losses import candidates, distill_loss
 from .mtp import train_mtp
-from .teacher import build_teacher_data, teacher_generations, teacher_model, teacher_windows, top_ids
+from .open_requests import open_requests
+from .teacher import (
+    build_teacher_data,
+    teacher_generations,
+    teacher_model,
+    teacher_replies,
+    teacher_windows,
+    top_ids,
+)
 
 __all__ = [
     "CHAT_PROMPT_LEN",
@@ -59,6 +68,7 @@ __all__ = [
     "bf16_is_fast",
     "build_teacher_data",
     "chat_frame",
+    "chat_prompts",
     "chat_requests",
     "candidates",
     "corpus_folders",
@@ -73,9 +83,11 @@ __all__ = [
     "greedy_generate",
     "model_chat_frame",
     "mtp_agreement",
+    "open_requests",
     "spaced_windows",
     "teacher_generations",
     "teacher_model",
+    "teacher_replies",
     "teacher_windows",
     "top_ids",
     "train_draft",

@@ -3,8 +3,9 @@
 sequences with the target's view of them that training and evaluation read.
 
 Training data: windows of the corpus (teacher-forced) and, optionally, the target's own greedy
-continuations of corpus prompts, which are what a drafter sees when serving (see :mod:`.teacher`), and its
-replies in its chat template to requests about corpus passages (what a drafter sees serving a chat).
+continuations of corpus prompts, which are what a drafter sees when serving (see :mod:`.teacher`), its
+replies in its chat template to requests about corpus passages, and its replies to open requests with no
+passage (:mod:`.open_requests`): what a drafter sees serving a chat.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from .open_requests import TEMPLATES, TOPICS, open_requests
 
 if TYPE_CHECKING:
     from ..models.checkpoint import TokenizerInfo
@@ -138,6 +141,9 @@ class DataPlan:
     # (text before, text after) a user message's content in the target's chat template, its assistant turn
     # opened (:func:`chat_frame`): the generation prompts are then chat requests about corpus passages
     chat: tuple[str, str] | None = None
+    # with ``chat``: the prompts are open requests (:mod:`.open_requests`, no passage), of varying length, each
+    # continued to ``seq_len`` tokens
+    open_requests: bool = False
 
     def key(self, target_digest: str) -> str:
         files = [(str(Path(c).resolve()), Path(c).stat().st_size) for c in self.corpora]
@@ -157,6 +163,7 @@ class DataPlan:
             + ([self.teacher_dtype] if self.teacher_dtype != "float32" else [])
             + ([f"round{self.data_round}"] if self.data_round else [])  # round 0 keeps the keys cached before
             + ([list(self.chat), list(CHAT_REQUESTS)] if self.chat else [])
+            + (["open", list(TEMPLATES), list(TOPICS)] if self.open_requests else [])
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -164,6 +171,11 @@ class DataPlan:
         """(training windows, held-out windows, generation prompts) over every corpus, each window
         ``seq_len`` tokens; the prompts are ``prompt_len`` tokens. A later round (``data_round`` > 0) has
         no held-out windows: the held-out data is round 0's."""
+        if self.open_requests:
+            if self.chat is None:
+                raise ValueError("open requests need the target's chat frame")
+            n = self.gen_tokens // self.seq_len
+            return [], [], chat_prompts(tokenizer_file, self.chat, open_requests(n, n * max(0, self.data_round - 1)))
         splits = [corpus_tokens(tokenizer_file, c) for c in self.corpora]
         per = self.tokens // self.seq_len // len(splits)
         n_held = 0 if self.data_round else max(1, self.heldout_tokens // self.seq_len)
@@ -217,3 +229,11 @@ def chat_requests(
         r = (first + i) % len(CHAT_REQUESTS)
         prompts.append(befores[r] + w[-room[r] :] + after)
     return prompts
+
+
+def chat_prompts(tokenizer_file: Path, frame: tuple[str, str], requests: Sequence[str]) -> list[list[int]]:
+    """Each request as a user message in ``frame`` (the template's text before and after it), as token ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    return [tok.encode(f"{frame[0]}{r}{frame[1]}", add_special_tokens=False).ids for r in requests]

@@ -107,6 +107,24 @@ def teacher_generations(
     return TeacherData(torch.cat(toks).clone(), torch.cat(hid).clone(), torch.cat(top).clone())
 
 
+def teacher_replies(
+    model: CausalLM,
+    prompts: list[list[int]],
+    length: int,
+    bar: tqdm | None = None,
+    head: CausalLM | None = None,
+) -> TeacherData:
+    """:func:`teacher_generations` of prompts that may differ in length, each continued to ``length`` tokens: one
+    batch run per prompt length (the dense decode needs one), in order of length."""
+    by_len: dict[int, list[list[int]]] = {}
+    for p in prompts:
+        by_len.setdefault(len(p), []).append(p)
+    if max(by_len) >= length:
+        raise ValueError(f"a prompt of {max(by_len)} tokens leaves nothing to generate in {length}")
+    parts = [teacher_generations(model, group, length - n, bar=bar, head=head) for n, group in sorted(by_len.items())]
+    return TeacherData.concat(parts)
+
+
 def build_teacher_data(
     model: CausalLM,
     tokenizer_file: Path,
@@ -119,22 +137,25 @@ def build_teacher_data(
     gen_round_tokens: int = GEN_ROUND_TOKENS,
     chat_rounds: int = 0,
     chat: tuple[str, str] | None = None,
+    open_rounds: int = 0,
 ) -> tuple[TeacherData, TeacherData]:
     """(train, held-out) teacher data of ``rounds`` data rounds (``plan`` and its shifted copies, see
     :attr:`DataPlan.data_round`), then ``gen_rounds`` rounds of ``gen_round_tokens`` tokens of the target's
     own continuations only (no corpus windows; prompts spaced apart from round to round), then ``chat_rounds``
     as many of its replies to chat requests about corpus passages (``chat``: the template's frame,
-    :func:`~.data.chat_frame`), each round from ``cache_dir`` when an identical plan was cached before:
-    raising a count computes only the new rounds. The held-out data is round 0's."""
+    :func:`~.data.chat_frame`), then ``open_rounds`` of its replies to open requests (:mod:`.open_requests`),
+    each round from ``cache_dir`` when an identical plan was cached before: raising a count computes only the
+    new rounds. The held-out data is round 0's."""
     # one copy of the target for every round the cache does not hold, made when the first such round needs it
     teacher = functools.cache(lambda dtype: teacher_model(model, getattr(torch, dtype)))
     plans = [replace(plan, data_round=r) for r in range(rounds)]
     # a generation round's key does not depend on ``rounds``: raising --rounds keeps them cached
     gen = replace(plan, tokens=0, gen_tokens=gen_round_tokens)
     plans += [replace(gen, data_round=r + 1) for r in range(gen_rounds)]
-    if chat_rounds and chat is None:
+    if (chat_rounds or open_rounds) and chat is None:
         raise ValueError("chat rounds need the target's chat template")
     plans += [replace(gen, prompt_len=CHAT_PROMPT_LEN, chat=chat, data_round=r + 1) for r in range(chat_rounds)]
+    plans += [replace(gen, chat=chat, open_requests=True, data_round=r + 1) for r in range(open_rounds)]
     parts = [
         _teacher_round(model, teacher, tokenizer_file, p, cache_dir, target_digest, progress, desc)
         for p, desc in zip(plans, _round_labels(len(plans)))
@@ -174,8 +195,7 @@ def _teacher_round(
         heldout = teacher_windows(layers, held, bar=bar, head=model) if held else None
         parts = [teacher_windows(layers, windows, bar=bar, head=model)] if windows else []
         if prompts:
-            gen_new = plan.seq_len - plan.prompt_len
-            parts.append(teacher_generations(layers, prompts, gen_new, bar=bar, head=model))
+            parts.append(teacher_replies(layers, prompts, plan.seq_len, bar=bar, head=model))
         train = TeacherData.concat(parts)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

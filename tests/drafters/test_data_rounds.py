@@ -18,9 +18,11 @@ from pie_runtime.distill import (
     DataPlan,
     TeacherData,
     build_teacher_data,
+    open_requests,
     spaced_windows,
 )
 from pie_runtime.distill.data import round_phase
+from pie_runtime.distill.open_requests import TEMPLATES, TOPICS
 from pie_runtime.models.llama import LlamaForCausalLM
 from tests.models.tiny_models import tiny_llama_config, tiny_tokenizer_json
 
@@ -142,3 +144,36 @@ def test_chat_rounds_are_the_targets_replies_to_requests_about_passages(setup):
         assert len(passage) >= 8 and passage in text
     with pytest.raises(ValueError, match="chat template"):
         build_teacher_data(target, tokenizer, plan, None, "d", progress=False, chat_rounds=1)
+
+
+def test_open_rounds_are_the_targets_replies_to_requests_with_no_passage(setup):
+    """`--open-rounds`: each row is the chat frame around an open request (a template and a training topic),
+    then the target's greedy reply to the row's end; the prompts differ in length, each round asks the
+    requests after the last round's, and the held-out topics are never asked."""
+    target, tokenizer, corpus = setup
+    frame = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+    seq = 192
+    plan = DataPlan([corpus], tokens=2 * seq, gen_tokens=0, seq_len=seq, heldout_tokens=seq)
+    base, _ = build_teacher_data(target, tokenizer, plan, None, "d", progress=False)
+    data, _ = build_teacher_data(
+        target, tokenizer, plan, None, "d", progress=False, open_rounds=2, gen_round_tokens=6 * seq, chat=frame
+    )
+    rows = data.tokens[len(base.tokens) :]
+    top = data.top[len(base.tokens) :]
+    assert rows.shape == (12, seq)
+    tok = Tokenizer.from_file(str(tokenizer))
+    asked, lengths = [], set()
+    for row, row_top in zip(rows.tolist(), top):
+        text = tok.decode(row, skip_special_tokens=False)
+        assert text.startswith(frame[0])
+        request, _, _ = text[len(frame[0]) :].partition(frame[1])
+        p = len(tok.encode(frame[0] + request + frame[1], add_special_tokens=False).ids)
+        assert row[p:] == row_top[p - 1 : -1, 0].tolist()  # the reply is the target's greedy choice
+        asked.append(request)
+        lengths.add(p)
+    assert len(lengths) > 1
+    assert sorted(asked) == sorted(open_requests(12))  # round 2 asks requests 6-11
+    heldout = set(open_requests(len(TEMPLATES) * len(TOPICS), heldout=True))
+    assert not heldout & set(open_requests(len(TEMPLATES) * len(TOPICS)))
+    bench_topics = ("sea", "ocean", "bicycle", "dog", "pet", "water", "cook", "rain")
+    assert not [t for t in TOPICS if any(b in t.split() or b + "s" in t.split() for b in bench_topics)]
