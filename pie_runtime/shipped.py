@@ -36,7 +36,7 @@ SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
-            sha256="fc2d51653889d1031b9bca3c43e0602442795fb88cd017c78204ecf32f1c2201",
+            sha256="d2409333253b416531de59bc782aeb2f06bf11e5ebcdce7c45a6486502b5ab2d",
         ),
     ),
 }
