@@ -183,8 +183,11 @@ class DraftPlanner:
     def round_cost(self, k: int) -> float:
         """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
         recurrent state the expected replay of the kept rows after a rejection."""
-        rows = self.pass_cost(self.load + 1 + k) - (self.pass_cost(self.load) if self.load else 0.0)
-        return max(MIN_ROUND_MS, rows + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k))
+        return max(MIN_ROUND_MS, self.step_share(k) + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k))
+
+    def step_share(self, drafts: int) -> float:
+        """ms a round's rows (``last`` and ``drafts`` draft rows) add to a pass that carries ``load`` other rows."""
+        return self.pass_cost(self.load + 1 + drafts) - (self.pass_cost(self.load) if self.load else 0.0)
 
     def replay_cost(self, k: int) -> float:
         """Expected ms of the replay a round of k drafts causes: 0 without recurrent state or drafts, or when
@@ -240,10 +243,8 @@ class DraftPlanner:
             return True
         k = self.best()
         chain = self.expected_tokens(k) / self.round_cost(k)
-        cost = self.pass_cost(self.load + 1 + rows) - (self.pass_cost(self.load) if self.load else 0.0)
-        tree = self.tree_expected_tokens(widths) / max(
-            MIN_ROUND_MS, cost + draft_fires * self.draft_cost_ms + self.overhead_ms
-        )
+        cost = self.step_share(rows) + draft_fires * self.draft_cost_ms + self.overhead_ms
+        tree = self.tree_expected_tokens(widths) / max(MIN_ROUND_MS, cost)
         return tree >= chain
 
     def observe_tree(self, depth: int, accepted: int) -> None:
