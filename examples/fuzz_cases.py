@@ -385,6 +385,7 @@ def case_spec_report(c: Conn, h: Handles, rng: random.Random) -> list[Msg]:
         "rounds_with_rejection": rng.choice([0, big]),
         "proposed_per_position": per_position,
         "accepted_per_position": per_position,
+        "reached_per_position": per_position,
         "skipped": {f"r{rng.getrandbits(32):x}": big for _ in range(rng.choice([0, 1, 32]))},
         "decode_tokens": rng.choice([0, big]),
         "decode_s": rng.choice([1e308, math.inf, math.nan, 0.0, 1.0]),

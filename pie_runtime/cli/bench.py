@@ -211,6 +211,7 @@ def summary(m: dict) -> dict:
         "rounds": s.get("rounds"),
         "acceptance": round(s.get("acceptance", 0.0), 3),
         "acceptance_per_position": [round(a, 3) for a in s.get("acceptance_per_position", [])],
+        "acceptance_given_kept": [round(a, 3) for a in s.get("acceptance_given_kept", [])],
         "rejecting_round_share": round(s.get("rejecting_round_share", 0.0), 3),
         "accepted_depth": round(s.get("accepted_depth", 0.0), 3),  # drafts kept per round (a tree: path depth)
         "rows_per_round": round(s.get("rows_per_round", 0.0), 2),

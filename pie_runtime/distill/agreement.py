@@ -39,7 +39,9 @@ def mtp_agreement(
         return [0.0] * depth
     h = data.hidden[:, :n].reshape(-1, data.hidden.shape[-1]).float()
     first = data.tokens[:, 1 : n + 1].reshape(-1)
-    chunks = [head.draft(h[i : i + 2048], first[i : i + 2048], depth)[0] for i in range(0, len(h), 2048)]
+    chunks = [
+        head.draft(h[i : i + 2048], first[i : i + 2048], depth, with_logits=False)[0] for i in range(0, len(h), 2048)
+    ]
     drafts = torch.cat(chunks)  # (S*n, depth)
     follows = follows_greedy(data)
     valid = torch.ones_like(first, dtype=torch.bool)

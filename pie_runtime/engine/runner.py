@@ -204,7 +204,9 @@ class ModelRunner:
         mtp = self.mtp
         assert mtp is not None, "fire admission refuses MTP readouts on a model without a head"
         return _chained(
-            r, sampling.argmax(logits, mask), lambda rows, first: mtp.draft(r.hidden[rows], first, r.spec.k)
+            r,
+            sampling.argmax(logits, mask),
+            lambda rows, first, with_logits: mtp.draft(r.hidden[rows], first, r.spec.k, with_logits),
         )
 
     def _eagle(self, r: ReadoutRequest, logits: torch.Tensor, mask: torch.Tensor | None) -> dict[str, np.ndarray]:
@@ -214,18 +216,19 @@ class ModelRunner:
         assert eagle is not None and r.pages is not None, "fire admission refuses EAGLE readouts without a head"
         index = torch.tensor(r.spec.rows, dtype=torch.int64, device=self.device) + r.start
 
-        def chain(rows: slice, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        def chain(rows: slice, first: torch.Tensor, with_logits: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
             assert eagle is not None and r.pages is not None
-            return eagle.draft(eagle.feature(r.hidden[rows]), first, index[rows], r.pages, self.kv, r.spec.k)
+            feature = eagle.feature(r.hidden[rows])
+            return eagle.draft(feature, first, index[rows], r.pages, self.kv, r.spec.k, with_logits)
 
         return _chained(r, sampling.argmax(logits, mask), chain)
 
 
 def _chained(r: ReadoutRequest, first: torch.Tensor, draft) -> dict[str, np.ndarray]:
     """An MTP or EAGLE readout's result from the target's greedy tokens ``first`` (R,) and ``draft(rows,
-    first)`` (R', k) drafts and their k logits. tokens (R, 1+k): ``first``, then the k chained drafts;
-    with_probs adds probs (R, k, V). at_accepted chains only from the row a greedy verifier stops at (the
-    other rows' drafts are -1)."""
+    first, with_logits)`` (R', k) drafts and their k logits (only when asked: with_probs). tokens (R, 1+k):
+    ``first``, then the k chained drafts; with_probs adds probs (R, k, V). at_accepted chains only from the
+    row a greedy verifier stops at (the other rows' drafts are -1)."""
     spec = r.spec
     steps: list[torch.Tensor] = []
     if spec.at_accepted:
@@ -233,9 +236,9 @@ def _chained(r: ReadoutRequest, first: torch.Tensor, draft) -> dict[str, np.ndar
         agree = first[:-1].cpu() == torch.tensor(r.next_tokens[:-1], dtype=first.dtype)
         n = int(torch.cumprod(agree.to(torch.int64), 0).sum()) if agree.numel() else 0
         drafts = torch.full((first.shape[0], spec.k), -1, dtype=first.dtype, device=first.device)
-        drafts[n] = draft(slice(n, n + 1), first[n : n + 1])[0][0]
+        drafts[n] = draft(slice(n, n + 1), first[n : n + 1], False)[0][0]
     else:
-        drafts, steps = draft(slice(None), first)
+        drafts, steps = draft(slice(None), first, spec.with_probs)
     out = {"tokens": torch.cat([first.unsqueeze(1), drafts], dim=1).to(torch.int32).cpu().numpy()}
     if spec.with_probs:
         probs = [sampling.filtered_probs(lg, spec.temperature, spec.top_k, spec.top_p) for lg in steps]

@@ -60,6 +60,7 @@ class SpecTotals(SpecCounters):
             **self.figures(),
             "proposed_per_position": list(self.proposed_per_position),  # raw counts (the server's /metrics)
             "accepted_per_position": list(self.accepted_per_position),
+            "reached_per_position": list(self.reached_per_position),
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             "prefill_ms": self.prefill_ms / self.runs if self.runs else 0.0,  # mean per run
         }

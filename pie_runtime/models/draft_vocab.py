@@ -89,6 +89,21 @@ class DraftLogits:
         out[..., self.ids] = sub
         return out
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) normed hidden states → (...,) int64 argmax of :meth:`__call__`'s logits, without building them:
+        with a slice, the argmax over its N logits mapped to its ids. The ids are sorted, so a tie goes to the
+        lower id either way. A greedy chain's draft step then skips a (V,)-wide fill, scatter and argmax: 0.16
+        of the default model's 2.56 ms MTP step on a 2-core AVX2 CPU (int4 target, int8 head; medians of 1,500
+        alternated steps), where an argmax over 49,152 floats alone takes 0.13 ms."""
+        if self.ids is None:
+            return self.target_logits(hidden).argmax(dim=-1)
+        if self.int8 is not None:
+            sub = self.int8(hidden.to(torch.bfloat16))
+        else:
+            assert self.weight is not None
+            sub = hidden.to(self.weight.dtype) @ self.weight.T
+        return self.ids[sub.argmax(dim=-1)]
+
 
 def draft_logits(module: nn.Module, target) -> DraftLogits:
     """The lm head a drafter module (MTP or EAGLE) drafts through, bound to its served ``target``: the slice

@@ -159,10 +159,12 @@ class EagleHead:
         page_table: list[int],
         kv: KVCache,
         k: int,
+        with_logits: bool = True,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Greedy chains of k drafts from R rows of one sequence. feature: (R, H) u_n of each row; first:
         (R,) the target's token after it; index: (R,) int64 sequence index n of each row (its chain reads
-        the pool layer's K/V of 0..n). Returns (R, k) draft tokens and the k (R, V) float32 logits."""
+        the pool layer's K/V of 0..n). Returns (R, k) draft tokens and the k (R, V) float32 logits (none
+        without ``with_logits``: a greedy readout needs only the tokens, which come out the same)."""
         m, layer = self.module, self.module.layer
         attn = layer.self_attn
         r = feature.shape[0]
@@ -193,11 +195,14 @@ class EagleHead:
             )  # (R, h, 1, D)
             x = x + attn.o_proj(o.reshape(r, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            lg = self.logits(self.target.model.norm(x))
-            tok = lg.argmax(dim=-1)
+            if with_logits:
+                lg = self.logits(self.target.model.norm(x))
+                tok = lg.argmax(dim=-1)
+                logits.append(lg)
+            else:
+                tok = self.logits.greedy(self.target.model.norm(x))
             u = unit_rms(x)
             tokens.append(tok)
-            logits.append(lg)
         return torch.stack(tokens, dim=1), logits
 
 

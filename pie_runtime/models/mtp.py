@@ -114,16 +114,22 @@ class MTPHead:
         return self.norm(out)
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, first: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Greedy chain: returns (R, k) draft tokens and the k (R, V) float32 logits they were taken from."""
+    def draft(
+        self, hidden: torch.Tensor, first: torch.Tensor, k: int, with_logits: bool = True
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Greedy chain: returns (R, k) draft tokens and the k (R, V) float32 logits they were taken from
+        (none without ``with_logits``: a greedy readout needs only the tokens, which come out the same)."""
         tokens, logits = [], []
         tok = first
         for _ in range(k):
             hidden = self.step(hidden, tok)
-            lg = self.logits(hidden)
-            tok = lg.argmax(dim=-1)
+            if with_logits:
+                lg = self.logits(hidden)
+                tok = lg.argmax(dim=-1)
+                logits.append(lg)
+            else:
+                tok = self.logits.greedy(hidden)
             tokens.append(tok)
-            logits.append(lg)
         return torch.stack(tokens, dim=1), logits
 
 

@@ -236,6 +236,7 @@ class SpecReport(_Req):
     accepted: _SPEC_COUNT
     proposed_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
     accepted_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
+    reached_per_position: list[_SPEC_COUNT] = Field(default=[], max_length=64)
     rounds_with_rejection: _SPEC_COUNT
     skipped: dict[Annotated[str, Field(max_length=64)], _SPEC_COUNT] = Field(default={}, max_length=32)
     replayed_rows: _SPEC_COUNT = 0
@@ -251,10 +252,14 @@ class SpecReport(_Req):
     def _consistent(self) -> SpecReport:
         if self.accepted > self.proposed:
             raise ValueError("accepted drafts exceed proposed ones")
-        if len(self.accepted_per_position) != len(self.proposed_per_position):
+        n = len(self.proposed_per_position)
+        if len(self.accepted_per_position) != n or len(self.reached_per_position) != n:
             raise ValueError("per-position lists differ in length")
-        if any(a > p for a, p in zip(self.accepted_per_position, self.proposed_per_position)):
-            raise ValueError("a position accepted more drafts than it was proposed")
+        for a, r, p in zip(self.accepted_per_position, self.reached_per_position, self.proposed_per_position):
+            if a > r:
+                raise ValueError("a position accepted more drafts than rounds reached it")
+            if r > p:
+                raise ValueError("a position was reached in more rounds than proposed it")
         if self.rounds_with_rejection > self.rounds:
             raise ValueError("more rejecting rounds than rounds")
         if self.tree_rounds > self.rounds:

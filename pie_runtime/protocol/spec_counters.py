@@ -25,6 +25,9 @@ class SpecCounters:
     accepted: int = 0
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: rounds with >= i+1 drafts
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds keeping draft i+1
+    # [i]: rounds that verified draft i+1 with drafts 1..i kept: the denominator of the acceptance a training
+    # record, the planner and the agreement eval speak of (draft i+1 given the ones before it)
+    reached_per_position: list[int] = field(default_factory=list)
     rounds_with_rejection: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason → plain steps
     # rows the engine replayed to fold fewer rows than a fire ran (models with recurrent state: engine/fold.py)
@@ -38,21 +41,23 @@ class SpecCounters:
     def names(cls) -> set[str]:
         return {f.name for f in fields(SpecCounters)}
 
-    def add_positions(self, proposed: list[int], accepted: list[int]) -> None:
-        """Adds per-position counts, growing the lists to the longer length."""
+    def add_positions(self, proposed: list[int], accepted: list[int], reached: list[int]) -> None:
+        """Adds per-position counts (three lists of one length), growing the lists to the longer length."""
         grow = len(proposed) - len(self.proposed_per_position)
         if grow > 0:
             self.proposed_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i, (p, a) in enumerate(zip(proposed, accepted)):
+            self.reached_per_position.extend([0] * grow)
+        for i, (p, a, r) in enumerate(zip(proposed, accepted, reached, strict=True)):
             self.proposed_per_position[i] = add_capped(self.proposed_per_position[i], p)
             self.accepted_per_position[i] = add_capped(self.accepted_per_position[i], a)
+            self.reached_per_position[i] = add_capped(self.reached_per_position[i], r)
 
     def merge(self, other: SpecCounters) -> None:
         self.rounds = add_capped(self.rounds, other.rounds)
         self.proposed = add_capped(self.proposed, other.proposed)
         self.accepted = add_capped(self.accepted, other.accepted)
-        self.add_positions(other.proposed_per_position, other.accepted_per_position)
+        self.add_positions(other.proposed_per_position, other.accepted_per_position, other.reached_per_position)
         self.rounds_with_rejection = add_capped(self.rounds_with_rejection, other.rounds_with_rejection)
         self.replayed_rows = add_capped(self.replayed_rows, other.replayed_rows)
         for reason, n in other.skipped.items():
@@ -71,6 +76,10 @@ class SpecCounters:
             "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
             "acceptance_per_position": [
                 a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self.proposed_per_position)
+            ],
+            # draft i+1 kept given 1..i were (what a training record's held-out acceptance and the planner mean)
+            "acceptance_given_kept": [
+                a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self.reached_per_position)
             ],
             "rejecting_round_share": self.rounds_with_rejection / self.rounds if self.rounds else 0.0,
             "replayed_rows": self.replayed_rows,

@@ -78,6 +78,11 @@ class _Speculation:
             "rounds that kept the draft at each position (1-based)",
             labels=[*labels, "position"],
         )
+        self.reached_per_pos = CounterMetricFamily(
+            "pie_speculative_reached_per_pos",
+            "rounds that verified the draft at each position (1-based) with the ones before it kept",
+            labels=[*labels, "position"],
+        )
 
     def add(self, engine: list[str], spec: dict[str, dict[str, dict]]) -> None:
         for model, by_inferlet in spec.items():
@@ -90,9 +95,11 @@ class _Speculation:
                     self.skipped.add_metric([*key, reason], float(n))
                 for i, n in enumerate(t.get("accepted_per_position") or []):
                     self.per_pos.add_metric([*key, str(i + 1)], float(n))
+                for i, n in enumerate(t.get("reached_per_position") or []):
+                    self.reached_per_pos.add_metric([*key, str(i + 1)], float(n))
 
     def families(self):
-        return (self.rounds, self.proposed, self.accepted, self.skipped, self.per_pos)
+        return (self.rounds, self.proposed, self.accepted, self.skipped, self.per_pos, self.reached_per_pos)
 
 
 @dataclass

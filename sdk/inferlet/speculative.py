@@ -201,7 +201,9 @@ class SpecStats(SpecCounters):
         self.proposed += result.proposed
         self.draft_rows += result.proposed
         self.accepted += result.accepted
-        self.add_positions([1] * result.proposed, [1] * result.accepted + [0] * (result.proposed - result.accepted))
+        p, a = result.proposed, result.accepted
+        reached = min(p, a + 1)  # the kept drafts and the one it stopped at
+        self.add_positions([1] * p, [1] * a + [0] * (p - a), [1] * reached + [0] * (p - reached))
         if result.accepted < result.proposed:
             self.rounds_with_rejection += 1
 
@@ -238,6 +240,7 @@ class SpecStats(SpecCounters):
             "replayed_rows": self.replayed_rows,
             "proposed_per_position": list(self.proposed_per_position),
             "accepted_per_position": list(self.accepted_per_position),
+            "reached_per_position": list(self.reached_per_position),
             "draft_rows": self.draft_rows,
             "tree_rounds": self.tree_rounds,
             "tree_rows": self.tree_rows,
@@ -252,6 +255,7 @@ class SpecStats(SpecCounters):
             accepted=d["accepted"],
             proposed_per_position=list(d["proposed_per_position"]),
             accepted_per_position=list(d["accepted_per_position"]),
+            reached_per_position=list(d["reached_per_position"]),
             rounds_with_rejection=d["rounds_with_rejection"],
             skipped=dict(d["skipped"]),
             replayed_rows=int(d.get("replayed_rows", 0)),

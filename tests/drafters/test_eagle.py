@@ -58,6 +58,8 @@ def served(target: LlamaForCausalLM, module: EagleModule, tokens: list[int], n: 
     assert start == n + 1
     u = head.feature(torch.cat(hidden)[n : n + 1])
     drafts, logits = head.draft(u, torch.tensor([tokens[n + 1]]), torch.tensor([n]), pages, kv, k)
+    greedy, _ = head.draft(u, torch.tensor([tokens[n + 1]]), torch.tensor([n]), pages, kv, k, with_logits=False)
+    assert torch.equal(greedy, drafts)  # a greedy readout's chain, without the logits, drafts the same
     return drafts[0].tolist(), torch.stack(logits, 1)[0]
 
 

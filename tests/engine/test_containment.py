@@ -139,6 +139,7 @@ def test_spec_totals_saturate_instead_of_overflowing_the_stats_reply():
         "decode_tokens": top,
         "proposed_per_position": [top],
         "accepted_per_position": [top],
+        "reached_per_position": [top],
         "skipped": {"no_draft": top},
         "decode_s": 1e12,
         "prefill_ms": 1e12,

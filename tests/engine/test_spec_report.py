@@ -26,6 +26,10 @@ async def test_finished_runs_are_summed_under_their_inferlet(tiny, tiny_engine):
         assert after[key] == before[key] + sum(r["stats"][key] for r in results)
     assert after["acceptance"] == after["accepted"] / after["proposed"]
     assert len(after["acceptance_per_position"]) >= max(len(r["stats"]["acceptance_per_position"]) for r in results)
+    for i, (a, r, p) in enumerate(
+        zip(after["accepted_per_position"], after["reached_per_position"], after["proposed_per_position"])
+    ):  # a round reaches a position only if it proposed it, and keeps it only if it reached it
+        assert a <= r <= p and after["acceptance_given_kept"][i] == (a / r if r else 0.0)
     assert after["decode_tokens_per_s"] > 0
 
 
@@ -33,8 +37,28 @@ async def test_finished_runs_are_summed_under_their_inferlet(tiny, tiny_engine):
     "bad",
     [
         {"proposed": 2, "accepted": 3},
-        {"proposed": 3, "accepted": 1, "proposed_per_position": [1], "accepted_per_position": [2]},
-        {"proposed": 3, "accepted": 1, "proposed_per_position": [1, 1], "accepted_per_position": [1]},
+        {
+            "proposed": 3,
+            "accepted": 1,
+            "proposed_per_position": [1],
+            "accepted_per_position": [2],
+            "reached_per_position": [2],
+        },
+        {
+            "proposed": 3,
+            "accepted": 1,
+            "proposed_per_position": [1, 1],
+            "accepted_per_position": [1],
+            "reached_per_position": [1],
+        },
+        {"proposed": 3, "accepted": 1, "proposed_per_position": [1], "accepted_per_position": [1]},  # no reached
+        {  # kept in more rounds than reached the position
+            "proposed": 3,
+            "accepted": 1,
+            "proposed_per_position": [2],
+            "accepted_per_position": [2],
+            "reached_per_position": [1],
+        },
         {"proposed": 3, "accepted": 1, "rounds_with_rejection": 9},
     ],
 )

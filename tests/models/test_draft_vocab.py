@@ -150,3 +150,26 @@ def test_a_head_served_beside_an_int4_target_runs_int8_layers_that_compute_its_q
     for fmt in ("fp32", "bf16"):  # formats with float projections keep the module as loaded
         kept = mtp_module()
         assert serve_drafter(kept, fmt) is kept and isinstance(kept.proj, torch.nn.Linear)
+
+
+def test_a_greedy_chain_without_logits_drafts_the_same_tokens():
+    """``with_logits=False`` argmaxes the slice's own logits instead of the (V,)-wide ones: the same tokens for
+    a float slice, the served int8 slice and the whole vocabulary, ties going to the lower id either way."""
+    t = target()
+    served_t = prepare_for_serving(target(), "int4")
+    h, first = torch.randn(16, 64), torch.randint(0, 300, (16,))
+    for tgt, dtype in ((t, torch.float32), (served_t, torch.bfloat16)):
+        for ids in (torch.arange(0, 300, 7), None):
+            module = mtp_module()
+            if ids is not None:
+                set_draft_vocab(module, ids)
+            module = serve_drafter(module.to(dtype), "int4" if dtype == torch.bfloat16 else "fp32")
+            head = MTPHead(module, tgt)
+            tokens, logits = head.draft(h.to(dtype), first, 3)
+            fast, none = head.draft(h.to(dtype), first, 3, with_logits=False)
+            assert torch.equal(fast, tokens) and none == [] and len(logits) == 3
+    ids = torch.tensor([3, 9, 40])
+    tied = DraftLogits(None, torch.nn.Linear(4, 300, bias=False), ids, 4, 300)
+    tied.weight = torch.ones(3, 4)  # every row of the slice scores the same
+    x = torch.randn(2, 4)
+    assert tied.greedy(x).tolist() == tied(x).argmax(-1).tolist() == [3, 3]

@@ -416,6 +416,7 @@ def test_stats():
         "accepted": 4,
         "acceptance": 0.5,
         "acceptance_per_position": [2 / 3, 1 / 3, 1 / 2],
+        "acceptance_given_kept": [2 / 3, 1 / 2, 1.0],  # reached by 3, 2 and 1 of the rounds
         "rejecting_round_share": 2 / 3,
         "replayed_rows": 0,
         "skipped": {"penalties": 2, "no_draft": 1},
