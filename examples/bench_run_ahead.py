@@ -134,7 +134,9 @@ def variants(model: str, home: Path) -> list[tuple[str, str, list[str], str]]:
     """(label, inferlet, its words, the on-device flag)."""
     out = [("text-completion", "text-completion", [], "--run-ahead")]
     if any(d.kind == "mtp" for d in ModelStore(home / "models").get(model).drafters):
-        out.append(("mtp k=3", "mtp-speculative-decoding", ["--draft-length", "3"], "--run-ahead"))
+        # the host loop at a fixed 3 too (its default schedule adapts k): the same rounds as the device's
+        mtp = ["--draft-length", "3", "--draft-schedule", "fixed"]
+        out.append(("mtp k=3", "mtp-speculative-decoding", mtp, "--run-ahead"))
     out.append(("cacheback k=4", "cacheback-speculative-decoding", [], "--device-verify"))
     return out
 
