@@ -22,6 +22,7 @@ NAMES = [
     "pie_speculative_accepted_tokens_total",
     "pie_speculative_skipped_rows_total",
     "pie_speculative_accepted_tokens_per_pos_total",
+    "pie_speculative_reached_per_pos_total",
     "pie_requests_running",
     "pie_requests_waiting",
     "pie_kv_pages_used",
@@ -101,6 +102,8 @@ def test_counters_move_as_the_requests_imply(server):
     assert sum(s["proposed"] for s in reports) > 0  # the repeating prompt gives lookup drafts
     per_pos = delta("pie_speculative_accepted_tokens_per_pos_total", inferlet=LOOKUP)
     assert per_pos == delta("pie_speculative_accepted_tokens_total", inferlet=LOOKUP)
+    reached = delta("pie_speculative_reached_per_pos_total", inferlet=LOOKUP)
+    assert reached == sum(sum(s["reached_per_position"]) for s in reports) >= per_pos
     assert delta("pie_speculative_rounds_total", inferlet=PLAIN) == 0
     # ITL: one gap fewer than the text events of each run, so fewer observations than tokens
     assert (
