@@ -80,14 +80,17 @@ class DraftLogits:
         """(..., H) normed hidden states → (..., V) float32 logits."""
         if self.ids is None:
             return self.target_logits(hidden)
-        if self.int8 is not None:
-            sub = self.int8(hidden.to(torch.bfloat16)).float()  # (..., N)
-        else:
-            assert self.weight is not None  # a slice without the int8 rows has dense ones
-            sub = (hidden.to(self.weight.dtype) @ self.weight.T).float()
+        sub = self.slice_logits(hidden).float()
         out = sub.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.ids] = sub
         return out
+
+    def slice_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) normed hidden states → (..., N) logits of the slice's tokens, in the head's own dtype."""
+        if self.int8 is not None:
+            return self.int8(hidden.to(torch.bfloat16))
+        assert self.weight is not None  # a slice without the int8 rows has dense ones
+        return hidden.to(self.weight.dtype) @ self.weight.T
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) normed hidden states → (...,) int64 argmax of :meth:`__call__`'s logits, without building them:
@@ -97,12 +100,15 @@ class DraftLogits:
         alternated steps), where an argmax over 49,152 floats alone takes 0.13 ms."""
         if self.ids is None:
             return self.target_logits(hidden).argmax(dim=-1)
-        if self.int8 is not None:
-            sub = self.int8(hidden.to(torch.bfloat16))
-        else:
-            assert self.weight is not None
-            sub = hidden.to(self.weight.dtype) @ self.weight.T
-        return self.ids[sub.argmax(dim=-1)]
+        return self.ids[self.slice_logits(hidden).argmax(dim=-1)]
+
+    def draft(self, hidden: torch.Tensor, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chain step's greedy draft (...,) from ``hidden``, and the (..., V) logits it was taken from when
+        ``with_logits`` (a sampled readout's probabilities need them; a greedy one only the token, the same)."""
+        if not with_logits:
+            return self.greedy(hidden), None
+        logits = self(hidden)
+        return logits.argmax(dim=-1), logits
 
 
 def draft_logits(module: nn.Module, target) -> DraftLogits:

@@ -195,14 +195,11 @@ class EagleHead:
             )  # (R, h, 1, D)
             x = x + attn.o_proj(o.reshape(r, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if with_logits:
-                lg = self.logits(self.target.model.norm(x))
-                tok = lg.argmax(dim=-1)
-                logits.append(lg)
-            else:
-                tok = self.logits.greedy(self.target.model.norm(x))
+            tok, lg = self.logits.draft(self.target.model.norm(x), with_logits)
             u = unit_rms(x)
             tokens.append(tok)
+            if lg is not None:
+                logits.append(lg)
         return torch.stack(tokens, dim=1), logits
 
 

@@ -123,13 +123,10 @@ class MTPHead:
         tok = first
         for _ in range(k):
             hidden = self.step(hidden, tok)
-            if with_logits:
-                lg = self.logits(hidden)
-                tok = lg.argmax(dim=-1)
-                logits.append(lg)
-            else:
-                tok = self.logits.greedy(hidden)
+            tok, lg = self.logits.draft(hidden, with_logits)
             tokens.append(tok)
+            if lg is not None:
+                logits.append(lg)
         return torch.stack(tokens, dim=1), logits
 
 
