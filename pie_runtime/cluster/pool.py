@@ -147,8 +147,9 @@ class ClusterPool:
         slot.hosts_node, slot.hosts_parent = node, parent
         slot.generation += 1
         slot.lost = asyncio.Event()
-        slot.live = True
         await self.router.add.remote(slot.name)
+        # live, and its timeline entry, only once the router places on it: whoever sees it live can use it
+        slot.live = True
         slot.events.append((time.time(), f"joined (engine pid {info.engine_pid})"))
         log.info("engine %s joined at %s (its hosts on node %s)", slot.name, info.address, node)
 
