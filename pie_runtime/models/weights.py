@@ -18,11 +18,13 @@ speculation exact outside fp32: row i of a verify window gets the bits a 1-row p
 ``attend_invariant``); the int matmuls are invariant by themselves, bf16's once every matmul has one shape
 (``Linear.invariant_rows``: slices of 16 rows, the last padded; oneDNN sums a partial tile's rows, a single
 row, and on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones are not (fp32's differences are
-~1e-7, below what flips an argmax in practice).
+~1e-7, below what flips an argmax in practice). On an x86 CPU without bf16 units the slices are single rows
+(:func:`bf16_rows`).
 """
 
 from __future__ import annotations
 
+import platform
 from typing import Literal, TypeVar, cast, get_args
 
 import torch
@@ -37,7 +39,7 @@ INT4_GROUP = 32  # inputs per int4 scale and zero (GGUF's Q4 block)
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 DrafterModule = TypeVar("DrafterModule", bound=nn.Module)
-BF16_ROWS = 16  # rows per matmul of a bf16 layer (Linear.invariant_rows): one shape, whatever the pass
+BF16_ROWS = 16  # rows per matmul of a bf16 layer (Linear.invariant_rows) with bf16 units: one shape, whatever the pass
 # activations and KV cache of each format
 ACTIVATION_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -45,6 +47,17 @@ ACTIVATION_DTYPE: dict[str, torch.dtype] = {
     "int8": torch.bfloat16,
     "int4": torch.bfloat16,
 }
+
+
+def bf16_rows(device: torch.device) -> int:
+    """Rows per matmul of a bf16 layer on ``device``. An x86 CPU without bf16 units (no AVX512-BF16, no AMX)
+    gets 1: oneDNN's bf16 kernels there cost the same per row alone or in a tile (2-core AVX2 EPYC: gate_up
+    0.26 ms at 1 row, 4.3 ms at 16; the lm head 5.8 and 67 ms), so 16-row slices made a 1-row decode pass
+    pay for 16 (313 ms against 48 for int4). Elsewhere a tile costs little more than a row: ``BF16_ROWS``."""
+    if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return BF16_ROWS
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return BF16_ROWS if native else 1
 
 
 def load_dtype(fmt: str) -> torch.dtype:
@@ -90,7 +103,7 @@ def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQua
             gq = quantize_int8(model.lm_head.weight.detach().float())
         model.lm_head = Int8Linear(gq, None, model.lm_head.weight.device)  # type: ignore[assignment]  # the untied head's float copy goes with it
     elif fmt == "bf16":
-        model.lm_head.invariant_rows = BF16_ROWS
+        model.lm_head.invariant_rows = bf16_rows(model.lm_head.weight.device)
     model.to(ACTIVATION_DTYPE[fmt])  # what is left in float: the embedding table, norms, biases
     return model
 
@@ -123,7 +136,7 @@ def _layer(fmt: str, parts: list[nn.Module], names: list[str], blocks: dict[str,
         fused.weight = nn.Parameter(torch.cat(weights).to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
         if bias is not None:
             fused.bias = nn.Parameter(bias.to(ACTIVATION_DTYPE[fmt]), requires_grad=False)
-        fused.invariant_rows = BF16_ROWS
+        fused.invariant_rows = bf16_rows(weights[0].device)
         return fused
     # int4 needs whole groups of 32 inputs; a layer without them (rare widths) runs int8
     bits = 4 if fmt == "int4" and weights[0].shape[1] % INT4_GROUP == 0 else 8

@@ -13,13 +13,20 @@ from tiny_models import FAMILIES, TINY_VOCAB
 
 from pie_runtime.cli.engine import WEIGHT_FORMATS as CLI_FORMATS
 from pie_runtime.distill.data import find_corpus
-from pie_runtime.models import llama
+from pie_runtime.models import llama, weights
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.linear import Linear
 from pie_runtime.models.llama import DecoderLayer, LlamaForCausalLM
 from pie_runtime.models.quant import Int4Linear, Int8Linear
-from pie_runtime.models.weights import ACTIVATION_DTYPE, WEIGHT_FORMATS, load_dtype, prepare_for_serving
+from pie_runtime.models.weights import (
+    ACTIVATION_DTYPE,
+    BF16_ROWS,
+    WEIGHT_FORMATS,
+    bf16_rows,
+    load_dtype,
+    prepare_for_serving,
+)
 from pie_runtime.reference import transformers_llama
 from pie_runtime.store import load_model
 
@@ -184,13 +191,32 @@ def test_on_the_default_model_a_bf16_row_gets_its_bits_however_many_rows_its_pas
     and the row count change with what it is batched with. oneDNN's bf16 kernels sum a row in another order at
     one row, in a partial tile (rows 4-5 of a 6-row call of the 576 x 1536 down projection) and, on CPUs with
     AMX, in the lm head at 33-300 rows: a prompt prefilled beside three others moved its logits by 0.3-0.5.
-    Every bf16 layer therefore runs slices of 16 rows, the last one padded (``Linear.invariant_rows``)."""
+    Every bf16 layer therefore runs slices of 16 rows, the last one padded (``Linear.invariant_rows``), or of
+    one row on an x86 CPU without bf16 units (``bf16_rows``); the check holds for both."""
     model = prepared("smollm2-135m", "bf16")
     layer = cast(DecoderLayer, model.model.layers[0])
     g = torch.Generator().manual_seed(3)
     for linear in (layer.mlp.down_proj, layer.self_attn.o_proj, model.lm_head):
-        assert isinstance(linear, Linear) and linear.invariant_rows == 16
+        assert isinstance(linear, Linear) and linear.invariant_rows == bf16_rows(torch.device("cpu"))
         x = torch.randn(300, linear.in_features, generator=g).to(ACTIVATION_DTYPE["bf16"])
-        full = linear(x)
-        for rows in (*range(1, 41), 64, 65, 128):
-            assert torch.equal(linear(x[:rows]), full[:rows]), (linear.out_features, rows)
+        for tile in (BF16_ROWS, 1):
+            linear.invariant_rows = tile
+            full = linear(x)
+            for rows in (*range(1, 41), 64, 65, 128):
+                assert torch.equal(linear(x[:rows]), full[:rows]), (linear.out_features, tile, rows)
+
+
+def test_bf16_rows_are_single_only_on_an_x86_cpu_without_bf16_units(monkeypatch):
+    cpu = torch.device("cpu")
+    units = {"avx512_bf16": False, "amx": False}
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: units["avx512_bf16"])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: units["amx"])
+    monkeypatch.setattr(weights.platform, "machine", lambda: "x86_64")
+    assert bf16_rows(cpu) == 1
+    assert bf16_rows(torch.device("meta")) == BF16_ROWS  # not a CPU: the tiles as before
+    for unit in units:
+        units[unit] = True
+        assert bf16_rows(cpu) == BF16_ROWS
+        units[unit] = False
+    monkeypatch.setattr(weights.platform, "machine", lambda: "aarch64")
+    assert bf16_rows(cpu) == BF16_ROWS
