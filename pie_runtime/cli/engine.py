@@ -9,6 +9,7 @@ import sys
 from ..protocol.programs import PROGRAM_MEMORY
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # models/weights.py (not imported here: it needs torch)
+PASS_COST_CACHE = ("reuse", "refresh", "off")  # engine/pass_cost_cache.py's CACHE_MODES (the same reason)
 DEFAULT_WEIGHTS = "int4"  # the GGUF's own 4-bit blocks: fastest, top-1 0.97 vs their fp32 dequantization
 DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -113,6 +114,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default=32,
         help="at start, time passes of 1..N rows for inferlets that size their drafts (0: skip)",
     )
+    p.add_argument(
+        "--pass-cost-cache",
+        choices=PASS_COST_CACHE,
+        default="reuse",
+        help="reuse: a curve stored under $PIE_HOME/cache/pass_costs for this machine, model, format and threads,"
+        " once its 1-row and widest passes still cost what it says (else measure and store); refresh: measure and"
+        " store; off: measure, store nothing (default reuse)",
+    )
     # scale-out measurements on few cores: every step also sleeps MS, as if on a device of its own (server.py)
     p.add_argument("--simulate-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument(
@@ -168,6 +177,7 @@ def run_engine(args) -> int:
                 kv_bytes=args.kv_memory << 20,
                 prepack_lm_head=args.prepack,
                 pass_cost_rows=args.pass_cost_rows,
+                pass_cost_cache=args.pass_cost_cache,
                 state_slots=args.state_slots,
                 recurrent_fold=args.recurrent_fold,
                 per_row_states=args.per_row_states,
@@ -199,7 +209,7 @@ def run_engine(args) -> int:
         costs = s.info.pass_cost_ms
         if costs:
             shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
-            print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
+            print(f"{s.name}: pass cost by rows (ms) {shown} ({s.pass_costs_from})", file=sys.stderr, flush=True)
         print(
             f"{s.name}: weights {s.info.weights} ({s.info.weight_bytes >> 20} MiB of projections and lm head)"
             + (f", layers compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),

@@ -41,6 +41,9 @@ def engine_args(args) -> list[str]:
     out += ["--per-row-states", str(getattr(args, "per_row_states", 8))]
     if getattr(args, "tensor_parallel", 1) > 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
+    out += ["--pass-cost-rows", str(args.pass_cost_rows), "--pass-cost-cache", args.pass_cost_cache]
+    out += ["--program-memory", str(args.program_memory)]
+    out += [] if args.prepack else ["--no-prepack"]
     return out
 
 

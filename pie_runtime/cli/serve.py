@@ -88,15 +88,10 @@ def _uvicorn_server_class():
 
 
 def engine_words(args: argparse.Namespace) -> list[str]:
-    """The engine's command-line flags from ours (`pie run`'s, plus the ones it does not pass on)."""
+    """The engine's command-line flags from ours (`pie run`'s, plus the scale-out measurements' one)."""
     from .run import engine_args
 
     words = engine_args(args)
-    words += ["--pass-cost-rows", str(args.pass_cost_rows), "--program-memory", str(args.program_memory)]
-    if not args.prepack:
-        words.append("--no-prepack")
-    if not getattr(args, "prefix_cache", True):
-        words.append("--no-prefix-cache")
     if getattr(args, "simulate_step_ms", 0.0):
         words += ["--simulate-step-ms", str(args.simulate_step_ms)]
     return words

@@ -20,7 +20,8 @@ from ..protocol.messages import ModelInfo
 from ..store import ModelStore, load_model
 from .kv_pages import KVPages
 from .page_pool import PagePool
-from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, measure_pass_costs, warm_up
+from .pass_cost_cache import curve_key, pass_costs
+from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
 from .state_slots import StateSlots
@@ -43,6 +44,7 @@ def build_served_model(
     store: ModelStore | None = None,
     prepack_lm_head: bool = True,
     pass_cost_rows: int = 0,
+    pass_cost_cache: str = "reuse",
     compiled: bool = False,
     state_slots: int = DEFAULT_STATE_SLOTS,
     recurrent_fold: str = "per-row",
@@ -51,7 +53,8 @@ def build_served_model(
 ) -> ServedModel:
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
     lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
-    costs up to this many rows (0: don't); ``compiled``: torch.compile the layers (models/compiled.py), and
+    costs up to this many rows (0: don't), reusing a stored curve that still holds (``pass_cost_cache``: reuse,
+    refresh or off; engine/pass_cost_cache.py); ``compiled``: torch.compile the layers (models/compiled.py), and
     compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
     at once (each a slot of its state and a snapshot; models without recurrent state ignore it);
     ``recurrent_fold``: ``per-row`` keeps the state after each of a speculative fire's first ``per_row_states``
@@ -144,8 +147,10 @@ def build_served_model(
         compile_layers(loaded.model)
         warm_up(runner, kv_pages)
         info.compile_s = round(time.perf_counter() - t0, 1)
+    costs_from = ""
     if pass_cost_rows:
-        info.pass_cost_ms = measure_pass_costs(runner, kv_pages, pass_cost_rows)
+        key = curve_key(manifest, weights, torch.device(device), pass_cost_rows, page_size, compiled, tensor_parallel)
+        info.pass_cost_ms, costs_from = pass_costs(runner, kv_pages, key, pass_cost_cache)
         info.mtp_step_ms = measure_mtp_step_ms(runner)
         info.eagle_step_ms = measure_eagle_step_ms(runner, kv_pages)
     return ServedModel(
@@ -155,4 +160,5 @@ def build_served_model(
         pages=KVPages(PagePool(kv_pages), page_size, runner.copy_pages, runner.copy_slots),
         tokenizer_json=loaded.tokenizer_path.read_text(),
         states=StateSlots(state_slots, runner, rows) if shapes else None,
+        pass_costs_from=costs_from,
     )

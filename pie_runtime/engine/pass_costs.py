@@ -39,13 +39,26 @@ def measure_pass_costs(
 ) -> list[float]:
     """[cost of a 1-row pass, ..., of a max_rows-row pass] in milliseconds; [] when the pool is too small.
     ``context`` shrinks to what the pool holds."""
-    ps = runner.kv.page_size
-    context = min(context, num_pages * ps - max_rows)
-    if max_rows < 1 or context < 1:
-        return []
-    one_pass = _pass_on(runner, context + max_rows)
-    one_pass(0, context)  # the cached context the windows attend to
     widths = measured_widths(max_rows)
+    costs = time_passes(runner, num_pages, widths, repeats, context)
+    if not costs:
+        return []
+    dense = np.interp(np.arange(1, max_rows + 1), widths, isotonic(costs))
+    return [round(float(c), 3) for c in dense]
+
+
+def time_passes(
+    runner: ModelRunner, num_pages: int, widths: list[int], repeats: int, context: int = 128
+) -> list[float]:
+    """The median ms of a pass of each of ``widths`` rows after ``context`` cached tokens; [] when the pool is
+    too small."""
+    ps = runner.kv.page_size
+    widest = max(widths, default=0)
+    context = min(context, num_pages * ps - widest)
+    if widest < 1 or context < 1:
+        return []
+    one_pass = _pass_on(runner, context + widest)
+    one_pass(0, context)  # the cached context the windows attend to
     for rows in widths:
         one_pass(context, rows)  # warm-up: first calls at a new shape pick their kernels
     # round-robin over the widths, so a slow spell of the machine spreads over all of them
@@ -57,9 +70,7 @@ def measure_pass_costs(
             one_pass(context, rows)
             _sync(runner.device)
             times[rows].append((time.perf_counter() - t0) * 1e3)
-    costs = isotonic([statistics.median(times[w]) for w in widths])
-    dense = np.interp(np.arange(1, max_rows + 1), widths, costs)
-    return [round(float(c), 3) for c in dense]
+    return [statistics.median(times[w]) for w in widths]
 
 
 def _pass_on(runner: ModelRunner, rows: int) -> Callable[[int, int], None]:

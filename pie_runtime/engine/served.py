@@ -69,6 +69,7 @@ class ServedModel:
     tokenizer_json: str
     queue: FireQueue = field(default_factory=FireQueue)
     states: StateSlots | None = None  # the recurrent-state slots (models with recurrent state only)
+    pass_costs_from: str = ""  # how info.pass_cost_ms was had: "measured" or "reused, ..." (pass_cost_cache.py)
 
 
 class ServedModels:
