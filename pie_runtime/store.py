@@ -75,6 +75,12 @@ class ImportRefused(StoreError):
     """The source cannot be imported: unreadable, unsupported, or its tensors do not fit its config."""
 
 
+def check_model_name(name: str) -> None:
+    """Raises :class:`ImportRefused` unless ``name`` can name a model in the store (a folder of its own)."""
+    if not _NAME.fullmatch(name):
+        raise ImportRefused(f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' and '-'")
+
+
 class DrafterEntry(BaseModel):
     """A drafter attached to a model: an MTP or EAGLE head file, or another store model used as draft model."""
 
@@ -214,6 +220,7 @@ class ModelStore:
         """Write a converted checkpoint as model ``name`` (temp folder, then an atomic rename). ``check``
         sees the new manifest before the rename; whatever it raises leaves the store as it was, even a model
         that ``force`` would have replaced. ``keep_drafters`` carries the replaced model's drafters over."""
+        check_model_name(name)
         if self.exists(name) and not force:
             return ImportResult(self.get(name), imported=False)
         from safetensors.torch import save_file
@@ -346,8 +353,7 @@ def import_model(
         if not path.exists():
             raise ImportRefused(f"no such file, folder or packaged model: {source}")
         name = name or _default_name(path)
-    if not _NAME.fullmatch(name):
-        raise ImportRefused(f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' and '-'")
+    check_model_name(name)
     if store.exists(name) and not force:
         return ImportResult(store.get(name), imported=False)
     try:

@@ -133,6 +133,13 @@ def test_refuses_missing_source(home, capsys):
     refuse(["model", "import", str(home.parent / "nowhere")], capsys, home, "no such file")
 
 
+def test_a_name_that_is_a_path_is_refused_before_anything_is_written(home):
+    for name in ("/tmp/draft.safetensors", "../m", "M"):
+        with pytest.raises(ImportRefused, match="invalid model name"):
+            ModelStore().add(None, name)  # type: ignore[arg-type]  # refused before the checkpoint is read
+    assert not (home / "models").exists() or not any((home / "models").iterdir())
+
+
 def test_refuses_unreadable_gguf(home, tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all" * 10)

@@ -138,7 +138,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
 
     from ..drafters import attach
-    from ..store import DEFAULT_MODEL, StoreError
+    from ..store import DEFAULT_MODEL, StoreError, check_model_name
 
     if args.rounds < 1 or min(args.gen_rounds, args.chat_rounds, args.open_rounds) < 0:
         print(
@@ -148,6 +148,11 @@ def run_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     name = args.model or DEFAULT_MODEL
     try:
+        if args.kind == "draft" and args.out is not None:  # checked before the teacher's pass and the training
+            try:
+                check_model_name(args.out)
+            except StoreError as e:
+                raise StoreError(f"--kind draft writes a model into the store, so --out names it: {e}") from None
         store, loaded, corpora = _load_target(args, name)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
