@@ -85,6 +85,8 @@ def test_pass_cost_line():
     log = "x\nsmollm2-135m: pass cost by rows (ms) 1:36.0 2:37.1 4:40.2 8:42.5 16:49.0 32:61.3\ny\n"
     assert parse_pass_costs(log) == {1: 36.0, 2: 37.1, 4: 40.2, 8: 42.5, 16: 49.0, 32: 61.3}
     assert parse_pass_costs("no such line") == {}
+    noted = "m: pass cost by rows (ms) 1:36.0 2:37.1 (reused, measured 2026-12-03 15:49; now 35.0)\n"
+    assert parse_pass_costs(noted) == {1: 36.0, 2: 37.1}  # a note after the pairs is not a pair
 
 
 def test_peak_rss():

@@ -13,6 +13,7 @@ from .report import Measured
 from .rss import peak_rss_mib
 
 _PASS_COST = re.compile(r"pass cost by rows \(ms\) (.*)")
+_ROWS_MS = re.compile(r"(\d+):(\d+(?:\.\d+)?)")  # "8:42.5"
 
 
 def engine_formats() -> tuple[tuple[str, ...], str]:
@@ -27,12 +28,8 @@ def parse_pass_costs(log: str) -> dict[int, float]:
     m = _PASS_COST.search(log)
     if not m:
         return {}
-    out: dict[int, float] = {}
-    for item in m.group(1).split():
-        rows, _, ms = item.partition(":")
-        if rows.isdigit():
-            out[int(rows)] = float(ms)
-    return out
+    pairs = (_ROWS_MS.fullmatch(word) for word in m.group(1).split())  # other words (a note after them) skipped
+    return {int(p[1]): float(p[2]) for p in pairs if p}
 
 
 @dataclass

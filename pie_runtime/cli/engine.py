@@ -209,7 +209,8 @@ def run_engine(args) -> int:
         costs = s.info.pass_cost_ms
         if costs:
             shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
-            print(f"{s.name}: pass cost by rows (ms) {shown} ({s.pass_costs_from})", file=sys.stderr, flush=True)
+            print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
+            print(f"{s.name}: pass costs {s.pass_costs_from}", file=sys.stderr, flush=True)
         print(
             f"{s.name}: weights {s.info.weights} ({s.info.weight_bytes >> 20} MiB of projections and lm head)"
             + (f", layers compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),
