@@ -17,7 +17,7 @@ as a :class:`StateLayout`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,12 @@ class AttentionGroup:
     key_pages: torch.Tensor  # (B, P) int64 pages in sequence order (padding repeats page 0); K = P * page_size
     mask: torch.Tensor  # (B, 1, Q, K) bool, True where the query may attend the key
     valid_rows: torch.Tensor  # (n,) int64 batch rows of the valid queries, in query_valid order
+    # (first, count) when the group's queries are batch rows first..first + count - 1 in order with no padding
+    # (a decode step, a verify window, segments of one length side by side): attention then slices the batch's
+    # rows instead of gathering and scattering them
+    row_span: tuple[int, int] | None = None
+    # tensors derived from the mask once per pass and shared by every layer (the attention's additive mask)
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,9 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
         key_pages=key_pages.to(device),
         mask=mask.to(device),
         valid_rows=query_rows[query_valid].to(device),
+        row_span=(row_start[0], b * q)
+        if all(s.n_rows == q for s in segments) and row_start == [row_start[0] + i * q for i in range(b)]
+        else None,
     )
 
 
