@@ -95,7 +95,7 @@ def drafter_home(pie_home, distill_slice, tmp_path_factory) -> Path:
         "--layers",
         "0,-1",
         "--epochs",
-        "10",
+        "5",  # about 10 s: held-out acceptance 0.1-0.2 at the first draft; the tests need it above chance only
         "--batch",
         "2",
         "--lr",
