@@ -188,12 +188,12 @@ def _attend_invariant_slice(
 
     A verify window of 1 + k rows must give each row the bits a 1-row decode pass gives it, or greedy
     speculation could part from plain decoding on a near tie. In bfloat16, SDPA's result moves with the
-    padded key length. The scores are a matmul over D (one reduction length whatever the call); max and exp
-    are exact elementwise ops. The weighted sum of V together with its normaliser (a column of ones beside V)
-    runs over blocks of INVARIANT_KEYS keys, one matmul shape, summed in order in float32, so the blocks past
-    a sequence's keys add exact zeros: one matmul over all the padded keys reduced in another order once they
-    passed the kernel's own block on a CPU with AMX (a row's bits then moved with the longest sequence of its
-    batch).
+    padded key length. The scores are a matmul over D (one reduction length whatever the call); max and exp2 are
+    exact elementwise ops. The weighted sum of V together with its normaliser (a column of ones beside V) runs over
+    blocks of INVARIANT_KEYS keys, one matmul shape, summed in order (on a CPU in float64, rounded once to float32:
+    :func:`_sum_blocks_in_order`), so the blocks past a sequence's keys add exact zeros: one matmul over all the
+    padded keys reduced in another order once they passed the kernel's own block on a CPU with AMX (a row's bits
+    then moved with the longest sequence of its batch).
     Query heads that share a key head are stacked as extra query rows of that head (grouped-query attention).
 
     At a few rows the cost is the number of ops, not their arithmetic (each a few microseconds on tensors of a
