@@ -147,8 +147,8 @@ class EagleHead:
         cos, sin = self.target.rotary.cos_sin(ctx.positions, x.dtype)
         _, k, v = m.layer.self_attn.project(m.layer.input_layernorm(x), cos, sin)
         layer = m.config.kv_layer
-        kv.k[layer].index_copy_(0, ctx.write_slots, k.to(kv.k.dtype))
-        kv.v[layer].index_copy_(0, ctx.write_slots, v.to(kv.v.dtype))
+        kv.k[layer].index_copy_(1, ctx.write_slots, k.transpose(0, 1).to(kv.k.dtype))  # (kvh, slots, D)
+        kv.v[layer].index_copy_(1, ctx.write_slots, v.transpose(0, 1).to(kv.v.dtype))
 
     @torch.inference_mode()
     def draft(
@@ -173,8 +173,8 @@ class EagleHead:
             [page_table[i // ps] * ps + i % ps for i in range(n_keys)], dtype=torch.int64, device=feature.device
         )
         dtype = feature.dtype
-        pk = kv.k[m.config.kv_layer].index_select(0, slots).to(dtype).transpose(0, 1)  # (kvh, K, D)
-        pv = kv.v[m.config.kv_layer].index_select(0, slots).to(dtype).transpose(0, 1)
+        pk = kv.k[m.config.kv_layer].index_select(1, slots).to(dtype)  # (kvh, K, D)
+        pv = kv.v[m.config.kv_layer].index_select(1, slots).to(dtype)
         pk, pv = pk.unsqueeze(0).expand(r, -1, -1, -1), pv.unsqueeze(0).expand(r, -1, -1, -1)  # (R, kvh, K, D)
         seen = torch.arange(n_keys, device=feature.device).unsqueeze(0) <= index.unsqueeze(1)  # (R, K)
         ck: list[torch.Tensor] = []

@@ -1,6 +1,11 @@
 """The paged KV pool's tensors: per attention layer, K and V for ``num_pages * page_size`` slots. Which pages belong
 to whom is the engine's business (``engine/page_pool.py``); this module only stores and moves bytes.
 
+The layout is head-major, ``(layers, kv_heads, slots, head_dim)``: gathering a sequence's pages gives each head's
+keys in one contiguous run, the layout attention multiplies, so the gather is the only copy on the way (the
+float32 attention of CPUs without bf16 units converts it in one contiguous pass; slot-major pages took a
+strided copy per head: 0.13 instead of 0.05 ms a layer at 600 keys, 2 threads).
+
 ``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
 (an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too."""
 
@@ -23,7 +28,7 @@ class KVCache:
     ):
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (cfg.kv_layers + extra_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.kv_layers + extra_layers, cfg.num_key_value_heads, num_pages * page_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -42,13 +47,13 @@ class KVCache:
         ps = self.page_size
         s = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in src]).to(self.k.device)
         d = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in dst]).to(self.k.device)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        self.k[:, :, d] = self.k[:, :, s]
+        self.v[:, :, d] = self.v[:, :, s]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy single rows between slots, every layer (a tree fold moving its path's rows into place). The
         sources are read in full before any destination is written, so the two may overlap."""
         s = torch.tensor(src, dtype=torch.int64, device=self.k.device)
         d = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        self.k[:, :, d] = self.k[:, :, s]
+        self.v[:, :, d] = self.v[:, :, s]

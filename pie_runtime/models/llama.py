@@ -8,6 +8,8 @@ Face's, so a checkpoint's state dict loads as it is.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,31 +94,33 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Writes k and v into the cache, attends each row over its sequence's pages → (N, h * D)."""
         n, h, kvh, d = q.shape[0], self.heads, self.kv_heads, self.head_dim
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (slots, kvh, D)
-        k_cache.index_copy_(0, ctx.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.write_slots, v.to(v_cache.dtype))
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (kvh, slots, D)
+        k_cache.index_copy_(1, ctx.write_slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, ctx.write_slots, v.transpose(0, 1).to(v_cache.dtype))
         ps = kv.page_size
-        k_pages = k_cache.view(-1, ps, kvh, d)  # (pages, ps, kvh, D)
-        v_pages = v_cache.view(-1, ps, kvh, d)
+        k_pages = k_cache.view(kvh, -1, ps, d)  # (kvh, pages, ps, D)
+        v_pages = v_cache.view(kvh, -1, ps, d)
+        fp32 = self.batch_invariant and _fp32_attention(q)
 
         out = None if _one_span(ctx, n) else torch.empty(n, h, d, dtype=q.dtype, device=q.device)
         for g in ctx.groups:
             b, p = g.key_pages.shape
-            # whole pages are gathered (contiguous blocks), far cheaper than gathering slot by slot
-            pages = g.key_pages.flatten()
-            kg = k_pages.index_select(0, pages).view(b, p * ps, kvh, d).transpose(1, 2)
-            vg = v_pages.index_select(0, pages).view(b, p * ps, kvh, d).transpose(1, 2)
             if g.row_span is not None:  # the rows in order: a slice, laid out as the gather would lay it out
                 first, count = g.row_span
                 qg = q[first : first + count].reshape(b, count // b, h, d).transpose(1, 2)  # (B, h, Q, D)
             else:
                 qg = q[g.query_rows].transpose(1, 2)
-            if self.batch_invariant:
-                og = self._attend_invariant(qg, kg.to(q.dtype), vg.to(q.dtype), g)
+            if fp32:
+                og = self._attend_fp32(qg, k_pages, v_pages, g)
             else:
-                og = F.scaled_dot_product_attention(
-                    qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=True
-                )
+                # whole pages are gathered (contiguous blocks), far cheaper than gathering slot by slot
+                pages = g.key_pages.flatten()
+                kg = k_pages.index_select(1, pages).view(kvh, b, p * ps, d).transpose(0, 1).to(q.dtype)
+                vg = v_pages.index_select(1, pages).view(kvh, b, p * ps, d).transpose(0, 1).to(q.dtype)
+                if self.batch_invariant:
+                    og = self._attend_bf16(qg, kg, vg, g)
+                else:
+                    og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
             if out is None:
                 return og.transpose(1, 2).reshape(n, h * d)
             if g.row_span is not None:
@@ -127,19 +131,29 @@ class Attention(nn.Module):
         assert out is not None
         return out.view(n, h * d)
 
-    def _attend_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
-        """The batch-invariant form this device takes, with the group's additive mask made by the pass's first
-        layer and kept for the others."""
-        per_kv = self.heads // self.kv_heads
-        if _fp32_attention(q):
-            bias = g.memo.get(("fp32", per_kv))
-            if bias is None:
-                bias = g.memo[("fp32", per_kv)] = fp32_attention_bias(g.mask, per_kv)
-            return attend_invariant_fp32(q, k, v, g.mask, self.scale, bias)  # type: ignore[arg-type]
+    def _attend_bf16(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """The batch-invariant bf16 form, with the group's additive mask made by the pass's first layer and kept
+        for the others."""
         bias = g.memo.get("bf16")
         if bias is None:
             bias = g.memo["bf16"] = attention_bias(g.mask)
         return attend_invariant(q, k, v, g.mask, self.scale, bias)  # type: ignore[arg-type]
+
+    def _attend_fp32(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, g: AttentionGroup
+    ) -> torch.Tensor:
+        """The float32 form over the group's pages gathered into its padded key blocks, with the mask and the
+        blocks' buffers made by the pass's first layer and kept for the others."""
+        per_kv = self.heads // self.kv_heads
+        memo = g.memo.get(("fp32", per_kv))
+        if memo is None:
+            memo = g.memo[("fp32", per_kv)] = (
+                fp32_attention_bias(g.mask, per_kv),
+                Fp32KeyBlocks(g.key_pages, k_pages),
+            )
+        bias, blocks = cast(tuple[list[torch.Tensor], Fp32KeyBlocks], memo)
+        kb, vb = blocks.gather(k_pages, v_pages)
+        return attend_fp32_blocks(q, kb, vb, bias, self.scale)
 
     def forward(self, x, cos, sin, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
         return self.o_proj(self.attend(*self.project(x, cos, sin), ctx, kv))
@@ -232,8 +246,8 @@ def _attend_invariant_slice(
 
 
 def _sum_blocks_in_order(parts: torch.Tensor) -> torch.Tensor:
-    """(B, kvh, blocks, ...) float32 → (B, kvh, ...): the key blocks' partial sums added one after another, an
-    order that does not depend on how many blocks there are (``sum`` over the dim would reduce in its own
+    """(batch, heads, blocks, ...) float32 → (batch, heads, ...): the key blocks' partial sums added one after
+    another, an order that does not depend on how many blocks there are (``sum`` over the dim would reduce in its own
     order). torch's CPU cumsum is that sequential scan, accumulating float32 in float64, so its last prefix is
     the in-order sum rounded once, and the zero blocks past a sequence's keys leave it as it is: one op where
     adding block by block took one per block (0.15 ms a layer at 1,024 keys, 2 threads)."""
@@ -264,6 +278,36 @@ def fp32_attention_bias(mask: torch.Tensor, heads_per_kv: int) -> list[torch.Ten
     return slices
 
 
+class Fp32KeyBlocks:
+    """A pass's padded float32 K and [V | 1] for one attention group (:func:`attend_fp32_blocks`' input), its
+    buffers made once and refilled by every layer: each sequence's pages, padded to a multiple of FP32_KEYS keys
+    by repeating page 0 (masked, so only its values' finiteness matters), gathered head-major from the pool and
+    converted in one contiguous copy; the column of ones is written once. Fresh buffers a layer cost more than
+    the copies into them (a large allocation is fresh pages from the kernel)."""
+
+    def __init__(self, key_pages: torch.Tensor, k_pages: torch.Tensor):
+        b, p = key_pages.shape
+        kvh, _, ps, d = k_pages.shape
+        self.n_keys = -(-p * ps // FP32_KEYS) * FP32_KEYS
+        extra = -(-self.n_keys // ps) - p  # a page size that does not divide FP32_KEYS overshoots: cut below
+        self.pages = (F.pad(key_pages, (0, extra)) if extra else key_pages).flatten()
+        self.kg = torch.empty(kvh, self.pages.numel(), ps, d, dtype=k_pages.dtype, device=k_pages.device)
+        self.vg = torch.empty_like(self.kg)
+        self.kb = torch.empty(kvh, b, self.n_keys, d, dtype=torch.float32, device=k_pages.device)
+        self.vb = torch.empty(kvh, b, self.n_keys, d + 1, dtype=torch.float32, device=k_pages.device)
+        self.vb[..., d] = 1
+
+    def gather(self, k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (kvh, B, K, D) K and (kvh, B, K, D + 1) [V | 1], float32, from its (kvh, pages, ps, D)
+        pool pages."""
+        kvh, b, n, d = self.kb.shape
+        torch.index_select(k_pages, 1, self.pages, out=self.kg)
+        torch.index_select(v_pages, 1, self.pages, out=self.vg)
+        self.kb.copy_(self.kg.view(kvh, b, -1, d)[:, :, :n])
+        self.vb[..., :d].copy_(self.vg.view(kvh, b, -1, d)[:, :, :n])
+        return self.kb, self.vb
+
+
 def attend_invariant_fp32(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,50 +316,62 @@ def attend_invariant_fp32(
     scale: float,
     bias: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """:func:`attend_invariant`'s contract in float32, for CPUs without bf16 units: there a bf16 matmul is
-    emulated, and the attention's two matmuls took half a 3-row int4 pass at 640 keys (2 threads, AVX2).
-
-    Query rows go in slices of FP32_ROWS, padded; keys and values in blocks of FP32_KEYS, padded: every sgemm has
-    one shape whatever the window, the batch or the padding, and MKL computes a given shape in a fixed order.
-    The scores of a block are (rows × D) @ (D × block), scaled and masked in one add (``bias + scale * qk``,
-    ``bias`` 0 or -inf: the product's rounding alone); the softmax's max runs over all blocks (max is exact);
-    the weighted sums of V and their normaliser (a column of ones beside V) are summed block by block in order,
-    so the blocks past a sequence's keys add exact zeros. ``bias``: :func:`fp32_attention_bias` of ``mask``,
-    when the caller keeps it across layers.
-
-    At a few rows the cost is the number of ops, so K and [V | 1] are written once into their padded float32
-    buffers (only the padding zeroed), exp runs in place, and the mask is the pass's: at one row and 257 keys
-    (2 threads, AVX2) 0.32 instead of 0.47 ms a layer, an int4 1-row pass 32.2 instead of 37.0 ms. The softmax
-    takes exp2 (LOG2_E) and the blocks are summed in one cumsum: at one row 0.62 instead of 0.72 ms a layer at
-    600 keys, 0.75 instead of 0.94 at 1,024 (a long prompt's decode steps)."""
-    b, h, nq, d = q.shape
-    kvh, n_keys = k.shape[1], k.shape[2]
-    g, rows, block = h // kvh, FP32_ROWS, FP32_KEYS
-    kpad = -n_keys % block
-    nb = (n_keys + kpad) // block
+    """:func:`attend_invariant`'s contract in float32, for CPUs without bf16 units: q (B, h, Q, D), k/v (B, kvh,
+    K, D), mask (B, 1, Q, K) → (B, h, Q, D). K and [V | 1] are laid out in :func:`attend_fp32_blocks`'s padded
+    buffers here; a layer gathers its pages straight into them instead. ``bias``: :func:`fp32_attention_bias`
+    of ``mask``, when the caller keeps it across layers."""
+    b, kvh, n_keys, d = k.shape
+    padded = -(-n_keys // FP32_KEYS) * FP32_KEYS
+    kb = torch.zeros(kvh, b, padded, d, dtype=torch.float32, device=k.device)
+    kb[:, :, :n_keys].copy_(k.transpose(0, 1))
+    vb = torch.zeros(kvh, b, padded, d + 1, dtype=torch.float32, device=v.device)
+    vb[:, :, :n_keys, :d].copy_(v.transpose(0, 1))
+    vb[..., d] = 1
     if bias is None:
-        bias = fp32_attention_bias(mask, g)
-    kb = torch.empty(b, kvh, n_keys + kpad, d, dtype=torch.float32, device=k.device)
-    kb[:, :, :n_keys].copy_(k)
-    kb[:, :, n_keys:].zero_()
-    vb = torch.empty(b, kvh, n_keys + kpad, d + 1, dtype=torch.float32, device=v.device)
-    vb[:, :, :n_keys, :d].copy_(v)
-    vb[:, :, :n_keys, d] = 1
-    vb[:, :, n_keys:].zero_()
-    kt = kb.view(b, kvh, nb, block, d).transpose(-1, -2)
-    vb = vb.view(b, kvh, nb, block, d + 1)
+        bias = fp32_attention_bias(mask, q.shape[1] // kvh)
+    return attend_fp32_blocks(q, kb, vb, bias, scale)
+
+
+def attend_fp32_blocks(
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """The float32 form's arithmetic: q (B, h, Q, D) any dtype; kb (kvh, B, K, D) and vb (kvh, B, K, D + 1), [V | 1],
+    float32, contiguous, K a multiple of FP32_KEYS (keys past a sequence's are masked by ``bias``, any finite
+    values); ``bias`` :func:`fp32_attention_bias` → (B, h, Q, D) in q's dtype. Without bf16 units a bf16 matmul
+    is emulated, and the attention's two matmuls took half a 3-row int4 pass at 640 keys (2 threads, AVX2).
+
+    Query rows go in slices of FP32_ROWS, padded; keys and values in blocks of FP32_KEYS: every sgemm has one
+    shape whatever the window, the batch or the padding, and MKL computes a given shape in a fixed order. The
+    batch runs key head first, so each head's keys are one run of the pool's head-major pages (no copy into
+    another layout, which on AVX2 rounds differently). The scores of a block are (rows × D) @ (D × block),
+    scaled and masked in one add (``bias + scale * qk``, ``bias`` 0 or -inf: the product's rounding alone);
+    the softmax's max runs over all blocks (max is exact) and takes exp2 (LOG2_E); the weighted sums of V and
+    their normaliser (the column of ones) are summed block by block in order (:func:`_sum_blocks_in_order`), so
+    the blocks past a sequence's keys add exact zeros.
+
+    At a few rows the cost is the number of ops: at one row and 257 keys (2 threads, AVX2) 0.32 instead of
+    0.47 ms a layer once K and [V | 1] were written once and the mask kept for the pass (int4 1-row pass 32.2
+    instead of 37.0 ms); exp2 and one cumsum then took a layer at 600 keys from 0.72 to 0.62 ms, at 1,024 from
+    0.94 to 0.75."""
+    b, h, nq, d = q.shape
+    kvh = kb.shape[0]
+    g, rows, block = h // kvh, FP32_ROWS, FP32_KEYS
+    nb = kb.shape[2] // block
+    kt = kb.view(kvh, b, nb, block, d).transpose(-1, -2)
+    vb = vb.view(kvh, b, nb, block, d + 1)
     outs = []
     for s, i in enumerate(range(0, nq, rows)):
         n = min(rows, nq - i)
-        qs = F.pad(q[:, :, i : i + n].float(), (0, 0, 0, rows - n)).reshape(b, kvh, 1, g * rows, d)
-        scores = torch.add(bias[s], torch.matmul(qs, kt), alpha=scale * LOG2_E)  # (B, kvh, blocks, g*rows, block)
+        qs = F.pad(q[:, :, i : i + n].float(), (0, 0, 0, rows - n)).reshape(b, kvh, 1, g * rows, d).transpose(0, 1)
+        # (kvh, B, blocks, g*rows, block)
+        scores = torch.add(bias[s].transpose(0, 1), torch.matmul(qs, kt), alpha=scale * LOG2_E)
         peak = scores.amax(-1, keepdim=True).amax(2, keepdim=True)
-        parts = torch.matmul(scores.sub_(peak).exp2_(), vb)  # (B, kvh, blocks, g*rows, D + 1)
+        parts = torch.matmul(scores.sub_(peak).exp2_(), vb)  # (kvh, B, blocks, g*rows, D + 1)
         summed = _sum_blocks_in_order(parts)
         out = summed[..., :d] / summed[..., d:]
-        outs.append(out.view(b, kvh, g, rows, d)[:, :, :, :n])
+        outs.append(out.view(kvh, b, g, rows, d)[:, :, :, :n])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(b, h, nq, d).to(q.dtype)
+    return out.transpose(0, 1).reshape(b, h, nq, d).to(q.dtype)
 
 
 def _fp32_attention(q: torch.Tensor) -> bool:
