@@ -59,3 +59,26 @@ def test_the_sliced_rows_and_the_shared_mask_give_the_gathered_paths_bits(fmt, f
         assert all(len(g.memo) == 1 for g in ctx.groups)  # one mask a group, whatever the number of layers
         gathered = dataclasses.replace(ctx, groups=tuple(dataclasses.replace(g, row_span=None) for g in ctx.groups))
         assert torch.equal(fast, run(gathered, ids)), segments
+
+
+@pytest.mark.parametrize("page_size", [24, 128], ids=["24", "128"])
+def test_the_float32_form_gives_a_row_the_same_bits_whatever_the_page_size(page_size, tiny_store, monkeypatch):
+    """Pages are gathered straight into blocks of FP32_KEYS keys: a page size that does not divide the block
+    overshoots and is cut, one larger than the block pads by whole pages. Only masked keys differ, so a prompt and
+    its decode rows get the bits they get with 4-token pages."""
+    monkeypatch.setattr(llama, "FP32_ATTENTION", True)
+    store, _ = tiny_store
+    model = prepared("tiny-llama", "int4", store)
+    ids = torch.randint(0, TINY_VOCAB, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def rows(ps: int) -> list[torch.Tensor]:
+        kv = KVCache(model.config, -(-256 // ps) + 1, ps, ACTIVATION_DTYPE["int4"])
+        pages = list(range(1, -(-90 // ps) + 1))  # page 0 is the padding's, as in the pool
+        out = []
+        for start, n in [(0, 70), (70, 1), (71, 4), (75, 15)]:
+            ctx = ForwardContext.build([Segment(pages, start, n)], ps)
+            out.append(model.logits(model.forward(model.embed(torch.tensor(ids[start : start + n])), ctx, kv)))
+        return out
+
+    for a, b in zip(rows(PAGE), rows(page_size), strict=True):
+        assert torch.equal(a, b)
