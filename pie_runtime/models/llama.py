@@ -282,8 +282,8 @@ class Fp32KeyBlocks:
     """A pass's padded float32 K and [V | 1] for one attention group (:func:`attend_fp32_blocks`' input), its
     buffers made once and refilled by every layer: each sequence's pages, padded to a multiple of FP32_KEYS keys
     by repeating page 0 (masked, so only its values' finiteness matters), gathered head-major from the pool and
-    converted in one contiguous copy; the column of ones is written once. Fresh buffers a layer cost more than
-    the copies into them (a large allocation is fresh pages from the kernel)."""
+    converted in one contiguous copy; the column of ones is written once. A fresh float32 buffer a layer took
+    about twice the time of the copy into a kept one (profiled, 1 row at 600 keys, 2 threads)."""
 
     def __init__(self, key_pages: torch.Tensor, k_pages: torch.Tensor):
         b, p = key_pages.shape
