@@ -65,7 +65,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_COMPILE,
-        help="torch.compile the layers at start (fewer, fused ops a step; costs start-up time, printed)",
+        help="torch.compile the decoder at start (fewer, fused ops a step; costs start-up time, printed)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
@@ -213,7 +213,7 @@ def run_engine(args) -> int:
             print(f"{s.name}: pass costs {s.pass_costs_from}", file=sys.stderr, flush=True)
         print(
             f"{s.name}: weights {s.info.weights} ({s.info.weight_bytes >> 20} MiB of projections and lm head)"
-            + (f", layers compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),
+            + (f", decoder compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
-from ..models.compiled import compile_layers
+from ..models.compiled import compile_decoder
 from ..models.families import state_shapes
 from ..models.kv_cache import KVCache
 from ..models.linear import prepack
@@ -54,9 +54,10 @@ def build_served_model(
     """``weights``: the weight format (models/weights.py); ``prepack_lm_head``: a oneDNN-prepacked copy of the
     lm head for multi-row readouts (CPU fp32 only; see models/linear.py); ``pass_cost_rows``: measure pass
     costs up to this many rows (0: don't), reusing a stored curve that still holds (``pass_cost_cache``: reuse,
-    refresh or off; engine/pass_cost_cache.py); ``compiled``: torch.compile the layers (models/compiled.py), and
-    compile them here, before anyone is served; ``state_slots``: working sets a model with recurrent state holds
-    at once (each a slot of its state and a snapshot; models without recurrent state ignore it);
+    refresh or off; engine/pass_cost_cache.py); ``compiled``: torch.compile the decoder as one graph
+    (models/compiled.py), and compile it here, before anyone is served; ``state_slots``: working sets a model
+    with recurrent state holds at once (each a slot of its state and a snapshot; models without recurrent state
+    ignore it);
     ``recurrent_fold``: ``per-row`` keeps the state after each of a speculative fire's first ``per_row_states``
     rows, so a fold of that many rows or fewer is a copy, or ``replay`` restores the snapshot and runs the kept
     rows again (engine/fold.py says why per-row is the default);
@@ -144,7 +145,7 @@ def build_served_model(
     if compiled:
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused above for the families with recurrent state
         t0 = time.perf_counter()
-        compile_layers(loaded.model)
+        compile_decoder(loaded.model)
         warm_up(runner, kv_pages)
         info.compile_s = round(time.perf_counter() - t0, 1)
     costs_from = ""
