@@ -58,6 +58,7 @@ def compile_decoder(model: LlamaForCausalLM) -> None:
     _PASSES[key] = (decoder_layers, None, None)
 
     def layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # DecoderLayer.forward, with the attention through the op (a change there belongs here too)
         for i, layer in enumerate(decoder_layers):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
