@@ -259,6 +259,12 @@ def _sum_blocks_in_order(parts: torch.Tensor) -> torch.Tensor:
     return parts.cumsum(2)[:, :, -1]
 
 
+def fp32_padded_keys(n_keys: int) -> int:
+    """The float32 form's key count for ``n_keys`` keys: whole blocks of FP32_KEYS (its mask and its K and V
+    buffers must agree on it)."""
+    return -(-n_keys // FP32_KEYS) * FP32_KEYS
+
+
 def fp32_attention_bias(mask: torch.Tensor, heads_per_kv: int) -> list[torch.Tensor]:
     """:func:`attend_invariant_fp32`'s additive mask, one (B, 1, blocks, heads_per_kv * FP32_ROWS, FP32_KEYS)
     float32 tensor per slice of FP32_ROWS query rows: 0 where a row may attend a key, -inf where not or past the
@@ -266,8 +272,8 @@ def fp32_attention_bias(mask: torch.Tensor, heads_per_kv: int) -> list[torch.Ten
     pass: computed once."""
     b, _, nq, n_keys = mask.shape
     rows, block = FP32_ROWS, FP32_KEYS
-    kpad = -n_keys % block
-    nb = (n_keys + kpad) // block
+    padded = fp32_padded_keys(n_keys)
+    kpad, nb = padded - n_keys, padded // block
     slices = []
     for i in range(0, nq, rows):
         n = min(rows, nq - i)
@@ -288,7 +294,7 @@ class Fp32KeyBlocks:
     def __init__(self, key_pages: torch.Tensor, k_pages: torch.Tensor):
         b, p = key_pages.shape
         kvh, _, ps, d = k_pages.shape
-        self.n_keys = -(-p * ps // FP32_KEYS) * FP32_KEYS
+        self.n_keys = fp32_padded_keys(p * ps)
         extra = -(-self.n_keys // ps) - p  # a page size that does not divide FP32_KEYS overshoots: cut below
         self.pages = (F.pad(key_pages, (0, extra)) if extra else key_pages).flatten()
         self.kg = torch.empty(kvh, self.pages.numel(), ps, d, dtype=k_pages.dtype, device=k_pages.device)
@@ -321,7 +327,7 @@ def attend_invariant_fp32(
     buffers here; a layer gathers its pages straight into them instead. ``bias``: :func:`fp32_attention_bias`
     of ``mask``, when the caller keeps it across layers."""
     b, kvh, n_keys, d = k.shape
-    padded = -(-n_keys // FP32_KEYS) * FP32_KEYS
+    padded = fp32_padded_keys(n_keys)
     kb = torch.zeros(kvh, b, padded, d, dtype=torch.float32, device=k.device)
     kb[:, :, :n_keys].copy_(k.transpose(0, 1))
     vb = torch.zeros(kvh, b, padded, d + 1, dtype=torch.float32, device=v.device)
