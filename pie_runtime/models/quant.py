@@ -10,13 +10,14 @@ Bytes per weight of a projection in each weight format (``models/weights.py`` se
     |--------|----------------------------|----------------------------------------------------------------|
     | fp32   | 4                          | ``F.linear`` (MKL / oneDNN), any device                        |
     | bf16   | 2                          | ``F.linear`` (oneDNN, AMX where the CPU has it), any device     |
-    | int8   | 1 + 2/K (bf16 scale a row) | ``torch._weight_int8pack_mm`` on CPU; bf16 ``F.linear`` on CUDA |
+    | int8   | 1 + 2/K (bf16 scale a row) | ``torch._weight_int8pack_mm`` on CPU (a wide layer on an AVX2  |
+    |        |                            | CPU: ``cpu_kernels``); bf16 ``F.linear`` on CUDA               |
     | int4   | 0.5 + 4/32 (bf16 scale and | ``torch._weight_int4pack_mm_for_cpu`` on CPU; bf16 ``F.linear`` |
     |        | zero a group of 32)        | on CUDA                                                        |
 
-Both CPU kernels want bfloat16 activations: with float32 ones they are about 40x slower, so the layers refuse
-them. Both are batch-invariant (row i of an M-row call equals a 1-row call bit for bit), which the engine's
-speculative verification relies on; tests/models/test_quant.py checks it.
+Torch's CPU kernels want bfloat16 activations: with float32 ones they are about 40x slower, so the layers refuse
+them. All the CPU kernels are batch-invariant (row i of an M-row call equals a 1-row call bit for bit), which the
+engine's speculative verification relies on; tests/models/test_quant.py and test_cpu_kernels.py check it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_kernels
 
 GGUF_KINDS = ("q4_0", "q4_1", "q8_0")  # the GGUF block types kept as they are
 
@@ -316,7 +319,10 @@ class Int4Linear(_QuantLinear):
 class Int8Linear(_QuantLinear):
     """``y = x @ w.T (+ bias)`` for an 8-bit GroupQuant, bfloat16 in and out, on ``torch._weight_int8pack_mm``.
 
-    The kernel has one scale per output channel. A GroupQuant with smaller groups (GGUF Q8_0: 32) is
+    The kernel has one scale per output channel. A wide layer (``cpu_kernels.WIDE`` output rows or more: an lm
+    head, a drafter's slice of it) on a CPU with AVX2 but no AVX-512 runs ``cpu_kernels``' kernel instead, which
+    reads the weight once for every 4 rows where torch's reads it once a row, and prefetches it (same values,
+    same float32 math in its own order; batch-invariant as well). A GroupQuant with smaller groups (GGUF Q8_0: 32) is
     dequantized and requantized per channel with :func:`quantize_int8`, which costs accuracy: on the default
     model's tied lm head (49152x576 Q8_0) the requantized weight differs from the Q8_0 one by 1.18% (relative
     Frobenius norm), and over 1,024 tokens of docs/architecture.md its logits differ from the float32 Q8_0
@@ -334,6 +340,8 @@ class Int8Linear(_QuantLinear):
             gq = quantize_int8(gq.dequantize())
         self.register_buffer("q", gq.q.contiguous(), persistent=False)
         self.register_buffer("scales", gq.d[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
+        wide = self.out_features >= cpu_kernels.WIDE and self.in_features % cpu_kernels.K_MULTIPLE == 0
+        self.kernel = cpu_kernels.library() if wide else None  # an AVX2 CPU's own kernel, for a wide layer
 
     def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scales
@@ -345,8 +353,12 @@ class Int8Linear(_QuantLinear):
             raise QuantError("rows() needs the CPU layer's int8 buffers")
         d = self.scales.index_select(0, ids).float().unsqueeze(-1)  # bf16 values: _pack keeps them exactly
         gq = GroupQuant(self.q.index_select(0, ids), d, torch.zeros_like(d), bits=8, group=self.in_features)
-        return Int8Linear(gq)
+        layer = Int8Linear(gq)
+        layer.kernel = self.kernel  # the served head's kernel, whatever the slice's width: the same bits
+        return layer
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return cpu_kernels.q8_mm(self.kernel, x, self.q, self.scales)
         mm = torch._weight_int8pack_mm  # pyright: ignore[reportPrivateImportUsage]
         return mm(x, self.q, self.scales)
