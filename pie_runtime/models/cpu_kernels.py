@@ -1,16 +1,20 @@
-"""The AVX2 8-bit matmul of ``kernels/q8_avx2.c``, for wide int8 layers (the lm head) on x86 CPUs with AVX2 but
-no AVX-512: built with the machine's C compiler the first time it is needed, loaded with ctypes.
+"""The AVX2 8-bit matmul of ``kernels/q8_avx2.c``, for the int8 layers (the lm head of every quantized format,
+the drafters' projections, all of ``--weights int8``) on x86 CPUs with AVX2 but no AVX-512: built with the
+machine's C compiler the first time it is needed, loaded with ctypes.
 
-Torch's int8 kernel reads the weight again for every row, without prefetching it. On such a CPU (2-core AVX2
-EPYC, 2 threads; interleaved medians) the default model's int8 lm head (49,152 x 576) took 2.5 ms at 1 row, 3.2
-at 4 and 7.3 at 8 with torch's kernel, and 1.4, 2.0 and 4.1 ms with this one, which reads each group of 32
-weights once for up to 4 rows and asks for the weight 2 KB ahead. In whole int4 passes after 600 cached tokens
-(the head's kernel toggled pass by pass on one served model): 1 row 34.3 against 34.8 ms, 4 rows 38.5 against
-41.6, 8 rows 61.2 against 66.6, and a 3-step MTP chain (which reads the head's 8,192-token slice) 4.0 against
-4.8 ms. It computes what torch's computes (the int8 values, float32 products and sums, times the bf16 scale,
-rounded to bf16) in its own fixed order, so it is batch-invariant as torch's is, and the two differ in the last
-bits only. The drafters' narrow projections stay on torch's kernel: read at one row and hot in the cache, they
-gained nothing from it.
+Torch's int8 kernel reads the weight again for every row, without prefetching it. This one reads each group of
+32 weights once for up to 4 rows and asks for the weight 2 KB ahead. On a 2-core AVX2 EPYC (2 threads,
+interleaved medians):
+
+- the default model's int8 lm head (49,152 x 576) alone: 1.4 against 2.5 ms at 1 row, 2.0 against 3.2 at 4,
+  4.1 against 7.3 at 8;
+- whole int4 passes after 600 cached tokens (the head's kernel toggled pass by pass on one engine): 1 row 34.3
+  against 34.8 ms, 4 rows 38.5 against 41.6, 8 rows 61.2 against 66.6; the MTP head's 3-step chain after a pass
+  3.6-4.2 against 3.9-4.5 ms with its projections on it too;
+- ``--weights int8`` passes: 1 row 32.9 against 36.0 ms, 4 rows 36.7 against 44.7, 8 rows 54.8 against 72.8.
+
+It computes what torch's computes (the int8 values, float32 products and sums, times the bf16 scale, rounded to
+bf16) in its own fixed order, so it is batch-invariant as torch's is, and the two differ in the last bits only.
 
 Where the kernel cannot be built (no compiler, another architecture) or is not wanted
 (``PIE_CPU_KERNELS=torch``) the layers use torch's kernel and the log says why, once. CPUs with AVX-512 keep
@@ -41,8 +45,7 @@ log = logging.getLogger("pie.kernels")
 
 SOURCE = Path(__file__).with_name("kernels") / "q8_avx2.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-K_MULTIPLE = 32  # the kernel reads a row's weights in groups of 32
-WIDE = 4096  # output rows from which an int8 layer runs this kernel (the lm head and a drafter's slice of it)
+K_MULTIPLE = 32  # the kernel reads a row's weights in groups of 32: a layer whose K is not a multiple keeps torch's
 
 
 def unavailable() -> str | None:
@@ -89,9 +92,9 @@ def library() -> ctypes.CDLL | None:
         else:
             p, n = ctypes.c_void_p, ctypes.c_long
             lib.pie_q8_mm.argtypes, lib.pie_q8_mm.restype = [p, n, n, p, p, n, p], None
-            log.info("wide int8 layers: %s", SOURCE.name)
+            log.info("int8 layers: %s", SOURCE.name)
             return lib
-    log.info("wide int8 layers: torch's kernel (%s)", why)
+    log.info("int8 layers: torch's kernel (%s)", why)
     return None
 
 

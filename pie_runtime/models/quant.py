@@ -10,8 +10,8 @@ Bytes per weight of a projection in each weight format (``models/weights.py`` se
     |--------|----------------------------|----------------------------------------------------------------|
     | fp32   | 4                          | ``F.linear`` (MKL / oneDNN), any device                        |
     | bf16   | 2                          | ``F.linear`` (oneDNN, AMX where the CPU has it), any device     |
-    | int8   | 1 + 2/K (bf16 scale a row) | ``torch._weight_int8pack_mm`` on CPU (a wide layer on an AVX2  |
-    |        |                            | CPU: ``cpu_kernels``); bf16 ``F.linear`` on CUDA               |
+    | int8   | 1 + 2/K (bf16 scale a row) | ``torch._weight_int8pack_mm`` on CPU (``cpu_kernels`` on AVX2  |
+    |        |                            | without AVX-512); bf16 ``F.linear`` on CUDA                    |
     | int4   | 0.5 + 4/32 (bf16 scale and | ``torch._weight_int4pack_mm_for_cpu`` on CPU; bf16 ``F.linear`` |
     |        | zero a group of 32)        | on CUDA                                                        |
 
@@ -319,16 +319,16 @@ class Int4Linear(_QuantLinear):
 class Int8Linear(_QuantLinear):
     """``y = x @ w.T (+ bias)`` for an 8-bit GroupQuant, bfloat16 in and out, on ``torch._weight_int8pack_mm``.
 
-    The kernel has one scale per output channel. A wide layer (``cpu_kernels.WIDE`` output rows or more: an lm
-    head, a drafter's slice of it) on a CPU with AVX2 but no AVX-512 runs ``cpu_kernels``' kernel instead, which
-    reads the weight once for every 4 rows where torch's reads it once a row, and prefetches it (same values,
-    same float32 math in its own order; batch-invariant as well). A GroupQuant with smaller groups (GGUF Q8_0: 32) is
-    dequantized and requantized per channel with :func:`quantize_int8`, which costs accuracy: on the default
-    model's tied lm head (49152x576 Q8_0) the requantized weight differs from the Q8_0 one by 1.18% (relative
-    Frobenius norm), and over 1,024 tokens of docs/architecture.md its logits differ from the float32 Q8_0
-    head's by 0.79% (relative L2), with the same top-1 token at 96.8% of positions (a bf16 copy of the Q8_0
-    weight: 0.31% and 98.3%). On any other device (CUDA) the layer keeps the dequantized weight in bfloat16
-    and calls ``F.linear``.
+    The kernel has one scale per output channel. On a CPU with AVX2 but no AVX-512 the layer runs
+    ``cpu_kernels``' kernel instead, which reads the weight once for every 4 rows where torch's reads it once a
+    row, and prefetches it (same values, same float32 math in its own order; batch-invariant as well).
+
+    A GroupQuant with smaller groups (GGUF Q8_0: 32) is dequantized and requantized per channel with
+    :func:`quantize_int8`, which costs accuracy: on the default model's tied lm head (49152x576 Q8_0) the
+    requantized weight differs from the Q8_0 one by 1.18% (relative Frobenius norm), and over 1,024 tokens of
+    docs/architecture.md its logits differ from the float32 Q8_0 head's by 0.79% (relative L2), with the same top-1
+    token at 96.8% of positions (a bf16 copy of the Q8_0 weight: 0.31% and 98.3%). On any other device (CUDA) the
+    layer keeps the dequantized weight in bfloat16 and calls ``F.linear``.
     """
 
     bits = 8
@@ -340,8 +340,8 @@ class Int8Linear(_QuantLinear):
             gq = quantize_int8(gq.dequantize())
         self.register_buffer("q", gq.q.contiguous(), persistent=False)
         self.register_buffer("scales", gq.d[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
-        wide = self.out_features >= cpu_kernels.WIDE and self.in_features % cpu_kernels.K_MULTIPLE == 0
-        self.kernel = cpu_kernels.library() if wide else None  # an AVX2 CPU's own kernel, for a wide layer
+        fits = self.in_features % cpu_kernels.K_MULTIPLE == 0
+        self.kernel = cpu_kernels.library() if fits else None  # None: torch's kernel
 
     def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scales

@@ -1,6 +1,6 @@
-"""The AVX2 kernel for wide int8 layers (pie_runtime/models/cpu_kernels.py): used where it is meant to be, the
-same products as torch's kernel, batch-invariant bit for bit, a slice of a head gives the head's bits, and
-without a compiler (or when declined) the layers fall back to torch's kernel with the reason logged."""
+"""The AVX2 kernel for int8 layers (pie_runtime/models/cpu_kernels.py): used where it is meant to be, the same
+products as torch's kernel, batch-invariant bit for bit, a slice of a head gives the head's bits, and without a
+compiler (or when declined) the layers fall back to torch's kernel with the reason logged."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ needs_kernel = pytest.mark.skipif(
     cpu_kernels.unavailable() is not None or cpu_kernels.library() is None,
     reason=f"the AVX2 kernel is not for this machine ({cpu_kernels.unavailable() or 'it did not build'})",
 )
-WIDE_ROWS = cpu_kernels.WIDE + 3  # not a multiple of 4: the kernel's last outputs go one at a time
+OUT = 4099  # not a multiple of 4: the kernel's last outputs go one at a time
 
 
-def wide_layer(seed: int = 0) -> Int8Linear:
+def head_layer(seed: int = 0) -> Int8Linear:
     g = torch.Generator().manual_seed(seed)
-    return Int8Linear(quantize_int8(torch.randn(WIDE_ROWS, 576, generator=g) * 0.05))
+    return Int8Linear(quantize_int8(torch.randn(OUT, 576, generator=g) * 0.05))
 
 
 @pytest.fixture
@@ -33,15 +33,15 @@ def fresh_library():
 
 
 @needs_kernel
-def test_wide_int8_layers_run_the_kernel_and_narrow_ones_torchs():
-    assert wide_layer().kernel is not None
-    assert Int8Linear(quantize_int8(torch.randn(cpu_kernels.WIDE - 1, 576))).kernel is None
-    assert Int8Linear(quantize_int8(torch.randn(cpu_kernels.WIDE, 40))).kernel is None  # K not a multiple of 32
+def test_int8_layers_run_the_kernel_where_their_rows_fit_it():
+    assert head_layer().kernel is not None
+    assert Int8Linear(quantize_int8(torch.randn(7, 64))).kernel is not None
+    assert Int8Linear(quantize_int8(torch.randn(64, 40))).kernel is None  # K not a multiple of 32: torch's
 
 
 @needs_kernel
 def test_the_kernel_computes_torchs_products_and_is_batch_invariant():
-    layer = wide_layer()
+    layer = head_layer()
     torch.manual_seed(0)
     x = torch.randn(17, 576).to(torch.bfloat16)
     with torch.inference_mode():
@@ -57,9 +57,9 @@ def test_the_kernel_computes_torchs_products_and_is_batch_invariant():
 
 
 @needs_kernel
-def test_a_slice_of_a_wide_head_gives_the_heads_bits():
-    layer = wide_layer(seed=1)
-    ids = torch.tensor([0, 7, 4096, WIDE_ROWS - 1, 1000])  # a slice narrower than WIDE keeps the head's kernel
+def test_a_slice_of_a_head_gives_the_heads_bits():
+    layer = head_layer(seed=1)
+    ids = torch.tensor([0, 7, 4096, OUT - 1, 1000])
     part = layer.rows(ids)
     assert part.kernel is layer.kernel
     x = torch.randn(5, 576).to(torch.bfloat16)
@@ -72,7 +72,7 @@ def test_declined_kernels_leave_torchs(fresh_library, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="pie.kernels"):
         assert cpu_kernels.library() is None
     assert "PIE_CPU_KERNELS=torch" in caplog.text
-    assert wide_layer().kernel is None
+    assert head_layer().kernel is None
 
 
 def test_a_failed_build_falls_back_with_the_reason(fresh_library, monkeypatch, tmp_path, caplog):
@@ -83,7 +83,7 @@ def test_a_failed_build_falls_back_with_the_reason(fresh_library, monkeypatch, t
     with caplog.at_level(logging.INFO, logger="pie.kernels"):
         assert cpu_kernels.library() is None
     assert "failed" in caplog.text and "torch's kernel" in caplog.text
-    layer = wide_layer()
+    layer = head_layer()
     assert layer.kernel is None
     with torch.inference_mode():
-        assert layer(torch.randn(2, 576).to(torch.bfloat16)).shape == (2, WIDE_ROWS)
+        assert layer(torch.randn(2, 576).to(torch.bfloat16)).shape == (2, OUT)
