@@ -99,9 +99,25 @@ def library() -> ctypes.CDLL | None:
 
 
 def q8_mm(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) bf16 activations, (N, K) int8 values, (N,) bf16 scales → (M, N) bf16."""
+    """(M, K) bf16 activations, (N, K) int8 values, (N,) bf16 scales → (M, N) bf16. Inside a torch.compile graph
+    (``--compile``) the call is the custom op ``pie::q8_mm``, which the graph keeps as one opaque node."""
+    if torch.compiler.is_compiling():
+        return q8_mm_op(x, q, scales)
     n = q.shape[0]
     xf = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     lib.pie_q8_mm(xf.data_ptr(), xf.shape[0], xf.shape[1], q.data_ptr(), scales.data_ptr(), n, y.data_ptr())
     return y
+
+
+@torch.library.custom_op("pie::q8_mm", mutates_args=())
+def q8_mm_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`q8_mm` as an op a compiled graph can hold (a ctypes call would break the graph)."""
+    lib = library()
+    assert lib is not None, "pie::q8_mm runs only where the kernel was loaded"
+    return q8_mm(lib, x, q, scales)
+
+
+@q8_mm_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0], dtype=torch.bfloat16)

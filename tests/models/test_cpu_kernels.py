@@ -87,3 +87,17 @@ def test_a_failed_build_falls_back_with_the_reason(fresh_library, monkeypatch, t
     assert layer.kernel is None
     with torch.inference_mode():
         assert layer(torch.randn(2, 576).to(torch.bfloat16)).shape == (2, OUT)
+
+
+@needs_kernel
+def test_a_compiled_graph_holds_the_kernel_as_one_op():
+    layer = Int8Linear(quantize_int8(torch.randn(96, 64) * 0.05))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return layer(torch.nn.functional.silu(x)) * 2
+
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(f)(x)
+        assert explained.graph_break_count == 0
+        assert torch.equal(torch.compile(f)(x), f(x))
