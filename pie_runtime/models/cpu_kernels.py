@@ -98,11 +98,19 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def q8_mm(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) bf16 activations, (N, K) int8 values, (N,) bf16 scales → (M, N) bf16. Inside a torch.compile graph
-    (``--compile``) the call is the custom op ``pie::q8_mm``, which the graph keeps as one opaque node."""
+def available() -> bool:
+    """Whether the int8 layers of this process run the kernel (built and loaded now if not yet)."""
+    return library() is not None
+
+
+def q8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(M, K) bf16 activations, (N, K) int8 values, (N,) bf16 scales → (M, N) bf16, where :func:`available`.
+    Inside a torch.compile graph (``--compile``) the call is the custom op ``pie::q8_mm``, which the graph keeps
+    as one opaque node (a ctypes call would break the graph)."""
     if torch.compiler.is_compiling():
         return q8_mm_op(x, q, scales)
+    lib = library()
+    assert lib is not None, "the int8 kernel runs only where it was loaded"
     n = q.shape[0]
     xf = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
@@ -112,10 +120,8 @@ def q8_mm(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.Tens
 
 @torch.library.custom_op("pie::q8_mm", mutates_args=())
 def q8_mm_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """:func:`q8_mm` as an op a compiled graph can hold (a ctypes call would break the graph)."""
-    lib = library()
-    assert lib is not None, "pie::q8_mm runs only where the kernel was loaded"
-    return q8_mm(lib, x, q, scales)
+    """:func:`q8_mm` as an op a compiled graph can hold."""
+    return q8_mm(x, q, scales)
 
 
 @q8_mm_op.register_fake

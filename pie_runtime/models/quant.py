@@ -340,8 +340,8 @@ class Int8Linear(_QuantLinear):
             gq = quantize_int8(gq.dequantize())
         self.register_buffer("q", gq.q.contiguous(), persistent=False)
         self.register_buffer("scales", gq.d[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
-        fits = self.in_features % cpu_kernels.K_MULTIPLE == 0
-        self.kernel = cpu_kernels.library() if fits else None  # None: torch's kernel
+        # a bool, not the library: a module holding a ctypes handle could not be deep-copied
+        self.kernel = self.in_features % cpu_kernels.K_MULTIPLE == 0 and cpu_kernels.available()
 
     def _cpu_buffers(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scales
@@ -354,11 +354,11 @@ class Int8Linear(_QuantLinear):
         d = self.scales.index_select(0, ids).float().unsqueeze(-1)  # bf16 values: _pack keeps them exactly
         gq = GroupQuant(self.q.index_select(0, ids), d, torch.zeros_like(d), bits=8, group=self.in_features)
         layer = Int8Linear(gq)
-        layer.kernel = self.kernel  # the served head's kernel, whatever the slice's width: the same bits
+        layer.kernel = self.kernel  # the served head's kernel choice: the same bits
         return layer
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return cpu_kernels.q8_mm(self.kernel, x, self.q, self.scales)
+        if self.kernel:
+            return cpu_kernels.q8_mm(x, self.q, self.scales)
         mm = torch._weight_int8pack_mm  # pyright: ignore[reportPrivateImportUsage]
         return mm(x, self.q, self.scales)
