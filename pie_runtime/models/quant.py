@@ -353,9 +353,7 @@ class Int8Linear(_QuantLinear):
             raise QuantError("rows() needs the CPU layer's int8 buffers")
         d = self.scales.index_select(0, ids).float().unsqueeze(-1)  # bf16 values: _pack keeps them exactly
         gq = GroupQuant(self.q.index_select(0, ids), d, torch.zeros_like(d), bits=8, group=self.in_features)
-        layer = Int8Linear(gq)
-        layer.kernel = self.kernel  # the served head's kernel choice: the same bits
-        return layer
+        return Int8Linear(gq)  # same K, same process: the head's kernel, so the head's bits
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:

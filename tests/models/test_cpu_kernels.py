@@ -14,7 +14,7 @@ from pie_runtime.models import cpu_kernels
 from pie_runtime.models.quant import Int8Linear, quantize_int8
 
 needs_kernel = pytest.mark.skipif(
-    cpu_kernels.unavailable() is not None or cpu_kernels.library() is None,
+    not cpu_kernels.available(),
     reason=f"the AVX2 kernel is not for this machine ({cpu_kernels.unavailable() or 'it did not build'})",
 )
 OUT = 4099  # not a multiple of 4: the kernel's last outputs go one at a time
