@@ -25,6 +25,7 @@ from .models.config import ModelConfig
 from .models.eagle import EagleConfig, EagleHead, load_eagle
 from .models.mtp import MTPConfig, MTPHead, config_path, load_mtp, read_config
 from .models.weights import serve_drafter
+from .paths import sha256_file
 from .store import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
@@ -33,7 +34,6 @@ from .store import (
     Manifest,
     ModelStore,
     StoreError,
-    sha256_file,
 )
 
 # config keys or families that mark a model keeping recurrent state (Mamba, RWKV, hybrids ...): such a

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import DrafterEntry, Manifest, ModelStore, StoreError, sha256_file
+from .paths import sha256_file
+from .store import DrafterEntry, Manifest, ModelStore, StoreError
 
 ASSETS = Path(__file__).parent / "assets" / "drafters"
 

@@ -16,7 +16,6 @@ place, so a refused or failed import leaves the store as it was.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import os
@@ -39,6 +38,7 @@ from .models.llama import LlamaForCausalLM
 from .models.mamba import MambaForCausalLM
 from .models.quant import GGUF_KINDS, GroupQuant, QuantError
 from .models.rope import Rotary
+from .paths import pie_home, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m"
 # alias → (package, file inside it); the package is located, never imported (its __init__ needs `llm`)
@@ -119,18 +119,6 @@ class Manifest(BaseModel):
 class ImportResult:
     manifest: Manifest
     imported: bool  # False when the name was already in the store and --force was not given
-
-
-def pie_home() -> Path:
-    return Path(os.environ.get("PIE_HOME") or Path.home() / ".cache" / "pie")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ModelStore:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pie_runtime.cli.main import main as pie
+from pie_runtime.paths import pie_home
 from pie_runtime.store import (
     ImportRefused,
     ModelNotFoundError,
@@ -19,7 +20,6 @@ from pie_runtime.store import (
     StoreIntegrityError,
     import_model,
     load_model,
-    pie_home,
 )
 
 

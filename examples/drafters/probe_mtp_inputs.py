@@ -38,7 +38,8 @@ from pie_runtime import distill
 from pie_runtime.drafters import target_digest
 from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.llama import MLP, LlamaForCausalLM, RMSNorm
-from pie_runtime.store import DEFAULT_MODEL, load_model, pie_home
+from pie_runtime.paths import cache_dir
+from pie_runtime.store import DEFAULT_MODEL, load_model
 
 
 class ProbeHead(nn.Module):
@@ -184,7 +185,7 @@ def main() -> None:
         teacher_dtype="bfloat16" if distill.bf16_is_fast() else "float32",
     )
     train_all, held = distill.build_teacher_data(
-        target, loaded.tokenizer_path, plan, pie_home() / "cache" / "distill", target_digest(loaded.manifest)
+        target, loaded.tokenizer_path, plan, cache_dir("distill"), target_digest(loaded.manifest)
     )
     pick = torch.linspace(0, len(train_all.tokens) - 1, min(args.seqs, len(train_all.tokens))).round().long()
     sub = distill.TeacherData(train_all.tokens[pick], train_all.hidden[pick], train_all.top[pick])

@@ -294,10 +294,10 @@ def _teacher_pass(
     """The target's predictions over the corpora (from the teacher cache when the same plan ran before)."""
     from .. import distill
     from ..drafters import target_digest
-    from ..store import pie_home
+    from ..paths import cache_dir
 
     digest = target_digest(loaded.manifest)
-    cache = None if args.cache_dir == "none" else Path(args.cache_dir or pie_home() / "cache" / "distill")
+    cache = None if args.cache_dir == "none" else Path(args.cache_dir or cache_dir("distill"))
     bf16 = args.precision == "bf16" or (args.precision == "auto" and distill.bf16_is_fast())
     plan = distill.DataPlan(
         corpora=corpora,

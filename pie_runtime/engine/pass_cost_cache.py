@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ValidationError
 
-from ..store import Manifest, pie_home
+from ..paths import cache_dir
+from ..store import Manifest
 from .pass_costs import measure_pass_costs, time_passes
 from .runner import ModelRunner
 
@@ -90,7 +91,7 @@ def _cpu_name() -> str:
 
 def cache_path(key: CurveKey, folder: Path | None = None) -> Path:
     digest = hashlib.sha256(key.model_dump_json().encode()).hexdigest()[:16]
-    return (folder or pie_home() / "cache" / "pass_costs") / f"{key.model}-{key.weights}-{digest}.json"
+    return (folder or cache_dir("pass_costs")) / f"{key.model}-{key.weights}-{digest}.json"
 
 
 def pass_costs(runner: ModelRunner, num_pages: int, key: CurveKey, mode: str = "reuse") -> tuple[list[float], str]:

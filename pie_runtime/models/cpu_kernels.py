@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_dir
+
 log = logging.getLogger("pie.kernels")
 
 SOURCE = Path(__file__).with_name("kernels") / "q8_avx2.c"
@@ -82,10 +84,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (then the layers use torch's; the reason is logged once)."""
     why = unavailable()
     if why is None:
-        from ..store import pie_home
-
         try:
-            lib = ctypes.CDLL(str(build(pie_home() / "cache" / "kernels")))
+            lib = ctypes.CDLL(str(build(cache_dir("kernels"))))
         except (OSError, subprocess.CalledProcessError) as e:
             stderr = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) and e.stderr else ""
             why = f"building {SOURCE.name} failed: {stderr.splitlines()[-1] if stderr else e}"

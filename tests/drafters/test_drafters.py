@@ -122,7 +122,7 @@ def test_engine_refuses_a_broken_drafter(drafter_home, head):
     folder.mkdir(parents=True)
     shutil.copyfile(head, folder / "mtp.safetensors")
     shutil.copyfile(config_path(head), folder / "mtp.json")
-    from pie_runtime.store import sha256_file
+    from pie_runtime.paths import sha256_file
 
     manifest = json.loads((home / "models" / "tiny-bad-mtp" / "manifest.json").read_text())
     manifest["files"] |= {f"drafters/head/{f}": sha256_file(folder / f) for f in ("mtp.safetensors", "mtp.json")}
