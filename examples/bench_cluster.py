@@ -39,7 +39,8 @@ from pie_runtime.cluster.backend import ClusterBackend  # noqa: E402
 from pie_runtime.cluster.router import RouterConfig  # noqa: E402
 from pie_runtime.protocol.messages import PROTOCOL_VERSION  # noqa: E402
 from pie_runtime.serve.backend import EngineSpec  # noqa: E402
-from pie_runtime.store import ModelStore, ensure_default_model  # noqa: E402
+from pie_runtime.shipped import ensure_default_model  # noqa: E402
+from pie_runtime.store import ModelStore  # noqa: E402
 from tests.conftest import TINY, write_tiny_smol  # noqa: E402
 
 NAMES = ["Ada", "Brook", "Cyrus", "Dmitri", "Elif", "Farah", "Goran", "Hana"]

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.reference import transformers_llama
-from pie_runtime.store import DEFAULT_MODEL, LoadedModel, ensure_default_model, load_model
+from pie_runtime.shipped import ensure_default_model
+from pie_runtime.store import DEFAULT_MODEL, LoadedModel, load_model
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 PAGE_SIZE = 16

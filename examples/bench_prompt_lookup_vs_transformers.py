@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 
 from pie_runtime.cli.bench import digest, measure_prompts, prompt_text
 from pie_runtime.reference import transformers_llama
-from pie_runtime.store import DEFAULT_MODEL, ensure_default_model, load_model
+from pie_runtime.shipped import ensure_default_model
+from pie_runtime.store import DEFAULT_MODEL, load_model
 
 
 def hf_model(name: str, folder: Path):

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import inferlet
 from pie_runtime.launcher import EmbeddedEngine
-from pie_runtime.store import DEFAULT_MODEL, ensure_default_model
+from pie_runtime.shipped import ensure_default_model
+from pie_runtime.store import DEFAULT_MODEL
 
 PROMPT = "The history of the printing press begins"
 

@@ -1,20 +1,25 @@
-"""Drafters that ship with the project for a packaged model, so that speculation with a trained drafter works
-on the first run: their files (``pie_runtime/assets/drafters/``), the sha256 each must have, and attaching
+"""What ships with the project for its packaged default model: bringing that model into the store on first use
+(:func:`ensure_default_model`), and the drafters that ship beside it, so that speculation with a trained drafter
+works on the first run: their files (``pie_runtime/assets/drafters/``), the sha256 each must have, and attaching
 them when the packaged model is imported (``pie model import smollm2-135m``, or the first use of the default
 model). A file whose digest differs from the recorded one is refused, never attached.
 
 A user who detaches a shipped drafter keeps it detached: only an import attaches it again. One still attached
 from an older release (its file's digest is not this release's) is replaced by this release's the next time the
-default model is used (:func:`refresh_shipped`, from ``ensure_default_model``).
+default model is used (:func:`refresh_shipped`, from :func:`ensure_default_model`).
+
+This module sits above the store and the drafters (it uses both); the store knows nothing of it.
 """
 
 from __future__ import annotations
 
+import fcntl
 from dataclasses import dataclass
 from pathlib import Path
 
+from .drafters import attach, detach
 from .paths import sha256_file
-from .store import DrafterEntry, Manifest, ModelStore, StoreError
+from .store import DEFAULT_MODEL, FORMAT_VERSION, DrafterEntry, Manifest, ModelStore, StoreError, import_model
 
 ASSETS = Path(__file__).parent / "assets" / "drafters"
 
@@ -75,8 +80,6 @@ def stale_shipped(manifest: Manifest) -> list[ShippedDrafter]:
 def refresh_shipped(store: ModelStore, model: str) -> list[DrafterEntry]:
     """Replaces each shipped drafter attached to ``model`` from another release's file with this release's (the
     user's own drafters, and shipped ones they detached, are left alone); returns what was attached."""
-    from .drafters import attach, detach
-
     out = []
     for drafter in stale_shipped(store.get(model)):
         path = check_shipped(drafter)  # before detaching: a corrupt install keeps the old head
@@ -88,11 +91,38 @@ def refresh_shipped(store: ModelStore, model: str) -> list[DrafterEntry]:
 def attach_shipped(store: ModelStore, model: str, packaged: str | None = None) -> list[DrafterEntry]:
     """Attaches to stored model ``model``, imported from packaged model ``packaged`` (default: the same name),
     the shipped drafters it has no drafter of that name for; returns what was attached."""
-    from .drafters import attach
-
     have = {d.name for d in store.get(model).drafters}
     out = []
     for drafter in SHIPPED.get(packaged or model, ()):
         if drafter.name not in have:
             out.append(attach(store, model, f"{drafter.kind}:{check_shipped(drafter)}", drafter.name))
     return out
+
+
+def ensure_default_model(store: ModelStore | None = None) -> Manifest:
+    """The default model's manifest, importing it from its packaged GGUF on first use, and again (drafters
+    kept) when the stored copy was written by an older store format; a shipped drafter still attached from an
+    older release is replaced by this release's. Concurrent callers take turns."""
+    store = store or ModelStore()
+    if store.exists(DEFAULT_MODEL):
+        manifest = store.get(DEFAULT_MODEL)
+        if _current(manifest) and not stale_shipped(manifest):
+            return manifest
+    store.root.mkdir(parents=True, exist_ok=True)
+    with open(store.root / f".import-{DEFAULT_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if store.exists(DEFAULT_MODEL):
+            manifest = store.get(DEFAULT_MODEL)
+            if _current(manifest):  # another process may have imported it while this one waited
+                refresh_shipped(store, DEFAULT_MODEL)
+                return store.get(DEFAULT_MODEL)
+            import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True)
+        else:
+            import_model(DEFAULT_MODEL, store=store, progress=False)
+        attach_shipped(store, DEFAULT_MODEL)
+        refresh_shipped(store, DEFAULT_MODEL)  # a kept drafter may be an older release's
+        return store.get(DEFAULT_MODEL)
+
+
+def _current(manifest: Manifest) -> bool:
+    return manifest.format_version >= FORMAT_VERSION

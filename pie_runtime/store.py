@@ -15,7 +15,6 @@ place, so a refused or failed import leaves the store as it was.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
@@ -356,37 +355,6 @@ def import_model(
     except OSError as e:
         raise ImportRefused(f"cannot read {source}: {e}") from e
     return store.add(converted, name, force=force, check=check, keep_drafters=keep_drafters)
-
-
-def ensure_default_model(store: ModelStore | None = None) -> Manifest:
-    """The default model's manifest, importing it from its packaged GGUF on first use, and again (drafters
-    kept) when the stored copy was written by an older store format; a shipped drafter still attached from an
-    older release is replaced by this release's (shipped.py). Concurrent callers take turns."""
-    from .shipped import attach_shipped, refresh_shipped, stale_shipped  # shipped.py builds on this module
-
-    store = store or ModelStore()
-    if store.exists(DEFAULT_MODEL):
-        manifest = store.get(DEFAULT_MODEL)
-        if _current(manifest) and not stale_shipped(manifest):
-            return manifest
-    store.root.mkdir(parents=True, exist_ok=True)
-    with open(store.root / f".import-{DEFAULT_MODEL}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if store.exists(DEFAULT_MODEL):
-            manifest = store.get(DEFAULT_MODEL)
-            if _current(manifest):  # another process may have imported it while this one waited
-                refresh_shipped(store, DEFAULT_MODEL)
-                return store.get(DEFAULT_MODEL)
-            import_model(DEFAULT_MODEL, store=store, progress=False, force=True, keep_drafters=True)
-        else:
-            import_model(DEFAULT_MODEL, store=store, progress=False)
-        attach_shipped(store, DEFAULT_MODEL)
-        refresh_shipped(store, DEFAULT_MODEL)  # a kept drafter may be an older release's
-        return store.get(DEFAULT_MODEL)
-
-
-def _current(manifest: Manifest) -> bool:
-    return manifest.format_version >= FORMAT_VERSION
 
 
 @dataclass

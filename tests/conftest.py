@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
-from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
+from pie_runtime.shipped import ensure_default_model
+from pie_runtime.store import DEFAULT_MODEL, ModelStore
 from tests.drafter_fixtures import link_model
 
 pytest_plugins = ["tests.drafter_fixtures"]  # distill_slice, mtp_head: shared by tests/drafters and tests/inferlets

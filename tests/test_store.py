@@ -384,7 +384,8 @@ def test_old_format_store_still_loads(home, tmp_path):
 def test_default_model_is_reimported_from_an_old_format_store(home, checkpoint):
     """An old-format default model is replaced by a fresh import (its drafters kept); the real packaged
     GGUF's float model equals gguf's own dequantization bit for bit."""
-    from pie_runtime.store import DEFAULT_MODEL, DrafterEntry, ensure_default_model, packaged_path
+    from pie_runtime.shipped import ensure_default_model
+    from pie_runtime.store import DEFAULT_MODEL, DrafterEntry, packaged_path
 
     store = ModelStore()
     import_model(str(checkpoint), name=DEFAULT_MODEL, store=store, progress=False)  # any old-format model

@@ -127,7 +127,8 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
     from ..bench.pie_runs import EngineSession, Job, engine_formats, run_session
     from ..bench.report import LLAMA_CPP, PIE, TRANSFORMERS, Report, Row, Skipped
     from ..launcher import LaunchError
-    from ..store import ModelStore, ensure_default_model
+    from ..shipped import ensure_default_model
+    from ..store import ModelStore
 
     if o.model == DEFAULT_MODEL:
         ensure_default_model()

@@ -262,7 +262,8 @@ class _Run:
 
 def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, LoadedModel, list[Path]]:
     """The store, the target and the corpus files; StoreError when one is missing or the draft's name is taken."""
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model, load_model
+    from ..shipped import ensure_default_model
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError, load_model
 
     if name == DEFAULT_MODEL:
         ensure_default_model()

@@ -154,7 +154,8 @@ def run_engine(args) -> int:
     from ..engine.build import build_served_model
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model
+    from ..shipped import ensure_default_model
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:

@@ -113,7 +113,8 @@ def serve(args: argparse.Namespace) -> int:
     from ..serve.backend import Backend, EngineSpec, Uploads
     from ..serve.limits import HostLimits
     from ..serve.policies import PolicyRefused, check_policy, parse_policy
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError, ensure_default_model
+    from ..shipped import ensure_default_model
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model = args.model or DEFAULT_MODEL

@@ -14,8 +14,15 @@ from pie_runtime.cli.drafter import portable_path
 from pie_runtime.drafters import attach, detach, target_digest
 from pie_runtime.launcher import REPO_ROOT
 from pie_runtime.models.mtp import load_mtp, read_config, save_mtp
-from pie_runtime.shipped import SHIPPED, ShippedDrafter, ShippedDrafterCorrupt, check_shipped, stale_shipped
-from pie_runtime.store import DEFAULT_MODEL, ModelStore, ensure_default_model
+from pie_runtime.shipped import (
+    SHIPPED,
+    ShippedDrafter,
+    ShippedDrafterCorrupt,
+    check_shipped,
+    ensure_default_model,
+    stale_shipped,
+)
+from pie_runtime.store import DEFAULT_MODEL, ModelStore
 from tests.conftest import run, start_engine
 from tests.drafter_fixtures import link_model, pie
 

@@ -14,7 +14,8 @@ from pie_runtime.cli.main import main as pie
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.llama import LlamaForCausalLM
-from pie_runtime.store import LoadedModel, ModelStore, ensure_default_model, load_model
+from pie_runtime.shipped import ensure_default_model
+from pie_runtime.store import LoadedModel, ModelStore, load_model
 
 
 @pytest.fixture(scope="session")
