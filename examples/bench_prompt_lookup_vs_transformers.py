@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from pie_runtime.cli.bench import digest, measure_prompts, prompt_text
+from pie_runtime.bench.prompts import prompt_text
+from pie_runtime.cli.bench import digest, measure_prompts
 from pie_runtime.reference import transformers_llama
 from pie_runtime.shipped import ensure_default_model
 from pie_runtime.store import DEFAULT_MODEL, load_model

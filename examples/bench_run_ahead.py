@@ -43,7 +43,9 @@ PROMPT = (
 )
 HERE = Path(__file__).resolve().parent
 DEFAULT_HEAD = HERE.parent / "pie_runtime" / "assets" / "drafters" / "smollm2-135m-mtp.safetensors"
-FALLBACK_CORPUS = HERE / "speculation_prompts" / "mixed.txt"  # agreement is not the point of a --train-mtp head
+FALLBACK_CORPUS = (
+    HERE.parent / "pie_runtime" / "assets" / "prompts" / "mixed.txt"
+)  # agreement is not the point of a --train-mtp head
 
 
 def training_corpus() -> Path:

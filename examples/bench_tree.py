@@ -19,7 +19,7 @@ import subprocess
 from rich.console import Console
 from rich.table import Table
 
-from pie_runtime.cli.bench import prompt_text
+from pie_runtime.bench.prompts import prompt_text
 from pie_runtime.launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 from pie_runtime.store import DEFAULT_MODEL
 

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from inferlet.chained import ChainedDrafter, next_depth
 from inferlet.draft_length import DraftPlanner
-from pie_runtime.cli.bench import prompt_text
+from pie_runtime.bench.prompts import prompt_text
 from pie_runtime.launcher import EmbeddedEngine, LaunchError, run_inferlet
 
 TRACER = Path(__file__).resolve().parent / "trace_head.py"
@@ -97,7 +97,7 @@ def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt", action="append", help="mixed, repetitive (examples/speculation_prompts) or a file")
+    ap.add_argument("--prompt", action="append", help="mixed, repetitive (pie_runtime/assets/prompts) or a file")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=3, help="schedules draft up to 1..depth (the head's depth at most)")
     ap.add_argument("--traces", type=Path, help="a JSON file of traces: read if it exists, else written")

@@ -24,11 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..bench.prompts import prompt_text
 from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
 from ..store import DEFAULT_MODEL, ModelStore
+from .bench_decode import add_decode_parser
+from .bench_serve import add_serve_parser
 from .engine import add_engine_options, model_weights, weight_format
-
-PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt",
         action="append",
         default=None,
-        help="mixed, repetitive (examples/speculation_prompts) or a file; repeatable (default repetitive)",
+        help="mixed, repetitive (pie_runtime/assets/prompts) or a file; repeatable (default repetitive)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs of the inferlet and of its control, taking turns")
     p.add_argument("--max-tokens", type=int, default=128, help="unless given after --")
@@ -62,19 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "constrained decoding, whose output text-completion cannot match)",
     )
     p.set_defaults(func=_speculation)
-    from .bench_decode import add_decode_parser
-
     add_decode_parser(sub)
-    from .bench_serve import add_serve_parser
-
     add_serve_parser(sub)
-
-
-def prompt_text(choice: str) -> str:
-    path = PROMPTS / f"{choice}.txt" if choice in ("mixed", "repetitive") else Path(choice)
-    if not path.is_file():
-        raise LaunchError(f"no prompt file {path}")
-    return path.read_text()
 
 
 def digest(token_ids: list[int]) -> str:

@@ -4,7 +4,7 @@ each weight format, transformers fp32 and bf16, and llama.cpp (llama-cpp-python 
     pie bench decode [--formats fp32,bf16,int8,int4] [--tokens 128] [--threads N]
                      [--peers transformers,llama.cpp] [--speculation] [--json]
 
-Everyone gets the same ~512-token prompt (examples/speculation_prompts/prefill512.txt, chat-rendered), the
+Everyone gets the same ~512-token prompt (pie_runtime/assets/prompts/prefill512.txt, chat-rendered), the
 same token ids, the same token budget (each stops at EOS) and the same thread count, each in its own process:
 an engine subprocess per format driven by text-completion, a transformers worker per dtype, a llama.cpp worker
 (installed on demand, ``pie_runtime.bench.llama_cpp_env``). Columns: decode tok/s, ratios against llama.cpp's
@@ -22,18 +22,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from ..bench.prompts import DECODE_PROMPT, SPECULATION_PROMPT, prompt_text
 from ..store import DEFAULT_MODEL
 
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 Peer = Literal["transformers", "llama.cpp"]
-PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "speculation_prompts"
-DECODE_PROMPT = "prefill512"
-SPECULATION_PROMPT = "repetitive"
 WORKER_TIMEOUT_S = 1200
 
 
@@ -135,7 +132,7 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
     store = ModelStore()
     manifest = store.get(o.model)
     tok = Tokenizer.from_file(str(store.path(o.model) / "tokenizer.json"))
-    texts = {name: (PROMPTS / f"{name}.txt").read_text() for name in (DECODE_PROMPT, SPECULATION_PROMPT)}
+    texts = {name: prompt_text(name) for name in (DECODE_PROMPT, SPECULATION_PROMPT)}
     ids = {name: tok.encode(text, add_special_tokens=False).ids for name, text in texts.items()}
     load = os.getloadavg()[0]
     report = Report(

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from .bench import prompt_text
+from ..bench.prompts import prompt_text
 from .engine import add_engine_options
 
 
