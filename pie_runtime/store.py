@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .models.checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes, count_parameters
 from .models.config import AnyConfig, UnsupportedModelError
 from .models.families import CausalLM, build_causal_lm, embedding_weight
+from .models.formats import WeightFormat
 from .models.llama import LlamaForCausalLM
 from .models.mamba import MambaForCausalLM
 from .models.quant import GGUF_KINDS, GroupQuant, QuantError
@@ -89,7 +90,7 @@ class DrafterEntry(BaseModel):
     config: dict = Field(default_factory=dict)
     # draft: the weight format the engine serves the draft model in (None: the engine's --weights). A small
     # draft model may not survive the target's 4-bit weights (README, "Drafters"); heads take the target's.
-    weights: Literal["fp32", "bf16", "int8", "int4"] | None = None
+    weights: WeightFormat | None = None
 
 
 class Manifest(BaseModel):

@@ -16,13 +16,6 @@ _PASS_COST = re.compile(r"pass cost by rows \(ms\) (.*)")
 _ROWS_MS = re.compile(r"(\d+):(\d+(?:\.\d+)?)")  # "8:42.5"
 
 
-def engine_formats() -> tuple[tuple[str, ...], str]:
-    """(the weight formats `pie engine` accepts, its default format)."""
-    from ..cli.engine import DEFAULT_WEIGHTS, WEIGHT_FORMATS
-
-    return WEIGHT_FORMATS, DEFAULT_WEIGHTS
-
-
 def parse_pass_costs(log: str) -> dict[int, float]:
     """Rows → ms from the engine's "pass cost by rows (ms) 1:36.0 2:37.1 ..." start-up line."""
     m = _PASS_COST.search(log)

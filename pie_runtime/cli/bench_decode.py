@@ -27,9 +27,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from ..bench.prompts import DECODE_PROMPT, SPECULATION_PROMPT, prompt_text
+from ..models.formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS, WeightFormat
 from ..store import DEFAULT_MODEL
 
-WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 Peer = Literal["transformers", "llama.cpp"]
 WORKER_TIMEOUT_S = 1200
 
@@ -38,7 +38,7 @@ class DecodeOptions(BaseModel):
     """`pie bench decode`'s options, checked."""
 
     model: str = DEFAULT_MODEL
-    formats: list[WeightFormat] = Field(default_factory=lambda: ["fp32", "bf16", "int8", "int4"], min_length=1)
+    formats: list[WeightFormat] = Field(default_factory=lambda: list(WEIGHT_FORMATS), min_length=1)
     tokens: int = Field(default=128, ge=2)
     threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     peers: list[Peer] = Field(default_factory=lambda: ["transformers", "llama.cpp"])
@@ -121,7 +121,7 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
 
     from ..bench import llama_cpp_env
     from ..bench.hf_worker import HfJob
-    from ..bench.pie_runs import EngineSession, Job, engine_formats, run_session
+    from ..bench.pie_runs import EngineSession, Job, run_session
     from ..bench.report import LLAMA_CPP, PIE, TRANSFORMERS, Report, Row, Skipped
     from ..launcher import LaunchError
     from ..shipped import ensure_default_model
@@ -144,7 +144,7 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
         speculation_prompt=SPECULATION_PROMPT if o.speculation else None,
         note=f"one run, {os.cpu_count()} CPUs shared with other processes, load average {load:.1f} at start",
     )
-    accepted, default_fmt = engine_formats()
+    default_fmt = DEFAULT_WEIGHTS
 
     def skip(runner: str, variant: str, reason: str) -> None:
         report.skipped.append(Skipped(runner=runner, variant=variant, reason=reason))
@@ -158,9 +158,6 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
     ]
     sessions: dict[str, EngineSession] = {}
     for fmt in o.formats:
-        if fmt not in accepted:
-            skip(PIE, fmt, f"the engine takes {', '.join(accepted)}")
-            continue
         jobs = [decode_job] + (spec_jobs if o.speculation and fmt == default_fmt else [])
         progress(f"pie {fmt}: engine start, then {len(jobs)} run(s)")
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .engine import WEIGHT_FORMATS
+from ..models.formats import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from collections.abc import Callable

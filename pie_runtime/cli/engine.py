@@ -6,11 +6,10 @@ import argparse
 import logging
 import sys
 
+from ..models.formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 from ..protocol.programs import PROGRAM_MEMORY
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # models/weights.py (not imported here: it needs torch)
 PASS_COST_CACHE = ("reuse", "refresh", "off")  # engine/pass_cost_cache.py's CACHE_MODES (the same reason)
-DEFAULT_WEIGHTS = "int4"  # the GGUF's own 4-bit blocks: fastest, top-1 0.97 vs their fp32 dequantization
 DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 

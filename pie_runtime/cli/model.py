@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 
 from ..models.config import Lfm2Config, MambaConfig
+from ..models.formats import WEIGHT_FORMATS
 from ..store import DEFAULT_MODEL, PACKAGED, Manifest, ModelStore, StoreError, import_model
-from .engine import WEIGHT_FORMATS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -25,19 +25,18 @@ row, and on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones ar
 from __future__ import annotations
 
 import platform
-from typing import Literal, TypeVar, cast, get_args
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
 
 from .families import CausalLM
+from .formats import WEIGHT_FORMATS
 from .linear import Linear
 from .llama import DecoderLayer, LlamaForCausalLM
 from .quant import GroupQuant, Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
 INT4_GROUP = 32  # inputs per int4 scale and zero (GGUF's Q4 block)
-WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
-WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 DrafterModule = TypeVar("DrafterModule", bound=nn.Module)
 BF16_ROWS = 16  # rows per matmul of a bf16 layer (Linear.invariant_rows) with bf16 units: one shape, whatever the pass
 # activations and KV cache of each format

@@ -11,7 +11,6 @@ import pytest
 import torch
 from tiny_models import FAMILIES, TINY_VOCAB
 
-from pie_runtime.cli.engine import WEIGHT_FORMATS as CLI_FORMATS
 from pie_runtime.distill.data import find_corpus
 from pie_runtime.models import llama, weights
 from pie_runtime.models.context import ForwardContext, Segment
@@ -22,7 +21,6 @@ from pie_runtime.models.quant import Int4Linear, Int8Linear
 from pie_runtime.models.weights import (
     ACTIVATION_DTYPE,
     BF16_ROWS,
-    WEIGHT_FORMATS,
     bf16_rows,
     load_dtype,
     prepare_for_serving,
@@ -34,10 +32,6 @@ PAGE = 4
 # measured on 1,024 tokens of austen.txt (2 threads): bf16 0.97, int8 0.95, int4 0.97 (int4 runs the GGUF's
 # own Q4_1 blocks; int8 requantizes them per channel, so it moves furthest from the 4-bit weights fp32 serves)
 MIN_TOP1 = {"bf16": 0.95, "int8": 0.92, "int4": 0.95}
-
-
-def test_the_cli_offers_exactly_the_formats_the_models_serve():
-    assert tuple(CLI_FORMATS) == WEIGHT_FORMATS
 
 
 def prepared(name: str, fmt: str, store=None) -> LlamaForCausalLM:
