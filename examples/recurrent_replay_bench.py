@@ -33,6 +33,7 @@ import torch
 
 from pie_runtime.engine.build import build_served_model
 from pie_runtime.engine.core import EngineCore
+from pie_runtime.engine.options import ServeOptions
 from pie_runtime.protocol.codec import pack, parse_request
 from pie_runtime.store import ModelStore, import_model
 
@@ -77,9 +78,8 @@ def write_checkpoint(folder: Path, family: str, hidden: int, layers: int, vocab:
 
 class Engine:
     def __init__(self, store: ModelStore, name: str, fold: str):
-        self.sm = build_served_model(
-            name, store=store, kv_pages=512, state_slots=4, prepack_lm_head=True, recurrent_fold=fold
-        )
+        opts = ServeOptions(kv_pages=512, state_slots=4, prepack_lm_head=True, recurrent_fold=fold)
+        self.sm = build_served_model(name, opts, store=store)
         self.core = EngineCore([self.sm])
         self.ids = iter(range(1, 1 << 30))
 

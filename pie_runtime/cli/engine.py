@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
+from ..engine.options import (
+    DEFAULT_PER_ROW_STATES,
+    DEFAULT_STATE_SLOTS,
+    PASS_COST_CACHE_MODES,
+    RECURRENT_FOLDS,
+    ServeOptions,
+)
 from ..models.formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 from ..protocol.programs import PROGRAM_MEMORY
 
-PASS_COST_CACHE = ("reuse", "refresh", "off")  # engine/pass_cost_cache.py's CACHE_MODES (the same reason)
+if TYPE_CHECKING:
+    from ..engine.served import ServedModel
+    from ..engine.server import EngineServer
+
 DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -46,6 +57,13 @@ def weights_words(args) -> list[str]:
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The flags of `pie engine` that `pie run`, `pie serve` and `pie bench` pass on to the engine they start."""
+    _add_weight_options(p)
+    _add_memory_options(p)
+    _add_compute_options(p)
+
+
+def _add_weight_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--weights",
@@ -66,20 +84,32 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_COMPILE,
         help="torch.compile the decoder at start (fewer, fused ops a step; costs start-up time, printed)",
     )
+    p.add_argument(
+        "--no-prepack",
+        dest="prepack",
+        action="store_false",
+        help="no oneDNN-prepacked lm head copy (saves vocab x hidden x 4 bytes; slower verify windows)",
+    )
+
+
+def _add_memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=int, default=1024, help="KV pool size in MiB (default 1024)")
     p.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
+    )
+    p.add_argument(
         "--state-slots",
         type=int,
-        default=64,
+        default=DEFAULT_STATE_SLOTS,
         help="models with recurrent state (mamba, lfm2): working sets held at once, each a state and its "
-        "snapshot (default 64; printed at start)",
+        f"snapshot (default {DEFAULT_STATE_SLOTS}; printed at start)",
     )
     p.add_argument(
         "--recurrent-fold",
-        choices=["per-row", "replay"],
+        choices=list(RECURRENT_FOLDS),
         default="per-row",
         help="models with recurrent state: how a fold of fewer rows than a fire ran restores the state. per-row "
         "(default) keeps the state after each of a speculative fire's rows and copies one; replay restores the "
@@ -88,10 +118,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--per-row-states",
         type=int,
-        default=8,
+        default=DEFAULT_PER_ROW_STATES,
         help="with --recurrent-fold per-row: states a working set keeps per fire (folds of more rows replay; "
-        "default 8; the memory is printed at start)",
+        f"default {DEFAULT_PER_ROW_STATES}; the memory is printed at start)",
     )
+    p.add_argument(
+        "--program-memory",
+        type=int,
+        default=PROGRAM_MEMORY >> 20,
+        help=f"MiB a program's values may peak at; a program over it is refused (default {PROGRAM_MEMORY >> 20})",
+    )
+
+
+def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
     p.add_argument(
@@ -102,12 +141,6 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="shard the model over T ranks (torch.distributed: gloo on CPU, NCCL on CUDA); fp32 weights only",
     )
     p.add_argument(
-        "--program-memory",
-        type=int,
-        default=PROGRAM_MEMORY >> 20,
-        help=f"MiB a program's values may peak at; a program over it is refused (default {PROGRAM_MEMORY >> 20})",
-    )
-    p.add_argument(
         "--pass-cost-rows",
         type=int,
         default=32,
@@ -115,7 +148,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pass-cost-cache",
-        choices=PASS_COST_CACHE,
+        choices=PASS_COST_CACHE_MODES,
         default="reuse",
         help="reuse: a curve stored under $PIE_HOME/cache/pass_costs for this machine, model, format and threads,"
         " once its 1-row and widest passes still cost what it says (else measure and store); refresh: measure and"
@@ -123,15 +156,6 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     # scale-out measurements on few cores: every step also sleeps MS, as if on a device of its own (server.py)
     p.add_argument("--simulate-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
-    )
-    p.add_argument(
-        "--no-prepack",
-        dest="prepack",
-        action="store_false",
-        help="no oneDNN-prepacked lm head copy (saves vocab x hidden x 4 bytes; slower verify windows)",
-    )
 
 
 def register(sub) -> None:
@@ -149,94 +173,109 @@ def register(sub) -> None:
 def run_engine(args) -> int:
     import torch
 
-    from ..drafters import served_formats
-    from ..engine.build import build_served_model
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
-    from ..shipped import ensure_default_model
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError
+    from ..store import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = args.model or [DEFAULT_MODEL]
     try:
-        if DEFAULT_MODEL in names:
-            ensure_default_model()
-        formats = served_formats(ModelStore(), names, weight_format(args), model_weights(args))
-        if args.tensor_parallel > 1 and len(formats) > 1:
-            raise ValueError("--tensor-parallel serves one model (no draft models)")
-        served = [
-            build_served_model(
-                n,
-                device=args.device,
-                weights=fmt,
-                compiled=args.compile,
-                page_size=args.page_size,
-                kv_pages=args.kv_pages,
-                kv_bytes=args.kv_memory << 20,
-                prepack_lm_head=args.prepack,
-                pass_cost_rows=args.pass_cost_rows,
-                pass_cost_cache=args.pass_cost_cache,
-                state_slots=args.state_slots,
-                recurrent_fold=args.recurrent_fold,
-                per_row_states=args.per_row_states,
-                tensor_parallel=args.tensor_parallel,
-            )
-            for n, fmt in formats.items()
-        ]
+        served = _build_models(args)
         core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
         server = EngineServer(
             core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
         )
-        broken: list[str] = []
-        if args.tensor_parallel > 1:
-            from ..engine.tp_worker import TPRunner
-
-            for s in served:
-                if isinstance(s.runner, TPRunner):  # a broken group cannot run again: stop, to be started anew
-
-                    def on_broken(why: str) -> None:
-                        broken.append(why)
-                        server.stop()
-
-                    s.runner.group.on_broken = on_broken
+        broken = _stop_when_a_group_breaks(served, server) if args.tensor_parallel > 1 else []
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pools = ", ".join(f"{s.name}: {s.pages.total} pages x {s.info.page_size}" for s in served)
     for s in served:
-        costs = s.info.pass_cost_ms
-        if costs:
-            shown = " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
-            print(f"{s.name}: pass cost by rows (ms) {shown}", file=sys.stderr, flush=True)
-            print(f"{s.name}: pass costs {s.pass_costs_from}", file=sys.stderr, flush=True)
-        print(
-            f"{s.name}: weights {s.info.weights} ({s.info.weight_bytes >> 20} MiB of projections and lm head)"
-            + (f", decoder compiled in {s.info.compile_s:.1f} s" if s.info.compile_s else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        if s.info.state_slots:
-            per_row = s.info.per_row_states
-            fold = f"fold per-row (up to {per_row} rows, then replay)" if per_row else "fold by replay"
-            print(
-                f"{s.name}: recurrent state ({s.info.family}), {s.info.state_slots} slots x "
-                f"{(2 + per_row) * s.info.state_bytes / 2**20:.2f} MiB (state, snapshot"
-                + (f" and {per_row} per-row states" if per_row else "")
-                + f"); {fold}; prefix cache off",
-                file=sys.stderr,
-                flush=True,
-            )
-        if s.info.prepacked_bytes:
-            print(
-                f"{s.name}: lm head prepacked for multi-row readouts (+{s.info.prepacked_bytes >> 20} MiB)",
-                file=sys.stderr,
-                flush=True,
-            )
+        _print_model(s)
+    pools = ", ".join(f"{s.name}: {s.pages.total} pages x {s.info.page_size}" for s in served)
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
     if broken:
         print(f"error: the engine stopped: tensor parallelism {broken[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_options(args, weights: str) -> ServeOptions:
+    """The engine's flags as the options of one served model in format ``weights``."""
+    return ServeOptions(
+        device=args.device,
+        weights=weights,
+        compiled=args.compile,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        kv_bytes=args.kv_memory << 20,
+        prepack_lm_head=args.prepack,
+        pass_cost_rows=args.pass_cost_rows,
+        pass_cost_cache=args.pass_cost_cache,
+        state_slots=args.state_slots,
+        recurrent_fold=args.recurrent_fold,
+        per_row_states=args.per_row_states,
+        tensor_parallel=args.tensor_parallel,
+    )
+
+
+def _build_models(args) -> list[ServedModel]:
+    """Every model the engine serves (the named ones, then their draft models), each in its format."""
+    from ..drafters import served_formats
+    from ..engine.build import build_served_model
+    from ..shipped import ensure_default_model
+    from ..store import DEFAULT_MODEL, ModelStore
+
+    names = args.model or [DEFAULT_MODEL]
+    if DEFAULT_MODEL in names:
+        ensure_default_model()
+    formats = served_formats(ModelStore(), names, weight_format(args), model_weights(args))
+    if args.tensor_parallel > 1 and len(formats) > 1:
+        raise ValueError("--tensor-parallel serves one model (no draft models)")
+    return [build_served_model(n, serve_options(args, fmt)) for n, fmt in formats.items()]
+
+
+def _stop_when_a_group_breaks(served: list[ServedModel], server: EngineServer) -> list[str]:
+    """Stops ``server`` when a tensor-parallel group breaks (it cannot run again: the engine is to be started
+    anew); the list it returns gets why."""
+    from ..engine.tp_worker import TPRunner
+
+    broken: list[str] = []
+
+    def on_broken(why: str) -> None:
+        broken.append(why)
+        server.stop()
+
+    for s in served:
+        if isinstance(s.runner, TPRunner):
+            s.runner.group.on_broken = on_broken
+    return broken
+
+
+def _print_model(s: ServedModel) -> None:
+    """A served model's start-up lines on stderr: pass costs, weights, recurrent state, prepacked head."""
+
+    def say(line: str) -> None:
+        print(f"{s.name}: {line}", file=sys.stderr, flush=True)
+
+    info = s.info
+    if info.pass_cost_ms:
+        costs = info.pass_cost_ms
+        say(
+            "pass cost by rows (ms) "
+            + " ".join(f"{w}:{costs[w - 1]:.1f}" for w in (1, 2, 4, 8, 16, 32) if w <= len(costs))
+        )
+        say(f"pass costs {s.pass_costs_from}")
+    compiled = f", decoder compiled in {info.compile_s:.1f} s" if info.compile_s else ""
+    say(f"weights {info.weights} ({info.weight_bytes >> 20} MiB of projections and lm head){compiled}")
+    if info.state_slots:
+        per_row = info.per_row_states
+        fold = f"fold per-row (up to {per_row} rows, then replay)" if per_row else "fold by replay"
+        kept = f" and {per_row} per-row states" if per_row else ""
+        say(
+            f"recurrent state ({info.family}), {info.state_slots} slots x "
+            f"{(2 + per_row) * info.state_bytes / 2**20:.2f} MiB (state, snapshot{kept}); {fold}; prefix cache off"
+        )
+    if info.prepacked_bytes:
+        say(f"lm head prepacked for multi-row readouts (+{info.prepacked_bytes >> 20} MiB)")

@@ -24,12 +24,12 @@ from pydantic import BaseModel, ValidationError
 
 from ..paths import cache_dir
 from ..store import Manifest
+from .options import PASS_COST_CACHE_MODES as CACHE_MODES
 from .pass_costs import measure_pass_costs, time_passes
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-CACHE_MODES = ("reuse", "refresh", "off")
 TOLERANCE = 0.25  # a checked pass this much slower or faster than the stored curve says: measure it all again
 CHECK_REPEATS = 3
 

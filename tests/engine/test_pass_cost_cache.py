@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pie_runtime.cli.engine import PASS_COST_CACHE
 from pie_runtime.engine import pass_cost_cache as cache
-from pie_runtime.engine.pass_cost_cache import CACHE_MODES, CurveKey, StoredCurve, cache_path, curve_key, pass_costs
+from pie_runtime.engine.pass_cost_cache import CurveKey, StoredCurve, cache_path, curve_key, pass_costs
 from pie_runtime.store import Manifest
 
 KEY = CurveKey(
@@ -94,4 +93,3 @@ def test_the_key_names_the_weights_files_device_and_threads():
     assert key.device.startswith("cpu: ") and key.threads == torch.get_num_threads()
     retrained = Manifest.model_construct(name="m", files={"model.safetensors": "cd"})
     assert curve_key(retrained, "int4", torch.device("cpu"), 32, 16, False, 1).model_files != key.model_files
-    assert CACHE_MODES == PASS_COST_CACHE  # the CLI's copy (it does not import torch)

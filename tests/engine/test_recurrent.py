@@ -12,6 +12,7 @@ import pytest
 
 from pie_runtime.engine.build import build_served_model
 from pie_runtime.engine.core import EngineCore
+from pie_runtime.engine.options import ServeOptions
 from pie_runtime.protocol import ErrorCode
 from pie_runtime.protocol.arrays import decode_array
 from pie_runtime.protocol.codec import pack, parse_request
@@ -51,9 +52,7 @@ class Core:
         fold: str = "replay",
         per_row_states: int = 8,
     ):
-        sm = build_served_model(
-            f"tiny-{family}",
-            store=store,
+        opts = ServeOptions(
             page_size=4,
             kv_pages=64,
             prepack_lm_head=False,
@@ -61,6 +60,7 @@ class Core:
             recurrent_fold=fold,
             per_row_states=per_row_states,
         )
+        sm = build_served_model(f"tiny-{family}", opts, store=store)
         self.sm = sm
         self.core = EngineCore([sm], max_batch_tokens)
         self.ids = iter(range(1, 1_000_000))
@@ -194,7 +194,7 @@ def test_drafters_with_recurrent_state_are_refused_at_attach_and_at_engine_start
     store.write_manifest(target.model_copy(update={"drafters": [entry]}))
     try:
         with pytest.raises(DrafterRefused, match="recurrent state"):
-            build_served_model("tiny-llama", store=store, kv_pages=8, prepack_lm_head=False)
+            build_served_model("tiny-llama", ServeOptions(kv_pages=8, prepack_lm_head=False), store=store)
     finally:
         store.write_manifest(target)
     # an MTP head whose module says it carries state (ours never does: norm, projection and MLP only)
@@ -229,11 +229,12 @@ def test_eagle_heads_and_tensor_parallelism_are_refused_on_a_recurrent_target(fa
     store.write_manifest(target.model_copy(update={"drafters": [entry]}))
     try:
         with pytest.raises(DrafterRefused, match="recurrent state"):
-            build_served_model(f"tiny-{family}", store=store, kv_pages=8, prepack_lm_head=False)
+            build_served_model(f"tiny-{family}", ServeOptions(kv_pages=8, prepack_lm_head=False), store=store)
     finally:
         store.write_manifest(target)
     with pytest.raises(ValueError, match="recurrent state"):
-        build_served_model(f"tiny-{family}", store=store, kv_pages=8, prepack_lm_head=False, tensor_parallel=2)
+        opts = ServeOptions(kv_pages=8, prepack_lm_head=False, tensor_parallel=2)
+        build_served_model(f"tiny-{family}", opts, store=store)
 
 
 def test_speculative_inferlets_fall_back_to_plain_steps_on_a_granule_model(store, tmp_path):
