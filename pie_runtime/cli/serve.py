@@ -26,8 +26,14 @@ import sys
 import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .engine import add_engine_options
+
+if TYPE_CHECKING:
+    from ..serve.app import ServerConfig
+    from ..serve.auth import Quotas
+    from ..serve.backend import Backend, EngineSpec, Uploads
 
 
 def register(sub) -> None:
@@ -105,102 +111,139 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    _Uvicorn = _uvicorn_server_class()
-    from ..serve.app import ServerConfig, create_app
-    from ..serve.auth import KeyQuota, Quotas, load_keys
-    from ..serve.backend import Backend, EngineSpec, Uploads
-    from ..serve.limits import HostLimits
-    from ..serve.policies import PolicyRefused, check_policy, parse_policy
-    from ..shipped import ensure_default_model
-    from ..store import DEFAULT_MODEL, ModelStore, StoreError
+    from ..serve.app import create_app
+    from ..serve.backend import EngineSpec
+    from ..serve.policies import PolicyRefused
+    from ..store import DEFAULT_MODEL, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model = args.model or DEFAULT_MODEL
     try:
         host, port = _host_port(args.http)
-        if args.listen and args.listen.startswith("tcp://") and not args.token:
-            raise ValueError("--listen tcp://... needs --token")
-        store = ModelStore()
-        if model == DEFAULT_MODEL:
-            ensure_default_model(store)
-        store.get(model)
-        for folder in args.inferlets:
-            if not folder.is_dir():
-                raise ValueError(f"--inferlets {folder}: no such folder")
-        if args.workers < 1:
-            raise ValueError("--workers must be at least 1")
-        template = args.chat_template.read_text() if args.chat_template else None
-        policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp)
-        caps = check_policy(store, model, policy)
-        keys = {k: KeyQuota() for k in args.api_key}
-        if args.keys:
-            keys.update(load_keys(args.keys))
-        default = KeyQuota(
-            concurrent=args.key_concurrent, tokens_per_minute=args.key_tokens_per_minute, kv_pages=args.key_kv_pages
-        )
-        config = ServerConfig(
-            policy=policy,
-            caps=caps,
-            max_n=args.max_n,
-            max_tokens=args.max_tokens,
-            max_running=args.max_running,
-            max_waiting=args.max_waiting,
-            max_body_bytes=args.max_body_bytes,
-            served_name=args.served_model_name,
-        )
+        config, quotas, template = _checked(args, model)
     except PolicyRefused as e:
         print(f"error: speculation policy refused: {e}", file=sys.stderr)
         return 2
     except (StoreError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    models = [model] + ([caps.draft_model] if caps.draft_model else [])
-    upload_dir = tempfile.TemporaryDirectory(prefix="pie-uploads-") if args.allow_upload else None
-    uploads = None
-    if upload_dir is not None:
-        limits = HostLimits(
-            address_space_bytes=args.upload_memory << 20,
-            cpu_seconds=args.upload_cpu_seconds,
-            open_files=args.upload_open_files,
-            clean_env=True,
-        )
-        uploads = Uploads(Path(upload_dir.name), limits)
+    models = [model] + ([config.caps.draft_model] if config.caps.draft_model else [])
+    upload_dir, uploads = _uploads(args)
     spec = EngineSpec(models, engine_words(args), listen=args.listen, token=args.token)
-    common = dict(workers=args.workers, inferlet_dirs=list(args.inferlets), chat_template=template, uploads=uploads)
-    if args.engines > 1 or args.ray_address:
-        try:
-            from ..cluster.backend import ClusterBackend  # imports Ray: only here
-        except ImportError as e:
-            print(f"error: --engines needs Ray: pip install 'pie-runtime[ray]' ({e})", file=sys.stderr)
-            return 2
-        if args.listen:
-            print("error: --listen is for one engine; --engines' engines listen where Ray puts them", file=sys.stderr)
-            return 2
-        from ..cluster.backend import init_ray
+    try:
+        backend = _backend(args, spec, template, uploads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(backend, config, quotas)
+    uv = _uvicorn(app, host, port, args)
+    app.router.lifespan_context = _lifespan(backend, uv, f"http://{host}:{port}", model, args.drain_timeout)
+    try:
+        uv.run()
+    finally:
+        if upload_dir is not None:
+            upload_dir.cleanup()
+    return 0 if backend.state != "failed" else 1
 
-        # here, in the main thread and before uvicorn installs its signal handlers: Ray's own would otherwise
-        # turn SIGTERM into a crash instead of a drain
-        init_ray(args.ray_address, max(int(args.engines * args.engine_cpus + 0.999), os.cpu_count() or 1))
-        backend: Backend = ClusterBackend(
-            spec, args.engines, ray_address=args.ray_address, engine_cpus=args.engine_cpus, **common
-        )
-    else:
-        backend = Backend(spec, **common)
-    app = create_app(backend, config, Quotas(keys, default))
-    uv = _Uvicorn(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=max(int(args.drain_timeout), 1),
-            lifespan="on",
-        )
+
+def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas, str | None]:
+    """The model, the speculation policy and the limits, checked against the store before anything binds: the
+    server's config, its keys' quotas and the chat template (None: the model's). Raises what ``serve`` reports."""
+    from ..serve.app import ServerConfig
+    from ..serve.auth import KeyQuota, Quotas, load_keys
+    from ..serve.policies import check_policy, parse_policy
+    from ..shipped import ensure_default_model
+    from ..store import DEFAULT_MODEL, ModelStore
+
+    if args.listen and args.listen.startswith("tcp://") and not args.token:
+        raise ValueError("--listen tcp://... needs --token")
+    store = ModelStore()
+    if model == DEFAULT_MODEL:
+        ensure_default_model(store)
+    store.get(model)
+    for folder in args.inferlets:
+        if not folder.is_dir():
+            raise ValueError(f"--inferlets {folder}: no such folder")
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    template = args.chat_template.read_text() if args.chat_template else None
+    policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp)
+    caps = check_policy(store, model, policy)
+    keys = {k: KeyQuota() for k in args.api_key}
+    if args.keys:
+        keys.update(load_keys(args.keys))
+    default = KeyQuota(
+        concurrent=args.key_concurrent, tokens_per_minute=args.key_tokens_per_minute, kv_pages=args.key_kv_pages
     )
-    url = f"http://{host}:{port}"
+    config = ServerConfig(
+        policy=policy,
+        caps=caps,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        served_name=args.served_model_name,
+    )
+    return config, Quotas(keys, default), template
+
+
+def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:
+    """With --allow-upload: the folder uploaded inferlets go to (removed when the server stops) and the limits
+    of the hosts that run them; else (None, None)."""
+    from ..serve.backend import Uploads
+    from ..serve.limits import HostLimits
+
+    if not args.allow_upload:
+        return None, None
+    folder = tempfile.TemporaryDirectory(prefix="pie-uploads-")
+    limits = HostLimits(
+        address_space_bytes=args.upload_memory << 20,
+        cpu_seconds=args.upload_cpu_seconds,
+        open_files=args.upload_open_files,
+        clean_env=True,
+    )
+    return folder, Uploads(Path(folder.name), limits)
+
+
+def _backend(args: argparse.Namespace, spec: EngineSpec, template: str | None, uploads: Uploads | None) -> Backend:
+    """One engine and its hosts, or with --engines N (or --ray-address) N engines as Ray actors behind the
+    cache-aware router; ValueError when Ray is missing or --listen asks for what replicas cannot do."""
+    from ..serve.backend import Backend
+
+    common = dict(workers=args.workers, inferlet_dirs=list(args.inferlets), chat_template=template, uploads=uploads)
+    if not (args.engines > 1 or args.ray_address):
+        return Backend(spec, **common)
+    try:
+        from ..cluster.backend import ClusterBackend, init_ray  # imports Ray: only here
+    except ImportError as e:
+        raise ValueError(f"--engines needs Ray: pip install 'pie-runtime[ray]' ({e})") from None
+    if args.listen:
+        raise ValueError("--listen is for one engine; --engines' engines listen where Ray puts them")
+    # here, in the main thread and before uvicorn installs its signal handlers: Ray's own would otherwise turn
+    # SIGTERM into a crash instead of a drain
+    init_ray(args.ray_address, max(int(args.engines * args.engine_cpus + 0.999), os.cpu_count() or 1))
+    return ClusterBackend(spec, args.engines, ray_address=args.ray_address, engine_cpus=args.engine_cpus, **common)
+
+
+def _uvicorn(app, host: str, port: int, args: argparse.Namespace):
+    """The uvicorn server of ``app``: graceful shutdown waits --drain-timeout seconds."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(int(args.drain_timeout), 1),
+        lifespan="on",
+    )
+    return _uvicorn_server_class()(config)
+
+
+def _lifespan(backend: Backend, uv, url: str, model: str, drain_timeout: float):
+    """The app's lifespan: the backend starts in the background once the listener is up (it prints "pie serve
+    ready on URL", or stops the server when it cannot start), and closes, draining runs, when it stops."""
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -217,12 +260,6 @@ def serve(args: argparse.Namespace) -> int:
             yield
         finally:
             await asyncio.wait([task])  # a start under way finishes first, so close() sees what it started
-            await backend.close(args.drain_timeout)
+            await backend.close(drain_timeout)
 
-    app.router.lifespan_context = lifespan
-    try:
-        uv.run()
-    finally:
-        if upload_dir is not None:
-            upload_dir.cleanup()
-    return 0 if backend.state != "failed" else 1
+    return lifespan
