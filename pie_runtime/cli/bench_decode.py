@@ -22,13 +22,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from ..bench.prompts import DECODE_PROMPT, SPECULATION_PROMPT, prompt_text
 from ..models.formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS, WeightFormat
 from ..store import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from ..bench.pie_runs import EngineSession, Job
+    from ..bench.report import Report
 
 Peer = Literal["transformers", "llama.cpp"]
 WORKER_TIMEOUT_S = 1200
@@ -115,15 +119,11 @@ def run_worker(cmd: list[str], timeout: float = WORKER_TIMEOUT_S):
         raise WorkerFailed(f"unreadable result: {e.errors()[0]['msg']}") from None
 
 
-def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
+def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress) -> Report:
     """Measures every runner ``o`` asks for, one after the other; returns the ``Report``."""
     from tokenizers import Tokenizer
 
-    from ..bench import llama_cpp_env
-    from ..bench.hf_worker import HfJob
-    from ..bench.pie_runs import EngineSession, Job, run_session
-    from ..bench.report import LLAMA_CPP, PIE, TRANSFORMERS, Report, Row, Skipped
-    from ..launcher import LaunchError
+    from ..bench.report import Report
     from ..shipped import ensure_default_model
     from ..store import ModelStore
 
@@ -134,7 +134,6 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
     tok = Tokenizer.from_file(str(store.path(o.model) / "tokenizer.json"))
     texts = {name: prompt_text(name) for name in (DECODE_PROMPT, SPECULATION_PROMPT)}
     ids = {name: tok.encode(text, add_special_tokens=False).ids for name, text in texts.items()}
-    load = os.getloadavg()[0]
     report = Report(
         model=o.model,
         threads=o.threads,
@@ -142,87 +141,130 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress):
         formats=list(o.formats),
         prompt=DECODE_PROMPT,
         speculation_prompt=SPECULATION_PROMPT if o.speculation else None,
-        note=f"one run, {os.cpu_count()} CPUs shared with other processes, load average {load:.1f} at start",
+        note=f"one run, {os.cpu_count()} CPUs shared with other processes, load average {os.getloadavg()[0]:.1f} "
+        "at start",
     )
-    default_fmt = DEFAULT_WEIGHTS
-
-    def skip(runner: str, variant: str, reason: str) -> None:
-        report.skipped.append(Skipped(runner=runner, variant=variant, reason=reason))
-        progress(report.skipped[-1].line())
-
-    # pie: one engine per format; the speculation runs share the default format's engine
-    decode_job = Job("plain", "text-completion", texts[DECODE_PROMPT])
-    spec_jobs = [
-        Job("spec plain", "text-completion", texts[SPECULATION_PROMPT]),
-        Job("spec cacheback", "cacheback-speculative-decoding", texts[SPECULATION_PROMPT]),
-    ]
-    sessions: dict[str, EngineSession] = {}
-    for fmt in o.formats:
-        jobs = [decode_job] + (spec_jobs if o.speculation and fmt == default_fmt else [])
-        progress(f"pie {fmt}: engine start, then {len(jobs)} run(s)")
-        try:
-            s = sessions[fmt] = run_session(o.model, fmt, o.threads, jobs, o.tokens, o.engine_args)
-        except LaunchError as e:
-            skip(PIE, fmt, str(e))
-            continue
-        row = Row.of(PIE, fmt, s.results["plain"], s.pass_cost_ms)
-        row.peak_rss_mib = None if s.peak_rss_mib is None else round(s.peak_rss_mib, 1)
-        report.rows.append(row)
-        progress(f"pie {fmt}: {row.decode_tokens_per_s} tok/s, pass costs (ms by rows) {s.pass_cost_ms}")
-    if o.speculation and default_fmt not in sessions:
-        progress(f"pie {default_fmt}: engine start for the speculation runs")
-        try:
-            sessions[default_fmt] = run_session(o.model, default_fmt, o.threads, spec_jobs, o.tokens, o.engine_args)
-        except LaunchError as e:
-            skip(PIE, f"{default_fmt} speculation", str(e))
-    if o.speculation and default_fmt in sessions:
-        res = sessions[default_fmt].results
-        report.speculation += [
-            Row.of(PIE, f"{default_fmt} text-completion", res["spec plain"]),
-            Row.of(PIE, f"{default_fmt} cacheback", res["spec cacheback"]),
-        ]
-
+    bench = DecodeBench(o, report, texts, progress)
+    bench.pie()
     if "transformers" in o.peers:
-        for dtype in ("fp32", "bf16"):
-            progress(f"transformers {dtype}")
-            job = HfJob(model=o.model, dtype=dtype, threads=o.threads, prompt_ids=ids[DECODE_PROMPT], tokens=o.tokens)
-            cmd = [sys.executable, "-m", "pie_runtime.bench.hf_worker", job.model_dump_json()]
-            try:
-                report.rows.append(Row.of(TRANSFORMERS, dtype, run_worker(cmd)))
-                progress(f"transformers {dtype}: {report.rows[-1].decode_tokens_per_s} tok/s")
-            except WorkerFailed as e:
-                skip(TRANSFORMERS, dtype, str(e))
-
+        bench.transformers(ids)
     if "llama.cpp" in o.peers:
-        try:
-            gguf = llama_cpp_env.packaged_gguf(o.model)
-            python = llama_cpp_env.ensure_llama_cpp(progress)
-        except llama_cpp_env.LlamaCppUnavailable as e:
-            skip(LLAMA_CPP, "Q4_1", str(e))
-        else:
-            runs = [("Q4_1", DECODE_PROMPT, 0, report.rows)]
-            if o.speculation:
-                runs += [("Q4_1 plain", SPECULATION_PROMPT, 0, report.speculation)]
-                runs += [(f"Q4_1 prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
-            for variant, prompt, lookup, rows in runs:
-                progress(f"llama.cpp {variant} ({prompt} prompt)")
-                job = {
-                    "gguf": str(gguf),
-                    "threads": o.threads,
-                    "prompt_ids": ids[prompt],
-                    "tokens": o.tokens,
-                    "eos_ids": list(manifest.config.eos_token_ids),
-                    "lookup": lookup,
-                }
-                try:
-                    m = run_worker([str(python), str(llama_cpp_env.WORKER), json.dumps(job)])
-                    rows.append(Row.of(LLAMA_CPP, variant, m))
-                    progress(f"llama.cpp {variant}: {m.decode_tokens_per_s:.1f} tok/s")
-                except WorkerFailed as e:
-                    skip(LLAMA_CPP, variant, str(e))
+        bench.llama_cpp(ids, list(manifest.config.eos_token_ids))
     report.note += f" and {os.getloadavg()[0]:.1f} at the end; peak RSS = VmHWM of the process holding the weights"
     report.add_ratios()
     return report
+
+
+class DecodeBench:
+    """One `pie bench decode` run: each runner's measurements go into ``report``, or a skip with its reason."""
+
+    def __init__(self, o: DecodeOptions, report: Report, texts: dict[str, str], progress: Callable[[str], None]):
+        self.o, self.report, self.texts, self.progress = o, report, texts, progress
+
+    def skip(self, runner: str, variant: str, reason: str) -> None:
+        from ..bench.report import Skipped
+
+        self.report.skipped.append(Skipped(runner=runner, variant=variant, reason=reason))
+        self.progress(self.report.skipped[-1].line())
+
+    def pie(self) -> None:
+        """One engine per format; the speculation runs share the default format's engine."""
+        from ..bench.pie_runs import Job
+        from ..bench.report import PIE, Row
+
+        o, speculation = self.o, self.texts[SPECULATION_PROMPT]
+        spec_jobs = [
+            Job("spec plain", "text-completion", speculation),
+            Job("spec cacheback", "cacheback-speculative-decoding", speculation),
+        ]
+        sessions: dict[str, EngineSession] = {}
+        for fmt in o.formats:
+            jobs = [Job("plain", "text-completion", self.texts[DECODE_PROMPT])]
+            jobs += spec_jobs if o.speculation and fmt == DEFAULT_WEIGHTS else []
+            self.progress(f"pie {fmt}: engine start, then {len(jobs)} run(s)")
+            s = self._session(fmt, fmt, jobs)
+            if s is None:
+                continue
+            sessions[fmt] = s
+            row = Row.of(PIE, fmt, s.results["plain"], s.pass_cost_ms)
+            row.peak_rss_mib = None if s.peak_rss_mib is None else round(s.peak_rss_mib, 1)
+            self.report.rows.append(row)
+            self.progress(f"pie {fmt}: {row.decode_tokens_per_s} tok/s, pass costs (ms by rows) {s.pass_cost_ms}")
+        if not o.speculation:
+            return
+        if DEFAULT_WEIGHTS not in sessions:
+            self.progress(f"pie {DEFAULT_WEIGHTS}: engine start for the speculation runs")
+            s = self._session(DEFAULT_WEIGHTS, f"{DEFAULT_WEIGHTS} speculation", spec_jobs)
+            if s is None:
+                return
+            sessions[DEFAULT_WEIGHTS] = s
+        res = sessions[DEFAULT_WEIGHTS].results
+        self.report.speculation += [
+            Row.of(PIE, f"{DEFAULT_WEIGHTS} text-completion", res["spec plain"]),
+            Row.of(PIE, f"{DEFAULT_WEIGHTS} cacheback", res["spec cacheback"]),
+        ]
+
+    def _session(self, fmt: str, variant: str, jobs: list[Job]) -> EngineSession | None:
+        """The jobs run on one engine in ``fmt``, or None when it failed (skipped as ``variant``)."""
+        from ..bench.pie_runs import run_session
+        from ..bench.report import PIE
+        from ..launcher import LaunchError
+
+        try:
+            return run_session(self.o.model, fmt, self.o.threads, jobs, self.o.tokens, self.o.engine_args)
+        except LaunchError as e:
+            self.skip(PIE, variant, str(e))
+            return None
+
+    def transformers(self, ids: dict[str, list[int]]) -> None:
+        """transformers in fp32 and bf16, each in a worker process."""
+        from ..bench.hf_worker import HfJob
+        from ..bench.report import TRANSFORMERS, Row
+
+        o = self.o
+        for dtype in ("fp32", "bf16"):
+            self.progress(f"transformers {dtype}")
+            job = HfJob(model=o.model, dtype=dtype, threads=o.threads, prompt_ids=ids[DECODE_PROMPT], tokens=o.tokens)
+            cmd = [sys.executable, "-m", "pie_runtime.bench.hf_worker", job.model_dump_json()]
+            try:
+                self.report.rows.append(Row.of(TRANSFORMERS, dtype, run_worker(cmd)))
+                self.progress(f"transformers {dtype}: {self.report.rows[-1].decode_tokens_per_s} tok/s")
+            except WorkerFailed as e:
+                self.skip(TRANSFORMERS, dtype, str(e))
+
+    def llama_cpp(self, ids: dict[str, list[int]], eos_ids: list[int]) -> None:
+        """llama.cpp on the packaged GGUF (installed on demand): plain decode, and with --speculation its plain
+        decode and its prompt lookup on the repetitive prompt."""
+        from ..bench import llama_cpp_env
+        from ..bench.report import LLAMA_CPP, Row
+
+        o, report = self.o, self.report
+        try:
+            gguf = llama_cpp_env.packaged_gguf(o.model)
+            python = llama_cpp_env.ensure_llama_cpp(self.progress)
+        except llama_cpp_env.LlamaCppUnavailable as e:
+            self.skip(LLAMA_CPP, "Q4_1", str(e))
+            return
+        runs = [("Q4_1", DECODE_PROMPT, 0, report.rows)]
+        if o.speculation:
+            runs += [("Q4_1 plain", SPECULATION_PROMPT, 0, report.speculation)]
+            runs += [(f"Q4_1 prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
+        for variant, prompt, lookup, rows in runs:
+            self.progress(f"llama.cpp {variant} ({prompt} prompt)")
+            job = {
+                "gguf": str(gguf),
+                "threads": o.threads,
+                "prompt_ids": ids[prompt],
+                "tokens": o.tokens,
+                "eos_ids": eos_ids,
+                "lookup": lookup,
+            }
+            try:
+                m = run_worker([str(python), str(llama_cpp_env.WORKER), json.dumps(job)])
+                rows.append(Row.of(LLAMA_CPP, variant, m))
+                self.progress(f"llama.cpp {variant}: {m.decode_tokens_per_s:.1f} tok/s")
+            except WorkerFailed as e:
+                self.skip(LLAMA_CPP, variant, str(e))
 
 
 def _decode(args: argparse.Namespace) -> int:
