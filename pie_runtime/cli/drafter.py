@@ -38,10 +38,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = dsub.add_parser(
         "train", help="train an MTP head, an EAGLE head or a draft model on the target's own predictions"
     )
+    _add_target_and_data_options(p)
+    _add_training_options(p)
+    _add_output_options(p)
+    p.set_defaults(func=run_train)
+
+
+def _add_target_and_data_options(p: argparse.ArgumentParser) -> None:
+    """The target, and the teacher data: its corpora, rounds, and the teacher pass's threads and precision."""
     p.add_argument("--model", default=None, help="the target model in the store (default: the default model)")
     p.add_argument("--kind", required=True, choices=["mtp", "eagle", "draft"])
     p.add_argument("--corpus", action="append", required=True, help="a UTF-8 text file (repeatable)")
-    p.add_argument("--depth", type=int, default=3, help="mtp, eagle: draft steps (one module reused K times)")
     p.add_argument("--tokens", type=int, default=49152, help="corpus tokens to train on, split across corpora")
     p.add_argument(
         "--gen-tokens",
@@ -84,13 +91,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens of one --gen-rounds, --chat-rounds or --open-rounds round (default 262144)",
     )
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
+    p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="teacher pass and training forward: bf16 (float32 weights kept for training; the "
+        "teacher's top-k re-ranked in float32) or fp32; auto: bf16 where the CPU has bf16 units",
+    )
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
+    """The drafter's shape and its training run."""
+    p.add_argument("--depth", type=int, default=3, help="mtp, eagle: draft steps (one module reused K times)")
     p.add_argument(
         "--epochs", type=float, default=None, help="passes over the data (default: 40 mtp, 4 eagle and draft)"
     )
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
-    p.add_argument(
-        "--out", default=None, help="mtp, eagle: output file (default MODEL-KIND.safetensors); draft: store name"
-    )
     p.add_argument("--layers", default="0,1,2,-1", help="draft: target layers the draft starts from")
     p.add_argument("--blocks", type=int, default=2, help="mtp: residual MLP blocks")
     p.add_argument(
@@ -101,26 +121,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reduced vocabulary: each draft step reads N rows of the lm head, not all); 0: the whole vocabulary",
     )
     p.add_argument("--init", default=None, help="mtp, eagle: continue training this head (FILE.safetensors)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (eagle, draft) per step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for the target's forward")
     p.add_argument(
         "--train-threads",
         type=int,
         default=1,
         help="torch CPU threads while training (small ops: one thread is fastest on a busy machine)",
     )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the drafter goes: a file or a store model, attached to the target or not."""
     p.add_argument(
-        "--precision",
-        choices=["auto", "bf16", "fp32"],
-        default="auto",
-        help="teacher pass and training forward: bf16 (float32 weights kept for training; the "
-        "teacher's top-k re-ranked in float32) or fp32; auto: bf16 where the CPU has bf16 units",
+        "--out", default=None, help="mtp, eagle: output file (default MODEL-KIND.safetensors); draft: store name"
     )
-    p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
     p.add_argument("--attach", action="store_true", help="attach the result to the target when done")
     p.add_argument(
         "--attach-weights",
@@ -131,7 +147,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force", action="store_true", help="draft: replace a store model of the same name")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
