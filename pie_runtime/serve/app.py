@@ -119,6 +119,19 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     def api_key(authorization: str | None = Header(default=None)) -> str:
         return quotas.authenticate(authorization)
 
+    _add_probe_routes(app, server)
+    _add_token_routes(app, server)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
+    _add_openai_routes(v1, server, api_key)
+    add_inferlet_routes(v1, server, api_key)
+    app.include_router(v1)
+    return app
+
+
+def _add_probe_routes(app: FastAPI, server: Server) -> None:
+    """/health (200 serving, 503 loading or draining) and /metrics (Prometheus text)."""
+    backend = server.backend
+
     @app.get("/health")
     async def health() -> Response:
         state = backend.state
@@ -133,6 +146,11 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
         page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_token_routes(app: FastAPI, server: Server) -> None:
+    """/tokenize (a prompt or chat messages, rendered in the model's template) and /detokenize."""
+    backend = server.backend
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -157,7 +175,10 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
             raise invalid_request("token id out of the vocabulary", param="tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
+
+def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions."""
+    backend, config = server.backend, server.config
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -202,10 +223,6 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
         req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
         return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
-
-    add_inferlet_routes(v1, server, api_key)
-    app.include_router(v1)
-    return app
 
 
 def _tokenizer(backend: Backend):
