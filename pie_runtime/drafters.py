@@ -23,7 +23,8 @@ import torch
 from .models import eagle as eagle_file
 from .models.config import ModelConfig
 from .models.eagle import EagleConfig, EagleHead, load_eagle
-from .models.mtp import MTPConfig, MTPHead, config_path, load_mtp, read_config
+from .models.head_files import config_path
+from .models.mtp import MTPConfig, MTPHead, load_mtp, read_config
 from .models.weights import serve_drafter
 from .paths import sha256_file
 from .store import (
@@ -112,7 +113,7 @@ def check_eagle(target: Manifest, weights: Path) -> EagleConfig:
             "with attention only"
         )
     weights = Path(weights)
-    cfg_file = eagle_file.config_path(weights)
+    cfg_file = config_path(weights)
     if not weights.is_file() or not cfg_file.is_file():
         raise DrafterRefused(f"EAGLE head {weights} needs its weights file and {cfg_file.name} beside it")
     try:

@@ -231,9 +231,10 @@ class _Run:
         kind: str,
         agree: list[float],
         save: Callable[..., None],
-        config_path: Callable[[Path], Path],
     ) -> str:
         """Records the run in the head's config, writes it with ``save`` and returns its drafter spec."""
+        from ..models.head_files import config_path
+
         self.trained(agree)
         module.config = module.config.model_copy(update={"training": self.info})
         out = Path(self.args.out or f"{self.name}-{kind}.safetensors")
@@ -354,7 +355,7 @@ def _teacher_pass(
 def _train_mtp(run: _Run) -> str:
     """Trains and writes an MTP head; returns its drafter spec (``mtp:FILE``)."""
     from .. import distill
-    from ..models.mtp import MTPHead, config_path, load_mtp, read_config, save_mtp
+    from ..models.mtp import MTPHead, load_mtp, read_config, save_mtp
 
     args, name = run.args, run.name
     init = None
@@ -381,13 +382,13 @@ def _train_mtp(run: _Run) -> str:
     )
     run.slice_vocab(module)
     agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
-    return run.write_head(module, "mtp", agree, save_mtp, config_path)
+    return run.write_head(module, "mtp", agree, save_mtp)
 
 
 def _train_eagle(run: _Run) -> str:
     """Trains and writes an EAGLE head; returns its drafter spec (``eagle:FILE``)."""
     from ..distill.eagle import eagle_agreement, train_eagle
-    from ..models.eagle import config_path, load_eagle, read_config, save_eagle
+    from ..models.eagle import load_eagle, read_config, save_eagle
 
     args, name = run.args, run.name
     target = run.loaded.llama
@@ -414,7 +415,7 @@ def _train_eagle(run: _Run) -> str:
     depth = module.config.depth
     run.slice_vocab(module)
     agree = eagle_agreement(module, target, run.heldout, depth, conditional=True)
-    return run.write_head(module, "eagle", agree, save_eagle, config_path)
+    return run.write_head(module, "eagle", agree, save_eagle)
 
 
 def _train_draft(run: _Run) -> str:

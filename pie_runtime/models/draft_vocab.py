@@ -128,11 +128,3 @@ def set_draft_vocab(module: Any, ids: torch.Tensor | None) -> None:
         module._buffers.pop("draft_ids", None)
     else:
         module.register_buffer("draft_ids", ids.to(torch.int64).clone())
-
-
-def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
-    """A state dict with its floating tensors in ``dtype`` (ids and other integer buffers kept as they are)."""
-    return {
-        k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype).contiguous()
-        for k, v in state.items()
-    }

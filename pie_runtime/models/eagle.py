@@ -40,7 +40,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import ForwardContext
-from .draft_vocab import cast_floats, draft_logits
+from .draft_vocab import draft_logits
+from .head_files import load_head, read_head_config, save_head
 from .kv_cache import KVCache
 from .linear import Linear
 from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
@@ -203,38 +204,15 @@ class EagleHead:
         return torch.stack(tokens, dim=1), logits
 
 
-def config_path(weights: Path) -> Path:
-    """The JSON config beside an EAGLE weights file: ``head.safetensors`` → ``head.json``."""
-    return Path(weights).with_suffix(".json")
-
-
 def read_config(weights: Path) -> EagleConfig:
-    return EagleConfig.model_validate_json(config_path(weights).read_text())
+    return read_head_config(EagleConfig, weights)
 
 
 def save_eagle(module: EagleModule, weights: Path) -> None:
     """Writes the tensors in bfloat16 (a draft's quality does not need more) and the config beside them."""
-    from safetensors.torch import save_file
-
-    weights = Path(weights)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    save_file(cast_floats(module.state_dict(), torch.bfloat16), str(weights), metadata={"format": "pt", "pie": "eagle"})
-    config_path(weights).write_text(module.config.model_dump_json(indent=2))
+    save_head(module, module.config, weights, torch.bfloat16, "eagle")
 
 
 def load_eagle(weights: Path, dtype: torch.dtype = torch.float32, device="cpu") -> EagleModule:
     """Reads the config and tensors; a missing, unexpected or misshapen tensor raises ValueError."""
-    from safetensors.torch import load_file
-
-    cfg = read_config(weights)
-    with torch.device("meta"):
-        module = EagleModule(cfg)
-    state = load_file(str(weights), device="cpu")
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if want != got:
-        diff = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
-        raise ValueError(f"EAGLE tensors do not fit its config (first difference: {diff[0]})")
-    module.load_state_dict(cast_floats(state, dtype, device), assign=True)
-    module.requires_grad_(False)
-    return module.eval()
+    return load_head(EagleModule, read_config(weights), weights, "EAGLE", dtype, device)

@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from .config import ModelConfig
-from .draft_vocab import cast_floats, draft_logits
+from .draft_vocab import draft_logits
 from .families import CausalLM, final_norm
+from .head_files import load_head, read_head_config, save_head
 from .linear import Linear
 from .llama import MLP, RMSNorm
 
@@ -130,38 +131,15 @@ class MTPHead:
         return torch.stack(tokens, dim=1), logits
 
 
-def config_path(weights: Path) -> Path:
-    """The JSON config beside an MTP weights file: ``head.safetensors`` → ``head.json``."""
-    return Path(weights).with_suffix(".json")
-
-
 def read_config(weights: Path) -> MTPConfig:
-    return MTPConfig.model_validate_json(config_path(weights).read_text())
+    return read_head_config(MTPConfig, weights)
 
 
 def save_mtp(module: MTPModule, weights: Path, dtype: torch.dtype = torch.float32) -> None:
     """Writes the tensors in ``dtype`` (bfloat16 halves the file; the engine casts to its own dtype)."""
-    from safetensors.torch import save_file
-
-    weights = Path(weights)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    save_file(cast_floats(module.state_dict(), dtype), str(weights), metadata={"format": "pt", "pie": "mtp"})
-    config_path(weights).write_text(module.config.model_dump_json(indent=2))
+    save_head(module, module.config, weights, dtype, "mtp")
 
 
 def load_mtp(weights: Path, dtype: torch.dtype = torch.float32, device="cpu") -> MTPModule:
     """Reads the config and tensors; a missing, unexpected or misshapen tensor raises ValueError."""
-    from safetensors.torch import load_file
-
-    cfg = read_config(weights)
-    with torch.device("meta"):
-        module = MTPModule(cfg)
-    state = load_file(str(weights), device="cpu")
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if want != got:
-        diff = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
-        raise ValueError(f"MTP tensors do not fit its config (first difference: {diff[0]})")
-    module.load_state_dict(cast_floats(state, dtype, device), assign=True)
-    module.requires_grad_(False)
-    return module.eval()
+    return load_head(MTPModule, read_config(weights), weights, "MTP", dtype, device)

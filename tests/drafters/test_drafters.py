@@ -15,7 +15,8 @@ import inferlet
 from pie_runtime.cli.engine import DEFAULT_WEIGHTS, add_engine_options, model_weights, weight_format, weights_words
 from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach, heldout_acceptance, served_formats
 from pie_runtime.launcher import LaunchError
-from pie_runtime.models.mtp import config_path, read_config
+from pie_runtime.models.head_files import config_path
+from pie_runtime.models.mtp import read_config
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, StoreError, StoreIntegrityError
 from tests.conftest import TINY, start_engine
 from tests.drafters.conftest import DRAFT, craft, link_model, pie, snapshot
