@@ -20,16 +20,24 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..models.formats import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..distill import TeacherData
+    from ..distill import TeacherData, TrainSettings
     from ..models.llama import LlamaForCausalLM
     from ..store import ImportResult, LoadedModel, ModelStore
+
+Head = TypeVar("Head")  # an MTPModule or an EagleModule
+# per kind: the default --epochs, --batch (rows for mtp, sequences for eagle and draft) and --lr
+TRAIN_DEFAULTS: dict[str, tuple[float, int, float]] = {
+    "mtp": (40, 256, 1e-3),
+    "eagle": (4, 4, 1e-3),
+    "draft": (4, 4, 3e-4),
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -202,7 +210,7 @@ def _portable_words(words: list[str]) -> list[str]:
 
 
 @dataclass
-class _Run:
+class TrainingRun:
     """One training run after the teacher pass: its arguments, its target and data, and its record (``info``,
     saved with the drafter). ``started``: wall and CPU clocks when training began."""
 
@@ -217,9 +225,31 @@ class _Run:
     bf16: bool
     started: tuple[float, float] = field(default_factory=lambda: (time.monotonic(), time.process_time()))
 
-    @property
-    def max_seconds(self) -> float | None:
-        return self.args.minutes * 60 if self.args.minutes else None
+    def settings(self, kind: str) -> TrainSettings:
+        """The training settings from the command line, each unset one at ``kind``'s default."""
+        from ..distill import TrainSettings
+
+        epochs, batch, lr = TRAIN_DEFAULTS[kind]
+        a = self.args
+        return TrainSettings(
+            epochs=a.epochs or epochs,
+            batch=a.batch or batch,
+            lr=a.lr or lr,
+            seed=a.seed,
+            bf16=self.bf16,
+            progress=not a.quiet,
+            max_seconds=a.minutes * 60 if a.minutes else None,
+        )
+
+    def initial_head(self, load: Callable[[Path], Head], read_config: Callable[[Path], Any]) -> Head | None:
+        """With ``--init FILE``: the head to continue training (read with ``load``), its record kept in this
+        run's; else None."""
+        if not self.args.init:
+            return None
+        path = Path(self.args.init)
+        head = load(path)
+        self.continued_from(self.args.init, read_config(path).training)
+        return head
 
     def continued_from(self, init: str, training: dict) -> None:
         """Records the head this run continued training (``--init``) and that head's own record."""
@@ -307,7 +337,7 @@ def _load_target(args: argparse.Namespace, name: str) -> tuple[ModelStore, Loade
 
 def _teacher_pass(
     args: argparse.Namespace, name: str, store: ModelStore, loaded: LoadedModel, corpora: list[Path]
-) -> _Run:
+) -> TrainingRun:
     """The target's predictions over the corpora (from the teacher cache when the same plan ran before)."""
     from .. import distill
     from ..drafters import target_digest
@@ -349,95 +379,60 @@ def _teacher_pass(
         "teacher_s": round(time.monotonic() - t0, 1),
         "precision": "bf16" if bf16 else "fp32",
     }
-    return _Run(args, name, store, loaded, digest, train, heldout, info, bf16)
+    return TrainingRun(args, name, store, loaded, digest, train, heldout, info, bf16)
 
 
-def _train_mtp(run: _Run) -> str:
+def _train_mtp(run: TrainingRun) -> str:
     """Trains and writes an MTP head; returns its drafter spec (``mtp:FILE``)."""
     from .. import distill
     from ..models.mtp import MTPHead, load_mtp, read_config, save_mtp
 
-    args, name = run.args, run.name
-    init = None
-    if args.init:
-        init = load_mtp(Path(args.init))
-        run.continued_from(args.init, read_config(Path(args.init)).training)
-        args.depth = init.config.depth
     module = distill.train_mtp(
         run.loaded.model,
         run.train,
         run.heldout,
-        depth=args.depth,
-        epochs=args.epochs or 40,
-        target_name=name,
+        run.settings("mtp"),
+        depth=run.args.depth,
+        target_name=run.name,
         target_digest=run.digest,
-        blocks=args.blocks,
-        batch=args.batch or 256,
-        lr=args.lr or 1e-3,
-        seed=args.seed,
-        progress=not args.quiet,
-        max_seconds=run.max_seconds,
-        bf16=run.bf16,
-        init=init,
+        blocks=run.args.blocks,
+        init=run.initial_head(load_mtp, read_config),
     )
     run.slice_vocab(module)
-    agree = distill.mtp_agreement(MTPHead(module, run.loaded.model), run.heldout, args.depth, conditional=True)
+    head = MTPHead(module, run.loaded.model)
+    agree = distill.mtp_agreement(head, run.heldout, module.config.depth, conditional=True)
     return run.write_head(module, "mtp", agree, save_mtp)
 
 
-def _train_eagle(run: _Run) -> str:
+def _train_eagle(run: TrainingRun) -> str:
     """Trains and writes an EAGLE head; returns its drafter spec (``eagle:FILE``)."""
     from ..distill.eagle import eagle_agreement, train_eagle
     from ..models.eagle import load_eagle, read_config, save_eagle
 
-    args, name = run.args, run.name
     target = run.loaded.llama
-    init = None
-    if args.init:
-        init = load_eagle(Path(args.init))
-        run.continued_from(args.init, read_config(Path(args.init)).training)
     module = train_eagle(
         target,
         run.train,
         run.heldout,
-        depth=args.depth,
-        epochs=args.epochs or 4,
-        target_name=name,
+        run.settings("eagle"),
+        depth=run.args.depth,
+        target_name=run.name,
         target_digest=run.digest,
-        batch=args.batch or 4,
-        lr=args.lr or 1e-3,
-        seed=args.seed,
-        progress=not args.quiet,
-        max_seconds=run.max_seconds,
-        bf16=run.bf16,
-        init=init,
+        init=run.initial_head(load_eagle, read_config),
     )
-    depth = module.config.depth
     run.slice_vocab(module)
-    agree = eagle_agreement(module, target, run.heldout, depth, conditional=True)
+    agree = eagle_agreement(module, target, run.heldout, module.config.depth, conditional=True)
     return run.write_head(module, "eagle", agree, save_eagle)
 
 
-def _train_draft(run: _Run) -> str:
+def _train_draft(run: TrainingRun) -> str:
     """Trains a draft model and imports it into the store; returns its drafter spec (``draft:NAME``)."""
     from .. import distill
 
     args = run.args
     out = args.out or f"{run.name}-draft"
     layers = [int(x) for x in args.layers.split(",")]
-    draft = distill.train_draft(
-        run.loaded.llama,
-        run.train,
-        run.heldout,
-        layers=layers,
-        epochs=args.epochs or 4,
-        batch=args.batch or 4,
-        lr=args.lr or 3e-4,
-        seed=args.seed,
-        progress=not args.quiet,
-        max_seconds=run.max_seconds,
-        bf16=run.bf16,
-    )
+    draft = distill.train_draft(run.loaded.llama, run.train, run.heldout, run.settings("draft"), layers=layers)
     agree = distill.draft_agreement(draft, run.heldout, 3)
     run.trained(agree)
     result = save_draft(run.store, draft, run.loaded, out, run.info, force=args.force)

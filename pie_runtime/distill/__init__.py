@@ -11,8 +11,9 @@ run uses them:
   and training; the engine's paged forward is for serving;
 - :mod:`.teacher`: the teacher pass and its cache (bfloat16 where the CPU is fast at it);
 - :mod:`.losses`: the loss (KL over a candidate set plus a hidden-state term);
-- :mod:`.loop`: the one training loop, over a :class:`~.loop.Student` that says what a kind trains;
-- :mod:`.mtp`, :mod:`.draft`: the two kinds (``train_mtp``, ``train_draft``);
+- :mod:`.loop`: the one training set-up (:class:`~.loop.TrainSettings`) and loop, over a :class:`~.loop.Student`
+  that says what a kind trains;
+- :mod:`.mtp`, :mod:`.eagle`, :mod:`.draft`: the three kinds (``train_mtp``, ``train_eagle``, ``train_draft``);
 - :mod:`.agreement`: held-out acceptance rates per draft position.
 
 Precision (``--precision``, default bf16 on CPUs with bf16 units): the teacher pass runs a bfloat16 copy of
@@ -44,6 +45,7 @@ from .data import (
 )
 from .dense import dense_hidden, dense_layer, greedy_generate
 from .draft import draft_from_target, train_draft
+from .loop import TrainSettings
 from .losses import candidates, distill_loss
 from .mtp import train_mtp
 from .open_requests import open_requests
@@ -65,6 +67,7 @@ __all__ = [
     "TOP_K",
     "DataPlan",
     "TeacherData",
+    "TrainSettings",
     "bf16_is_fast",
     "build_teacher_data",
     "chat_frame",

@@ -10,7 +10,7 @@ from ..models.llama import LlamaForCausalLM
 from .agreement import draft_agreement
 from .data import TeacherData
 from .dense import dense_hidden
-from .loop import Student, fit
+from .loop import Student, TrainSettings, train_student
 from .losses import candidates, distill_loss
 
 
@@ -39,56 +39,30 @@ class DraftStudent(Student):
 
     name, weight_decay, warmup, evals_per_epoch = "draft", 0.0, 20, 2
 
-    def __init__(
-        self,
-        draft: LlamaForCausalLM,
-        train: TeacherData,
-        heldout: TeacherData,
-        *,
-        alpha: float,
-        n_random: int,
-        bf16: bool,
-    ):
+    def __init__(self, draft: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, settings: TrainSettings):
         trainable = [p for n, p in draft.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
         for p in trainable:
             p.requires_grad_(True)
-        super().__init__(draft, trainable, train.tokens.shape[0])
-        self.draft, self.train = draft, train
-        self.alpha, self.n_random, self.bf16 = alpha, n_random, bf16
-        self.probe = heldout.every(4)
+        super().__init__(draft, trainable, train.tokens.shape[0], train, heldout, settings)
+        self.draft = draft
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        settings = self.settings
         head_w = self.draft.lm_head.weight.detach()
-        cand = candidates(self.train.top[batch], self.draft.config.vocab_size, self.n_random, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        cand = candidates(self.train.top[batch], self.draft.config.vocab_size, settings.n_random, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
             h = dense_hidden(self.draft, self.train.tokens[batch]).reshape(-1, head_w.shape[1])
             teacher_h = self.train.hidden[batch].reshape(-1, head_w.shape[1])
-            return distill_loss(h, teacher_h, head_w, cand, self.alpha)
+            return distill_loss(h, teacher_h, head_w, cand, settings.alpha)
 
     def agreement(self) -> float:
         return draft_agreement(self.draft, self.probe)[0]
 
 
 def train_draft(
-    target: LlamaForCausalLM,
-    train: TeacherData,
-    heldout: TeacherData,
-    *,
-    layers: list[int],
-    epochs: float,
-    batch: int = 4,
-    lr: float = 3e-4,
-    alpha: float = 1.0,
-    n_random: int = 1024,
-    seed: int = 0,
-    progress: bool = True,
-    max_seconds: float | None = None,
-    bf16: bool = False,
+    target: LlamaForCausalLM, train: TeacherData, heldout: TeacherData, settings: TrainSettings, *, layers: list[int]
 ) -> LlamaForCausalLM:
-    """Distills a few-layer copy of the target (shared embedding and head stay frozen). ``bf16``: the
-    forward under bfloat16 autocast (float32 weights and optimizer)."""
-    torch.manual_seed(seed)
-    draft = draft_from_target(target, layers)
-    student = DraftStudent(draft, train, heldout, alpha=alpha, n_random=n_random, bf16=bf16)
-    fit(student, epochs=epochs, batch=batch, lr=lr, seed=seed, progress=progress, max_seconds=max_seconds)
-    return draft
+    """Distills a few-layer copy of the target (shared embedding and head stay frozen)."""
+    return train_student(
+        lambda: DraftStudent(draft_from_target(target, layers), train, heldout, settings), settings
+    ).draft

@@ -21,7 +21,7 @@ from ..models.llama import LlamaForCausalLM
 from ..models.rope import apply_rotary
 from .agreement import follows_greedy
 from .data import TeacherData
-from .loop import Student, fit
+from .loop import Student, TrainSettings, train_student
 from .losses import candidates, distill_loss
 
 
@@ -116,7 +116,8 @@ def eagle_agreement(
 
 
 class EagleStudent(Student):
-    """An example is a whole training sequence; the module's every parameter is trained."""
+    """An example is a whole training sequence; the module's every parameter is trained. ``reg`` weighs the
+    feature regression against the distillation loss."""
 
     name, weight_decay, warmup, evals_per_epoch = "eagle", 0.01, 30, 1
 
@@ -126,32 +127,26 @@ class EagleStudent(Student):
         target: LlamaForCausalLM,
         train: TeacherData,
         heldout: TeacherData,
-        *,
-        depth: int,
-        alpha: float,
+        settings: TrainSettings,
         reg: float,
-        n_random: int,
-        bf16: bool,
     ):
-        super().__init__(module, list(module.parameters()), train.tokens.shape[0])
-        self.eagle, self.target, self.train, self.depth = module, target, train, depth
-        self.alpha, self.reg, self.n_random, self.bf16 = alpha, reg, n_random, bf16
-        self.probe = heldout.every(4)
+        super().__init__(module, list(module.parameters()), train.tokens.shape[0], train, heldout, settings)
+        self.eagle, self.target, self.depth, self.reg = module, target, module.config.depth, reg
         self.features = teacher_features(target, train.hidden).to(torch.bfloat16)
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        target, data = self.target, self.train
+        target, data, settings = self.target, self.train, self.settings
         head_w = target.lm_head.weight.detach()
-        cand = candidates(data.top[batch], target.config.vocab_size, self.n_random, gen)
+        cand = candidates(data.top[batch], target.config.vocab_size, settings.n_random, gen)
         ids, u = data.tokens[batch], self.features[batch].float()
         h = data.hidden[batch]
         loss = torch.zeros(())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
             outs = eagle_passes(self.eagle, target, ids, u, self.depth)
             for j, x in enumerate(outs, start=1):
                 xs = x[:, j:].reshape(-1, x.shape[-1])  # rows whose chain starts at n >= 0
                 pred = target.model.norm(xs)
-                kl = distill_loss(pred, h[:, j:].reshape(-1, h.shape[-1]), head_w, cand, self.alpha)
+                kl = distill_loss(pred, h[:, j:].reshape(-1, h.shape[-1]), head_w, cand, settings.alpha)
                 reg = F.smooth_l1_loss(unit_rms(xs).float(), u[:, j:].reshape(-1, u.shape[-1]))
                 loss = loss + 0.5 ** (j - 1) * (kl + self.reg * reg)
         return loss
@@ -164,36 +159,26 @@ def train_eagle(
     target: LlamaForCausalLM,
     train: TeacherData,
     heldout: TeacherData,
+    settings: TrainSettings,
     *,
     depth: int,
-    epochs: float,
     target_name: str,
     target_digest: str,
-    batch: int = 4,
-    lr: float = 1e-3,
-    alpha: float = 1.0,
     reg: float = 1.0,
-    n_random: int = 1024,
-    seed: int = 0,
-    progress: bool = True,
-    max_seconds: float | None = None,
-    bf16: bool = False,
     init: EagleModule | None = None,
 ) -> EagleModule:
     """Trains an EAGLE module with ``depth`` chained passes (module docstring). The draft layer starts from
     a copy of the target's last layer (its attention and MLP already read features of this kind).
     ``init``: continue training this module (its depth wins over the argument)."""
-    torch.manual_seed(seed)
-    if init is not None:
-        module = init.float().requires_grad_(True)
-        depth = module.config.depth
-    else:
-        module = EagleModule(EagleConfig.for_target(target.config, depth, target_name, target_digest))
-        last = target.model.layers[-1].state_dict()
-        module.layer.load_state_dict({k: v.detach().float().clone() for k, v in last.items()})
-        module.float()
-    student = EagleStudent(
-        module, target, train, heldout, depth=depth, alpha=alpha, reg=reg, n_random=n_random, bf16=bf16
-    )
-    fit(student, epochs=epochs, batch=batch, lr=lr, seed=seed, progress=progress, max_seconds=max_seconds)
-    return module
+
+    def make() -> EagleStudent:
+        if init is not None:
+            module = init.float().requires_grad_(True)
+        else:
+            module = EagleModule(EagleConfig.for_target(target.config, depth, target_name, target_digest))
+            last = target.model.layers[-1].state_dict()
+            module.layer.load_state_dict({k: v.detach().float().clone() for k, v in last.items()})
+            module.float()
+        return EagleStudent(module, target, train, heldout, settings, reg)
+
+    return train_student(make, settings).eagle

@@ -1,9 +1,11 @@
 """The one training loop of every drafter kind: shuffled batches, AdamW with warm-up and cosine decay, gradient
 clipping, an optional time limit, and a progress bar with the held-out agreement of the first draft.
 
-What differs between kinds (what is trained, the loss of a batch, how agreement is measured, a few
-hyper-parameters) is a :class:`Student`; ``train_mtp`` (:mod:`.mtp`) and ``train_draft`` (:mod:`.draft`)
-build one and hand it to :func:`fit`.
+What every kind shares is set up here once: its :class:`TrainSettings` (epochs, batch, rate, seed, the
+distillation loss's parameters, precision, time limit) and :func:`train_student`, which seeds torch, builds the
+student and fits it. What differs between kinds (what is trained, the loss of a batch, how agreement is
+measured, a few hyper-parameters) is a :class:`Student`; ``train_mtp`` (:mod:`.mtp`), ``train_eagle``
+(:mod:`.eagle`) and ``train_draft`` (:mod:`.draft`) each build one.
 """
 
 from __future__ import annotations
@@ -11,22 +13,55 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from .data import TeacherData
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One training run's settings, the same for every kind. ``alpha`` and ``n_random``: the distillation
+    loss's (:mod:`.losses`); ``bf16``: the forward under bfloat16 autocast (float32 weights and optimizer);
+    ``max_seconds``: stop training then (the schedule still ends at a low rate)."""
+
+    epochs: float
+    batch: int
+    lr: float
+    seed: int = 0
+    alpha: float = 1.0
+    n_random: int = 1024
+    bf16: bool = False
+    progress: bool = True
+    max_seconds: float | None = None
+
 
 class Student(ABC):
     """One kind of drafter as the loop sees it. ``examples``: training examples per epoch (the loop
-    draws batches of their indices); ``params``: the trained parameters, all of ``module``'s or some."""
+    draws batches of their indices); ``params``: the trained parameters, all of ``module``'s or some;
+    ``probe``: the held-out sequences the progress bar's agreement is measured on (every fourth)."""
 
     name: str  # the progress bar's label
     weight_decay: float
     warmup: int  # steps of linear warm-up
     evals_per_epoch: int  # held-out agreement checks per epoch (progress bar only)
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], examples: int):
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        examples: int,
+        train: TeacherData,
+        heldout: TeacherData,
+        settings: TrainSettings,
+    ):
         self.module, self.params, self.examples = module, params, examples
+        self.train, self.settings = train, settings
+        self.probe = heldout.every(4)
 
     @abstractmethod
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -57,20 +92,24 @@ def _schedule(
         g["lr"] = lr * max(scale, 0.05)
 
 
-def fit(
-    student: Student,
-    *,
-    epochs: float,
-    batch: int,
-    lr: float,
-    seed: int,
-    progress: bool = True,
-    max_seconds: float | None = None,
-) -> None:
-    """Trains ``student`` for ``epochs`` passes over its examples (or until ``max_seconds``), then leaves
-    its module in eval mode without gradients."""
+AnyStudent = TypeVar("AnyStudent", bound=Student)
+
+
+def train_student(make: Callable[[], AnyStudent], settings: TrainSettings) -> AnyStudent:
+    """Seeds torch (a new module's random initialisation), builds the student with ``make`` and fits it."""
+    torch.manual_seed(settings.seed)
+    student = make()
+    fit(student, settings)
+    return student
+
+
+def fit(student: Student, settings: TrainSettings) -> None:
+    """Trains ``student`` for ``settings.epochs`` passes over its examples (or until ``settings.max_seconds``),
+    then leaves its module in eval mode without gradients."""
     from tqdm import tqdm
 
+    epochs, batch, lr, seed = settings.epochs, settings.batch, settings.lr, settings.seed
+    progress, max_seconds = settings.progress, settings.max_seconds
     n = student.examples
     if n < batch:
         raise ValueError(f"{n} training examples do not fill one batch of {batch}: more data or a smaller batch")

@@ -9,7 +9,7 @@ from ..models.families import CausalLM, final_norm, norm_eps
 from ..models.mtp import MTPConfig, MTPHead, MTPModule
 from .agreement import mtp_agreement
 from .data import TeacherData
-from .loop import Student, fit
+from .loop import Student, TrainSettings, train_student
 from .losses import candidates, distill_loss
 
 
@@ -20,41 +20,30 @@ class MTPStudent(Student):
 
     name, weight_decay, warmup, evals_per_epoch = "mtp", 0.01, 50, 4
 
-    def __init__(
-        self,
-        module: MTPModule,
-        target: CausalLM,
-        train: TeacherData,
-        heldout: TeacherData,
-        *,
-        depth: int,
-        alpha: float,
-        n_random: int,
-        bf16: bool,
-    ):
+    def __init__(self, module: MTPModule, target: CausalLM, train: TeacherData, heldout: TeacherData, settings):
+        depth = module.config.depth
         s, t = train.tokens.shape
         n = t - depth  # start positions with targets up to t+depth
         self.rows = torch.arange(s).repeat_interleave(n), torch.arange(n).repeat(s)
-        super().__init__(module, list(module.parameters()), len(self.rows[0]))
-        self.target, self.train, self.depth = target, train, depth
-        self.alpha, self.n_random, self.bf16 = alpha, n_random, bf16
+        super().__init__(module, list(module.parameters()), len(self.rows[0]), train, heldout, settings)
+        self.target, self.depth = target, depth
         self.head = MTPHead(module, target)
-        self.probe = heldout.every(4)
         self.weights = [0.5**j for j in range(depth)]
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        data, target = self.train, self.target
+        data, target, settings = self.train, self.target, self.settings
         head_w, norm, embed = target.lm_head.weight.detach(), final_norm(target), target.embed
         si, ti = self.rows[0][batch], self.rows[1][batch]
         h = data.hidden[si, ti].float()
         loss = torch.zeros(())
         top = torch.stack([data.top[si, ti + j] for j in range(1, self.depth + 1)])
-        cand = candidates(top, target.config.vocab_size, self.n_random, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        cand = candidates(top, target.config.vocab_size, settings.n_random, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
             for j in range(1, self.depth + 1):
                 e = embed(data.tokens[si, ti + j]).detach()
                 h = norm(self.module(h, e))
-                loss = loss + self.weights[j - 1] * distill_loss(h, data.hidden[si, ti + j], head_w, cand, self.alpha)
+                teacher = data.hidden[si, ti + j]
+                loss = loss + self.weights[j - 1] * distill_loss(h, teacher, head_w, cand, settings.alpha)
         return loss
 
     def agreement(self) -> float:
@@ -65,48 +54,37 @@ def train_mtp(
     target: CausalLM,
     train: TeacherData,
     heldout: TeacherData,
+    settings: TrainSettings,
     *,
     depth: int,
-    epochs: float,
     target_name: str,
     target_digest: str,
     intermediate: int | None = None,
     blocks: int = 2,
-    batch: int = 256,
-    lr: float = 1e-3,
-    alpha: float = 1.0,
-    n_random: int = 1024,
-    seed: int = 0,
-    progress: bool = True,
-    max_seconds: float | None = None,
-    bf16: bool = False,
     init: MTPModule | None = None,
 ) -> MTPModule:
     """Trains one MTP module reused ``depth`` times (step j: the previous step's output hidden and the
-    data's token, teacher-forced; each step's loss against the target at that position). ``bf16``: the
-    forward under bfloat16 autocast (float32 weights and optimizer; about 3x the steps a CPU minute).
-    ``init``: continue training this module (its blocks, width and depth win over the arguments)."""
-    torch.manual_seed(seed)
+    data's token, teacher-forced; each step's loss against the target at that position); under
+    ``settings.bf16`` about 3x the steps a CPU minute. ``init``: continue training this module (its blocks,
+    width and depth win over the arguments)."""
     cfg = target.config
-    module = (
-        init
-        if init is not None
-        else MTPModule(
-            MTPConfig(
-                hidden_size=cfg.hidden_size,
-                intermediate_size=intermediate or cfg.intermediate_size,
-                num_blocks=blocks,
-                depth=depth,
-                vocab_size=cfg.vocab_size,
-                rms_norm_eps=norm_eps(cfg),
-                target=target_name,
-                target_digest=target_digest,
+
+    def make() -> MTPStudent:
+        if init is not None:
+            module = init.float().requires_grad_(True)
+        else:
+            module = MTPModule(
+                MTPConfig(
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=intermediate or cfg.intermediate_size,
+                    num_blocks=blocks,
+                    depth=depth,
+                    vocab_size=cfg.vocab_size,
+                    rms_norm_eps=norm_eps(cfg),
+                    target=target_name,
+                    target_digest=target_digest,
+                )
             )
-        )
-    )
-    if init is not None:
-        module = module.float().requires_grad_(True)
-        depth = module.config.depth
-    student = MTPStudent(module, target, train, heldout, depth=depth, alpha=alpha, n_random=n_random, bf16=bf16)
-    fit(student, epochs=epochs, batch=batch, lr=lr, seed=seed, progress=progress, max_seconds=max_seconds)
-    return module
+        return MTPStudent(module, target, train, heldout, settings)
+
+    return train_student(make, settings).head.module
