@@ -58,11 +58,11 @@ class EngineCore:
             "spec_report": self._spec_report,
         }
         self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(), **self.programs.ops()}
-        for sm in self.models:
-            if prefix_cache and not sm.info.recurrent:  # a recurrent state is not addressable by page
-                sm.pages.enable_prefix_cache(sm.name)
-            if not sm.info.hidden_size:
-                sm.info.hidden_size = sm.runner.model.config.hidden_size
+        for served in self.models:
+            if prefix_cache and not served.info.recurrent:  # a recurrent state is not addressable by page
+                served.pages.enable_prefix_cache(served.name)
+            if not served.info.hidden_size:
+                served.info.hidden_size = served.runner.model.config.hidden_size
 
     def handle(self, client: bytes, req: Any) -> dict | None:
         """Applies one request. Returns the reply, or None when the reply comes after a step (fires)."""
@@ -101,15 +101,15 @@ class EngineCore:
         return {
             "version": m.PROTOCOL_VERSION,
             "default_model": self.models.default,
-            "models": [sm.info.model_dump() for sm in self.models],
+            "models": [served.info.model_dump() for served in self.models],
         }
 
     def _tokenizer(self, client: bytes, req: m.GetTokenizer) -> dict:
         return {"tokenizer_json": self.models.get(req.model).tokenizer_json}
 
     def _spec_report(self, client: bytes, req: m.SpecReport) -> dict:
-        sm = self.models.get(req.model)
-        totals_for(self.spec_totals.setdefault(sm.name, {}), req.inferlet).add(req)
+        served = self.models.get(req.model)
+        totals_for(self.spec_totals.setdefault(served.name, {}), req.inferlet).add(req)
         return {}
 
     def _stats(self, client: bytes, req: m.Stats) -> dict:
@@ -124,25 +124,25 @@ class EngineCore:
             "working_sets": len(self.sets),
             "channels": len(self.channels.channels),
             "programs": self.programs.count(),
-            "run_ahead": sum(j.run is not None for j in self.models.jobs()),
+            "run_ahead": sum(fire.run is not None for fire in self.models.jobs()),
             "models": {
-                sm.name: {
-                    "pages_total": sm.pages.total,
-                    "pages_free": sm.pages.free,
-                    "queued": len(sm.queue),
-                    "prefix_cache": self._prefix_stats(sm).model_dump(),
-                    "kv": m.KVStats(pages_used=sm.pages.used, pages_total=sm.pages.total).model_dump(),
+                served.name: {
+                    "pages_total": served.pages.total,
+                    "pages_free": served.pages.free,
+                    "queued": len(served.queue),
+                    "prefix_cache": self._prefix_stats(served).model_dump(),
+                    "kv": m.KVStats(pages_used=served.pages.used, pages_total=served.pages.total).model_dump(),
                     "state_slots": {
-                        "used": sm.states.used if sm.states is not None else 0,
-                        "total": sm.states.total if sm.states is not None else 0,
+                        "used": served.states.used if served.states is not None else 0,
+                        "total": served.states.total if served.states is not None else 0,
                     },
                 }
-                for sm in self.models
+                for served in self.models
             },
             "prefix_cache": self._prefix_totals().model_dump(),
             "kv": m.KVStats(
-                pages_used=sum(sm.pages.used for sm in self.models),
-                pages_total=sum(sm.pages.total for sm in self.models),
+                pages_used=sum(served.pages.used for served in self.models),
+                pages_total=sum(served.pages.total for served in self.models),
             ).model_dump(),
             "speculation": {
                 name: {inferlet: t.as_dict() for inferlet, t in by_inferlet.items()}
@@ -151,8 +151,8 @@ class EngineCore:
         }
 
     @staticmethod
-    def _prefix_stats(sm: ServedModel) -> m.PrefixCacheStats:
-        cache = sm.pages.cache
+    def _prefix_stats(served: ServedModel) -> m.PrefixCacheStats:
+        cache = served.pages.cache
         if cache is None:
             return m.PrefixCacheStats(enabled=False)
         s = cache.stats
@@ -163,12 +163,12 @@ class EngineCore:
             query_tokens=s.query_tokens,
             hit_tokens=s.hit_tokens,
             cached_pages=cache.cached_pages,
-            evictions=sm.pages.pool.evictions,
+            evictions=served.pages.pool.evictions,
         )
 
     def _prefix_totals(self) -> m.PrefixCacheStats:
         """The prefix caches of every served model, summed."""
-        per_model = [self._prefix_stats(sm) for sm in self.models]
+        per_model = [self._prefix_stats(served) for served in self.models]
         fields = [f for f in m.PrefixCacheStats.model_fields if f != "enabled"]
         sums = {f: sum(getattr(s, f) for s in per_model) for f in fields}
         return m.PrefixCacheStats(enabled=any(s.enabled for s in per_model), **sums)

@@ -46,31 +46,31 @@ class FireRequests:
         settle = ws.check_settle(req.settle) if req.settle is not None else None
         if settle is None and ws.pending_fold is not None:
             raise PieError(ErrorCode.FOLD_PENDING, f"working set {ws.id} has a deferred fold to settle first")
-        sm = self.models[ws.model]
+        served = self.models[ws.model]
         source = self.programs.source(client, req, ws)
         w = source.shape[0] if source is not None else len(req.tokens or [])
-        start = ws.committed + len(settle) if settle is not None else sm.queue.planned_length(ws)
-        depths = self._check_tree(sm, req, source, w)
-        positions = self._check_window(sm, req, start, w, depths)
+        start = ws.committed + len(settle) if settle is not None else served.queue.planned_length(ws)
+        depths = self._check_tree(served, req, source, w)
+        positions = self._check_window(served, req, start, w, depths)
         self._check_readout_rows(req, w)
-        masks = [self._check_readout(r, w, sm, req.parents) for r in req.readouts]
+        masks = [self._check_readout(r, w, served, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
-        self._check_granule(sm, fold, w)
+        self._check_granule(served, fold, w)
         run = self.programs.check_run_ahead(client, req, program, bindings, source)
         cached = 0
         try:
             if self._may_reuse(ws, req, start):
                 assert req.tokens is not None  # _may_reuse asks for token ids
-                cached = sm.pages.map_prefix(ws, req.tokens, self._reusable_rows(req, program, w))
-            sm.pages.reserve(ws, start + cached, w - cached)
+                cached = served.pages.map_prefix(ws, req.tokens, self._reusable_rows(req, program, w))
+            served.pages.reserve(ws, start + cached, w - cached)
         except PieError:
             if cached:  # the mapped prefix goes back to the cache
-                sm.pages.release(ws)
+                served.pages.release(ws)
             raise  # a refused fire leaves no trace, its settle included: that is applied only below
         if settle is not None:  # reserve copies page contents only, so the settled path's rows are intact
-            settle_fold(sm, ws, settle)  # with recurrent state, restores and replays here (engine/fold.py)
-        sm.queue.push(
+            settle_fold(served, ws, settle)  # with recurrent state, restores and replays here (engine/fold.py)
+        served.queue.push(
             FireJob(
                 client=client,
                 req_id=req.id,
@@ -113,7 +113,7 @@ class FireRequests:
         return min([w - 1, *needed])
 
     @staticmethod
-    def _check_tree(sm: ServedModel, req: m.Fire, source: object, w: int) -> list[int] | None:
+    def _check_tree(served: ServedModel, req: m.Fire, source: object, w: int) -> list[int] | None:
         """A tree window's row depths (protocol.tree), None for a chain: INVALID_TREE for parents that form no
         tree of the window, LIMIT_EXCEEDED past MAX_TREE_ROWS, UNSUPPORTED for a channel-fed window or a model
         with recurrent state (its state runs through rows in order, not along branches: engine/fold.py)."""
@@ -121,19 +121,19 @@ class FireRequests:
             return None
         if source is not None:
             raise PieError(ErrorCode.UNSUPPORTED, "a tree window embeds token ids, not a channel's cell")
-        if sm.states is not None:
+        if served.states is not None:
             raise PieError(
                 ErrorCode.UNSUPPORTED,
-                f"model {sm.name} carries recurrent state, which advances through a window's rows in order: "
+                f"model {served.name} carries recurrent state, which advances through a window's rows in order: "
                 "a tree fire needs a model with attention only (fire a chain instead)",
             )
         return tree_depths(req.parents, w)
 
     @staticmethod
-    def _check_window(sm: ServedModel, req: m.Fire, start: int, w: int, depths: list[int] | None) -> list[int]:
+    def _check_window(served: ServedModel, req: m.Fire, start: int, w: int, depths: list[int] | None) -> list[int]:
         """The window's positions (a tree row's: ``start`` plus its depth), once its tokens and rows are known to
         fit the model."""
-        info = sm.info
+        info = served.info
         bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise PieError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {bad} outside vocab [0, {info.vocab_size})")
@@ -163,14 +163,14 @@ class FireRequests:
         return req.fold
 
     @staticmethod
-    def _check_granule(sm: ServedModel, fold: Fold | None, w: int) -> None:
+    def _check_granule(served: ServedModel, fold: Fold | None, w: int) -> None:
         """A model whose state advances in granules of more than one row cannot leave rows of a fire out: its
         state cannot be replayed to a row inside a granule. Only whole fires fold there (no deferred fold)."""
-        g = sm.info.state_granule
+        g = served.info.state_granule
         if g > 1 and (fold is None or (fold if isinstance(fold, int) else len(fold)) < w):
             raise PieError(
                 ErrorCode.GRANULE,
-                f"model {sm.name}'s state advances in granules of {g} rows: a fire folds all its rows "
+                f"model {served.name}'s state advances in granules of {g} rows: a fire folds all its rows "
                 f"(asked {'deferred' if fold is None else fold} of {w})",
             )
 
@@ -194,20 +194,22 @@ class FireRequests:
             )
 
     @staticmethod
-    def _check_readout(r: m.Readout, w: int, sm: ServedModel, parents: list[int] | None) -> np.ndarray | None:
+    def _check_readout(r: m.Readout, w: int, served: ServedModel, parents: list[int] | None) -> np.ndarray | None:
         """Checks one readout against the window and the model; returns its mask, if it has one."""
         if any(not 0 <= row < w for row in r.rows):
             raise PieError(ErrorCode.ROW_OUT_OF_RANGE, f"readout rows must lie in the fire's window [0, {w})")
         if r.at_accepted and parents is not None:
             raise PieError(ErrorCode.INVALID_ARGUMENT, "at_accepted reads a chain window, not a tree")
-        if r.kind == "mtp" and sm.runner.mtp is None:
-            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no MTP drafter")
-        if r.kind == "mtp" and r.k > sm.info.mtp_depth:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {sm.info.mtp_depth}")
-        if r.kind == "eagle" and sm.runner.eagle is None:
-            raise PieError(ErrorCode.UNSUPPORTED, f"model {sm.name} has no EAGLE drafter")
-        if r.kind == "eagle" and r.k > sm.info.eagle_depth:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"Eagle({r.k}) past the drafter's depth {sm.info.eagle_depth}")
+        if r.kind == "mtp" and served.runner.mtp is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {served.name} has no MTP drafter")
+        if r.kind == "mtp" and r.k > served.info.mtp_depth:
+            raise PieError(ErrorCode.INVALID_ARGUMENT, f"MTP({r.k}) past the drafter's depth {served.info.mtp_depth}")
+        if r.kind == "eagle" and served.runner.eagle is None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {served.name} has no EAGLE drafter")
+        if r.kind == "eagle" and r.k > served.info.eagle_depth:
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT, f"Eagle({r.k}) past the drafter's depth {served.info.eagle_depth}"
+            )
         if r.at_accepted and (r.kind not in ("mtp", "eagle") or r.with_probs):
             raise PieError(
                 ErrorCode.INVALID_ARGUMENT, "at_accepted is for greedy MTP and Eagle readouts (no with_probs)"
@@ -216,11 +218,11 @@ class FireRequests:
             raise PieError(ErrorCode.INVALID_ARGUMENT, "an at_accepted MTP or Eagle readout reads consecutive rows")
         if r.mask is None:
             return None
-        words = (sm.info.vocab_size + 31) // 32
+        words = (served.info.vocab_size + 31) // 32
         mask = r.mask.to_numpy()
         if mask.dtype not in (np.int32, np.uint32) or mask.shape != (len(r.rows), words):
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"mask must be int32 of shape ({len(r.rows)}, {words})")
-        vocab = sm.info.vocab_size
+        vocab = served.info.vocab_size
         allowed = mask.view(np.uint32)
         if vocab % 32:  # bits past the vocabulary allow nothing
             allowed = allowed.copy()

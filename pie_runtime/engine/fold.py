@@ -59,7 +59,7 @@ from .served import ServedModel
 from .working_set import TreeWindow, WorkingSet
 
 
-def apply_fold(sm: ServedModel, ws: WorkingSet, start: int, path: list[int], tree: TreeWindow | None = None) -> int:
+def apply_fold(served: ServedModel, ws: WorkingSet, start: int, path: list[int], tree: TreeWindow | None = None) -> int:
     """Commits window rows ``path`` (checked by ``protocol.tree.fold_path``) of the fire whose window starts at
     sequence index ``start``: they become rows ``start .. start+len(path)-1``, ``ws.committed`` ends there and
     the pages it filled are named for the prefix cache. With recurrent state (chain paths only), the state is
@@ -68,31 +68,31 @@ def apply_fold(sm: ServedModel, ws: WorkingSet, start: int, path: list[int], tre
     n = len(path)
     moves = [(start + row, start + i) for i, row in enumerate(path) if row != i]
     if moves:
-        sm.pages.move_rows(ws, [src for src, _ in moves], [dst for _, dst in moves])
+        served.pages.move_rows(ws, [src for src, _ in moves], [dst for _, dst in moves])
     if tree is not None and path:  # the folded rows now hold the path's tokens at their default positions
-        sm.pages.wrote(ws, start, [tree.tokens[row] for row in path])
+        served.pages.wrote(ws, start, [tree.tokens[row] for row in path])
     ws.committed = start + n
     replayed = 0
-    hold, states = ws.state, sm.states
+    hold, states = ws.state, served.states
     if hold is not None and states is not None and hold.fire is not None:
         assert not moves, "tree fires are refused on models with recurrent state"
         if n != hold.ran and 0 < n <= min(hold.keep, hold.ran):  # the state after row n-1, kept by the fire
-            sm.runner.take_row_state(hold.slot, n - 1)
+            served.runner.take_row_state(hold.slot, n - 1)
         elif n != hold.ran:
-            sm.runner.restore_state(hold.slot)
+            served.runner.restore_state(hold.slot)
             if n:
                 segment = Segment(ws.pages, hold.start, n, state=hold.slot)
-                sm.runner.forward([segment], hold.tokens[:n], hold.positions[:n])
+                served.runner.forward([segment], hold.tokens[:n], hold.positions[:n])
                 replayed = n
         states.end(hold)
         ws.replayed_rows += replayed
-    sm.pages.commit(ws)
+    served.pages.commit(ws)
     return replayed
 
 
-def settle_fold(sm: ServedModel, ws: WorkingSet, path: list[int]) -> int:
+def settle_fold(served: ServedModel, ws: WorkingSet, path: list[int]) -> int:
     """Settles ``ws``'s deferred fold with ``path`` (from ``WorkingSet.check_settle``); returns the rows
     replayed."""
     tree = ws.pending_tree
     ws.pending_fold, ws.pending_tree = None, None
-    return apply_fold(sm, ws, ws.committed, path, tree)
+    return apply_fold(served, ws, ws.committed, path, tree)

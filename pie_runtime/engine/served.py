@@ -47,8 +47,8 @@ class FireQueue:
 
     def drop(self, ws: WorkingSet) -> list[FireJob]:
         """Takes every fire of ``ws`` out of the queue unanswered; returns them."""
-        dropped = [j for j in self._jobs if j.ws is ws]
-        self._jobs = deque(j for j in self._jobs if j.ws is not ws)
+        dropped = [fire for fire in self._jobs if fire.ws is ws]
+        self._jobs = deque(fire for fire in self._jobs if fire.ws is not ws)
         ws.in_flight = 0
         return dropped
 
@@ -57,7 +57,9 @@ class FireQueue:
 
     def planned_length(self, ws: WorkingSet) -> int:
         """Committed length of ``ws`` once every queued fire of it has folded (queued fires never defer)."""
-        return ws.committed + sum(fold_count(j.fold) for j in self._jobs if j.ws is ws and j.fold is not None)
+        return ws.committed + sum(
+            fold_count(fire.fold) for fire in self._jobs if fire.ws is ws and fire.fold is not None
+        )
 
 
 @dataclass
@@ -78,7 +80,7 @@ class ServedModels:
     def __init__(self, models: list[ServedModel]):
         if not models:
             raise ValueError("an engine serves at least one model")
-        self._by_name = {sm.name: sm for sm in models}
+        self._by_name = {served.name: served for served in models}
         self.default = models[0].name
 
     def __iter__(self) -> Iterator[ServedModel]:
@@ -88,18 +90,18 @@ class ServedModels:
         return self._by_name[name]
 
     def get(self, name: str | None) -> ServedModel:
-        sm = self._by_name.get(name or self.default)
-        if sm is None:
+        served = self._by_name.get(name or self.default)
+        if served is None:
             raise PieError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; serving {', '.join(self._by_name)}")
-        return sm
+        return served
 
     def jobs(self) -> Iterator[FireJob]:
-        return (j for sm in self for j in sm.queue)
+        return (fire for served in self for fire in served.queue)
 
     def writes(self, ch: Channel) -> bool:
         """Whether a queued fire's epilogue writes ``ch``."""
-        return any(c is ch for j in self.jobs() for c in j.writes)
+        return any(c is ch for fire in self.jobs() for c in fire.writes)
 
     def uses(self, ch: Channel) -> bool:
         """Whether a queued fire reads or writes ``ch``."""
-        return any(ch is j.source or any(c is ch for c in j.bindings) for j in self.jobs())
+        return any(ch is fire.source or any(c is ch for c in fire.bindings) for fire in self.jobs())

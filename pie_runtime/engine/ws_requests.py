@@ -40,20 +40,20 @@ class WorkingSetRequests:
         }
 
     def open(self, client: bytes, req: m.WsOpen) -> dict:
-        sm = self.models.get(req.model)
+        served = self.models.get(req.model)
         self._check_room(client)
-        hold = sm.states.open() if sm.states is not None else None  # out_of_state_slots before any change
-        ws = self.sets.open(client, sm.name)
+        hold = served.states.open() if served.states is not None else None  # out_of_state_slots before any change
+        ws = self.sets.open(client, served.name)
         ws.state = hold
         self._held[client] = self._held.get(client, 0) + 1
-        return {"ws": ws.id, "model": sm.name, "committed": 0}
+        return {"ws": ws.id, "model": served.name, "committed": 0}
 
     def fork(self, client: bytes, req: m.WsFork) -> dict:
         parent = self.sets.idle(client, req.ws)
         self._check_room(client)
-        sm = self.models[parent.model]
-        kv = sm.pages
-        hold = sm.states.fork(parent.state) if sm.states is not None and parent.state is not None else None
+        served = self.models[parent.model]
+        kv = served.pages
+        hold = served.states.fork(parent.state) if served.states is not None and parent.state is not None else None
         pages = kv.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
         child.state = hold
@@ -76,9 +76,9 @@ class WorkingSetRequests:
     def fold(self, client: bytes, req: m.WsFold) -> dict:
         ws = self.sets.get(client, req.ws)
         path = ws.check_settle(req.n)
-        sm = self.models[ws.model]
-        settle_fold(sm, ws, path)
-        sm.pages.trim(ws)
+        served = self.models[ws.model]
+        settle_fold(served, ws, path)
+        served.pages.trim(ws)
         reply = {"committed": ws.committed}
         if ws.state is not None:  # rows this working set's folds replayed so far (engine/fold.py)
             reply["replayed_rows"] = ws.replayed_rows
@@ -101,20 +101,22 @@ class WorkingSetRequests:
         """Returns ``ws``'s pages; its queued fires are dropped (a run-ahead stops) and, with ``notify``,
         answered with an error. Host takes that waited on a dropped fire's channel writes are answered at
         once (with what the channel holds, or ``channel_empty``): no fire will write for them any more."""
-        sm = self.models[ws.model]
+        served = self.models[ws.model]
         self.sets.remove(ws)
         held = self._held.get(ws.owner, 0) - 1
         if held > 0:
             self._held[ws.owner] = held
         else:
             self._held.pop(ws.owner, None)
-        dropped = sm.queue.drop(ws)
+        dropped = served.queue.drop(ws)
         if notify and dropped:
             err = PieError(ErrorCode.UNKNOWN_WORKING_SET, f"working set {ws.id} was released in flight")
-            self.outbox.extend((j.client, {"id": j.req_id, "ok": False, "error": err.to_wire()}) for j in dropped)
-        sm.pages.release(ws)
-        if sm.states is not None and ws.state is not None:
-            sm.states.release(ws.state)
+            self.outbox.extend(
+                (fire.client, {"id": fire.req_id, "ok": False, "error": err.to_wire()}) for fire in dropped
+            )
+        served.pages.release(ws)
+        if served.states is not None and ws.state is not None:
+            served.states.release(ws.state)
         if dropped and self.channels is not None:
             self.outbox.extend(self.channels.serve(self.models.writes))
 

@@ -100,9 +100,9 @@ class ProgramRequests:
     # ---- requests -------------------------------------------------------------------------------
 
     def register(self, client: bytes, req: m.ProgramRegister) -> dict:
-        sm = self.models.get(req.model)
-        dims = ModelDims(sm.info.vocab_size, sm.info.hidden_size, sm.info.mtp_depth)
-        program = validate(sm.name, [n.model_dump() for n in req.nodes], dims, self.program_memory)
+        served = self.models.get(req.model)
+        dims = ModelDims(served.info.vocab_size, served.info.hidden_size, served.info.mtp_depth)
+        program = validate(served.name, [n.model_dump() for n in req.nodes], dims, self.program_memory)
         mine = self.programs.setdefault(client, {})
         if program.hash not in mine and len(mine) >= MAX_PROGRAMS:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_PROGRAMS} programs")
@@ -110,10 +110,10 @@ class ProgramRequests:
         return {"program": program.hash, "slots": len(program.slots)}
 
     def open(self, client: bytes, req: m.ChannelOpen) -> dict:
-        sm = self.models.get(req.model)
+        served = self.models.get(req.model)
         if sum(c.owner == client for c in self.channels.channels.values()) >= MAX_CHANNELS:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_CHANNELS} channels")
-        ch = self.channels.open(client, sm.name, req.shape, req.dtype, req.capacity, sm.runner.device)
+        ch = self.channels.open(client, served.name, req.shape, req.dtype, req.capacity, served.runner.device)
         return {"channel": ch.id}
 
     def put(self, client: bytes, req: m.ChannelPut) -> dict:
