@@ -1,5 +1,5 @@
 """Inferlet hosts on their engine's node: ``HostActor`` is a Ray actor pinned (``NodeAffinitySchedulingStrategy``,
-not soft) to the node of one engine actor, which starts that engine's host processes there (``serve/host.py``),
+not soft) to the node of one engine actor, which starts that engine's host processes there (``serve/inferlet_host.py``),
 on the engine's ``ipc://`` address. ``RayLauncher`` is the server's side: a ``HostLauncher``
 (``serve/host_process.py``) whose processes are the actor's, so the server's ``HostPool`` supervises, restarts
 and kills remote hosts as it does its own children.
@@ -27,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..serve.host_process import host_command
+from ..serve.host_launcher import host_command
 from ..serve.limits import HostLimits, host_env
 
 _TAIL = 40  # stderr lines kept per host, for the reason it died

@@ -37,7 +37,7 @@ from typing import Any
 
 import ray
 
-from ..serve.hosts import HostPool, RunEvent, RunFailed
+from ..serve.host_pool import HostPool, RunEvent, RunFailed
 from ..serve.limits import HostLimits
 from ..serve.metrics import ClusterCounts
 from .host_actor import RayLauncher, host_actor

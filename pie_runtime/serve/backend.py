@@ -21,7 +21,7 @@ from inferlet.tokenizer import Tokenizer
 
 from ..launcher import EmbeddedEngine
 from ..protocol.messages import PROTOCOL_VERSION, ModelInfo
-from .hosts import HostPool
+from .host_pool import HostPool
 from .limits import HostLimits
 from .metrics import ClusterCounts
 

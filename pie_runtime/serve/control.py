@@ -1,4 +1,5 @@
-"""The control channel between the server (``hosts.HostPool``) and its inferlet host processes (``host.py``).
+"""The control channel between the server (``host_pool.HostPool``) and its inferlet host processes
+(``inferlet_host.py``).
 
 One ZeroMQ ROUTER socket in the server on an ``ipc://`` address (``tcp://`` when the hosts run on other nodes,
 under ``pie serve --engines N --ray-address ...``), one DEALER per host whose identity is the host's spawn id;

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# RunFailed.code (serve/hosts.py) → HTTP status and OpenAI error type
+# RunFailed.code (serve/host_pool.py) → HTTP status and OpenAI error type
 RUN_FAILURES: dict[str, tuple[int, str]] = {
     "bad_arguments": (400, "invalid_request_error"),
     "inferlet_error": (500, "server_error"),

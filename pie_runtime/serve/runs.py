@@ -16,7 +16,7 @@ from typing import Any
 
 from .auth import Lease
 from .errors import run_failed, unavailable
-from .hosts import HostPool, RunEvent, RunFailed
+from .host_pool import HostPool, RunEvent, RunFailed
 from .metrics import Metrics
 
 

@@ -8,8 +8,8 @@ Outside any run (``pie run``'s child, scripts and tests that call ``inferlet.con
 session from ``connect()`` is used and ``emit()`` writes to stdout.
 
 ``run_file`` is ``pie run``'s child: one inferlet file in its own process, the result written as JSON where the
-launcher asked. An inferlet host (``pie_runtime/serve/host.py``) loads each file once (``load_module``) and runs
-many runs of it through ``run_in_context``.
+launcher asked. An inferlet host (``pie_runtime/serve/inferlet_host.py``) loads each file once (``load_module``)
+and runs many runs of it through ``run_in_context``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from pie_runtime.serve.backend import EngineSpec
-from pie_runtime.serve.hosts import RunEvent, RunFailed
+from pie_runtime.serve.host_pool import RunEvent, RunFailed
 from tests.conftest import TINY
 
 ray = pytest.importorskip("ray")

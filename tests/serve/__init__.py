@@ -1,1 +1,1 @@
-"""Tests of `pie serve`: the host pool (test_hosts.py) and the HTTP API."""
+"""Tests of `pie serve`: the host pool (test_host_pool.py) and the HTTP API."""

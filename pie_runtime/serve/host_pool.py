@@ -10,12 +10,12 @@ Changes to the interface agreed with the APP helper (all additive):
   server's environment (the mode for uploaded code).
 - ``inferlets()`` reads the folders on each call, so a file added to an inferlet dir is served at once.
 - Also: ``host_pid(run_id)``, ``pids()``, ``restarts`` (for operators and tests).
-- ``launcher`` (``host_process.py``) starts the hosts: as the server's children by default, or on another
+- ``launcher`` (``host_launcher.py``) starts the hosts: as the server's children by default, or on another
   machine (``cluster/host_actor.py``); ``control_ip`` then binds the control socket on ``tcp://IP:PORT``
   instead of ``ipc://``, and each host's spawn id carries 128 random bits (the only identities it answers).
 
 ``HostPool`` binds a ROUTER control socket on a fresh ``ipc://`` address (``control.py``) and keeps ``workers``
-hosts (``host.py``) alive: one supervisor task a slot spawns its host, waits for it to exit, fails the runs it
+hosts (``inferlet_host.py``) alive: one supervisor task a slot spawns its host, waits for it to exit, fails the runs it
 held with ``host_crashed`` and spawns the next (with a growing pause when hosts die at start). A watchdog kills
 a host whose heartbeats stopped (its event loop is blocked); the kernel kills every host when the server dies
 (``PR_SET_PDEATHSIG``). The engine releases a dead host's working sets when its connection drops.
@@ -45,7 +45,7 @@ import zmq.asyncio
 
 from ..launcher import SHIPPED
 from . import control as c
-from .host_process import HostLauncher, HostProcess, LocalLauncher
+from .host_launcher import HostLauncher, HostProcess, LocalLauncher
 from .limits import HostLimits
 
 __all__ = ["HostLimits", "HostPool", "RunEvent", "RunFailed"]
@@ -78,7 +78,7 @@ class _Host:
     proc: HostProcess
     ready: asyncio.Future[None]
     last_seen: float = 0.0
-    runs: dict[str, _Run] = field(default_factory=dict)
+    runs: dict[str, PooledRun] = field(default_factory=dict)
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     death: str = ""  # why the pool killed it, when it did
 
@@ -88,7 +88,9 @@ class _Host:
 
 
 @dataclass
-class _Run:
+class PooledRun:
+    """A run handed to the pool, waiting or on a host: its events as they come and the host that holds it."""
+
     run_id: str
     inferlet: str
     path: Path
@@ -133,8 +135,8 @@ class HostPool:
         self._sock: zmq.asyncio.Socket | None = None
         self._hosts: dict[str, _Host] = {}  # spawn id → host (alive, or dead and not yet reaped)
         self._slots: list[_Host | None] = [None] * workers
-        self._runs: dict[str, _Run] = {}  # waiting and running
-        self._waiting: deque[_Run] = deque()
+        self._runs: dict[str, PooledRun] = {}  # waiting and running
+        self._waiting: deque[PooledRun] = deque()
         self._tasks: list[asyncio.Task] = []
         self._outbox: asyncio.Queue[tuple[_Host, c.StartRun | c.CancelRun | c.Stop]] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -201,7 +203,7 @@ class HostPool:
         run_id = run_id or uuid.uuid4().hex
         if run_id in self._runs:
             raise RunFailed("bad_arguments", f"run id {run_id!r} is in use")
-        run = _Run(run_id, inferlet, path, dict(args))
+        run = PooledRun(run_id, inferlet, path, dict(args))
         self._runs[run_id] = run
         self._idle.clear()
         self._waiting.append(run)
@@ -311,7 +313,7 @@ class HostPool:
             msg = c.StartRun(run=run.run_id, inferlet=run.inferlet, path=str(run.path), args=run.args)
             self._post(host, msg)
 
-    def _abandon(self, run: _Run) -> None:
+    def _abandon(self, run: PooledRun) -> None:
         """Ends a run from our side: a waiting one at once, a running one by asking its host to cancel it."""
         if run.done.is_set():
             return
@@ -322,7 +324,7 @@ class HostPool:
         else:
             self._post(run.host, c.CancelRun(run=run.run_id))
 
-    def _finish(self, run: _Run, outcome: RunEvent | RunFailed) -> None:
+    def _finish(self, run: PooledRun, outcome: RunEvent | RunFailed) -> None:
         if run.done.is_set():
             return
         run.events.put_nowait(outcome)

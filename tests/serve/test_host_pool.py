@@ -1,5 +1,5 @@
-"""The inferlet host pool (pie_runtime/serve/hosts.py, host.py) against real engines: many runs in one host,
-failures that cost only their own runs, host restarts, cancellation, limits and shutdown."""
+"""The inferlet host pool (pie_runtime/serve/host_pool.py, inferlet_host.py) against real engines: many runs in
+one host, failures that cost only their own runs, host restarts, cancellation, limits and shutdown."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from inferlet.client import Client
 from pie_runtime.protocol.messages import PROTOCOL_VERSION
-from pie_runtime.serve.hosts import HostLimits, HostPool, RunEvent, RunFailed
+from pie_runtime.serve.host_pool import HostLimits, HostPool, RunEvent, RunFailed
 from tests.conftest import TINY, start_engine
 
 pytestmark = pytest.mark.e2e  # every test starts host processes
@@ -120,7 +120,7 @@ def host_children() -> list[int]:
         except OSError:
             continue
         ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        if ppid == me and b"pie_runtime.serve.host" in cmdline:
+        if ppid == me and b"pie_runtime.serve.inferlet_host" in cmdline:
             out.append(int(entry.name))
     return out
 
@@ -296,7 +296,7 @@ async def test_drain_cancels_what_outlives_its_timeout(bare_engine):
 
 SERVER = """
 import asyncio, sys
-from pie_runtime.serve.hosts import HostPool
+from pie_runtime.serve.host_pool import HostPool
 
 async def main():
     pool = HostPool(sys.argv[1], workers=2)

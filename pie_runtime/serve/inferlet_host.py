@@ -1,6 +1,6 @@
 """An inferlet host: one process that runs many inferlet runs as asyncio tasks over one engine connection.
 
-    python -m pie_runtime.serve.host --control ADDR --engine ADDR --id ID [--parent PID] [--limits JSON]
+    python -m pie_runtime.serve.inferlet_host --control ADDR --engine ADDR --id ID [--parent PID] [--limits JSON]
         [--heartbeat S]          (the engine's token, if any, in $PIE_TOKEN)
 
 It first applies its ``HostLimits`` to itself and asks to die with its server (``limits.py``).
@@ -195,7 +195,7 @@ async def serve(control: str, engine: str, host_id: str, heartbeat_s: float, tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pie_runtime.serve.host")
+    p = argparse.ArgumentParser(prog="python -m pie_runtime.serve.inferlet_host")
     p.add_argument(
         "--control", required=True, help="the server's control address (ipc://..., or tcp:// from another node)"
     )

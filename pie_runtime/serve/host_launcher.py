@@ -1,8 +1,8 @@
 """How a ``HostPool`` starts its inferlet host processes, and the handle it keeps on each.
 
-A ``HostLauncher`` turns the host's own arguments (``host.py``'s ``--control``, ``--engine``, ``--id`` ...) into
-a running process and returns a ``HostProcess``: its pid, its exit code once it has one, ``wait()``, ``kill()``
-and its stderr lines. ``LocalLauncher`` (the default) starts the host as a child of the server;
+A ``HostLauncher`` turns the host's own arguments (``inferlet_host.py``'s ``--control``, ``--engine``, ``--id``
+...) into a running process and returns a ``HostProcess``: its pid, its exit code once it has one, ``wait()``,
+``kill()`` and its stderr lines. ``LocalLauncher`` (the default) starts the host as a child of the server;
 ``cluster/host_actor.py`` starts it on another Ray node, beside its engine, through the same interface.
 
 The launcher, not the pool, adds the interpreter, ``--parent`` (the process the host dies with: whoever
@@ -22,7 +22,7 @@ from .limits import HostLimits, host_env
 
 def host_command(args: list[str], parent: int) -> list[str]:
     """The command line of a host started by process ``parent`` on this machine."""
-    return [sys.executable, "-m", "pie_runtime.serve.host", *args, "--parent", str(parent)]
+    return [sys.executable, "-m", "pie_runtime.serve.inferlet_host", *args, "--parent", str(parent)]
 
 
 class HostProcess(Protocol):
