@@ -18,9 +18,9 @@ run uses them:
 
 Precision (``--precision``, default bf16 on CPUs with bf16 units): the teacher pass runs a bfloat16 copy of
 the target (its top-k re-ranked with the float32 head) and training runs under bfloat16 autocast with
-float32 weights and optimizer state. On the 2-core development machine that is 3-5x more data and steps per
-CPU minute than float32, which is what took the drafters past their aims; about 1% of greedy labels differ
-from the float32 target's.
+float32 weights and optimizer state: several times more data and steps per CPU minute than float32, which is
+what took the drafters past their aims, for a few greedy labels in a thousand that differ from the float32
+target's (docs/performance.md, "Drafter training").
 """
 
 from ..models.cpu import bf16_is_fast

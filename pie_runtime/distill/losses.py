@@ -4,7 +4,7 @@
     KL(p_target || p_student) over a candidate set C  +  alpha * |h_student - h_target|^2 / |h_target|^2
 
 where C is the union of the batch's target top-k tokens and some random ones (the full 49K-way softmax
-costs about 30x more on a CPU and adds little: the mass outside the target's top-k is small), and the
+costs far more on a CPU and adds little: the mass outside the target's top-k is small), and the
 hidden-state term pulls the student's final hidden state towards the target's, which matches the whole
 distribution at once since the head is shared.
 """

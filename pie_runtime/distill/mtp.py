@@ -64,8 +64,8 @@ def train_mtp(
     init: MTPModule | None = None,
 ) -> MTPModule:
     """Trains one MTP module reused ``depth`` times (step j: the previous step's output hidden and the
-    data's token, teacher-forced; each step's loss against the target at that position); under
-    ``settings.bf16`` about 3x the steps a CPU minute. ``init``: continue training this module (its blocks,
+    data's token, teacher-forced; each step's loss against the target at that position); ``settings.bf16``
+    makes more steps a CPU minute. ``init``: continue training this module (its blocks,
     width and depth win over the arguments)."""
     cfg = target.config
 

@@ -5,8 +5,8 @@ target's final hidden state ``h_t`` is kept (bfloat16) with its top-k token ids,
 (teacher-forced) and over the target's own greedy continuations of corpus prompts.
 
 Precision (``--precision``, default bf16 on CPUs with bf16 units): the teacher pass runs a bfloat16 copy of
-the target, its top-k re-ranked with the float32 head. On the 2-core development machine that is 3-5x more
-data per CPU minute than float32; about 1% of greedy labels differ from the float32 target's.
+the target, its top-k re-ranked with the float32 head (what it gains and costs: docs/performance.md, "Drafter
+training").
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 
 def teacher_model(model: CausalLM, dtype: torch.dtype) -> CausalLM:
-    """The target for the teacher pass: itself, or a copy with its weights in ``dtype`` (bfloat16: about 3x
-    faster on CPUs with bf16 units; 98.9% of greedy labels equal the float32 target's on held-out Austen).
+    """The target for the teacher pass: itself, or a copy with its weights in ``dtype`` (bfloat16: faster on CPUs
+    with bf16 units, and nearly all its greedy labels equal the float32 target's).
     A target with recurrent state is always itself (its state pool is float32)."""
     if dtype == next(model.parameters()).dtype or not isinstance(model, LlamaForCausalLM):
         return model
@@ -44,8 +44,8 @@ def top_ids(
     model: CausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024, fast: bool = False
 ) -> torch.Tensor:
     """(N, H) → (N, k) int32 ids of the target's k most likely tokens, best first. ``fast``: a bfloat16
-    product finds 4k candidates, re-ranked with the float32 head (5x cheaper on CPUs with bf16 units;
-    the same ids unless a true top-k token falls outside the bf16 top-4k)."""
+    product finds 4k candidates, re-ranked with the float32 head (cheaper on CPUs with bf16 units; the same
+    ids unless a true top-k token falls outside the bf16 top-4k)."""
     out = []
     w = model.lm_head.weight
     w16 = w.to(torch.bfloat16) if fast else w  # read only when fast
@@ -92,8 +92,7 @@ def teacher_generations(
     head: CausalLM | None = None,
 ) -> TeacherData:
     """Greedy continuations, ``batch`` prompts in one forward a step (decode reads the weights once per
-    step whatever the batch: a 128-row bf16 step makes 1.7x the tokens a second of a 32-row one on an AMX
-    CPU, 990 against 570)."""
+    step whatever the batch, so a wide step makes more tokens a second)."""
     toks, hid, top = [], [], []
     head = head or model
     for i in range(0, len(prompts), batch):

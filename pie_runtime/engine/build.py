@@ -91,8 +91,8 @@ def _load(name: str, store: ModelStore, opts: ServeOptions, weights: str) -> tup
     quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=opts.device, store=store, keep_quantized=quantized)
     prepare_for_serving(loaded.model, weights, loaded.quantized)
-    # The lm head is where the prepacked copy pays: 3.7 ms vs 2.7 ms at 1 row but 5.4 vs 13.2 at 9 rows
-    # (SmolLM2, 2 cores); the layers' matmuls gained too little in a whole pass to be worth their memory.
+    # The lm head is where the prepacked copy pays (several rows; at one the plain path stays faster); the layers'
+    # matmuls gained too little in a whole pass to be worth their memory (docs/performance.md).
     packed_bytes = prepack(loaded.model.lm_head) if opts.prepack_lm_head and not opts.sharded else 0
     return loaded, packed_bytes
 

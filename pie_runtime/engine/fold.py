@@ -32,22 +32,12 @@ unfolded as for any model (under replay they are rewritten with the same values;
 the working set: the fire's reservation copied any shared one). Tree fires on such a model are refused at
 admission (fire_requests.py: a state runs through rows in order, not along branches), so folds are chains.
 
-The choice, measured by examples/recurrent_replay_bench.py (random checkpoints, hidden 512, 8 layers, vocab
-8192, fp32, ``--threads 1``, OMP_NUM_THREADS=1, a shared 2-core machine, 256-token context, medians of 15, the
-two modes interleaved; round = deferred fire of 1 + k rows and its fold; plain step 24 ms LFM2, 20 ms Mamba):
-
-    LFM2   k=2/4/6  reject extra  replay 28/28/38 ms   per-row 1.9/0.9/0.6 ms
-                    accept round  replay 34/34/36 ms   per-row 35/34/39 ms
-                    break-even α  replay .64/.62/.68   per-row .37/.32/.39   stateless .30/.29/.32
-    Mamba  k=2/4/6  reject extra  replay 24/25/24 ms   per-row 0/2.8/7.5 ms
-                    accept round  replay 31/35/41 ms   per-row 33/37/43 ms
-                    break-even α  replay .70/.70/.71   per-row .47/.52/.63   stateless .40/.46/.52
-
-A rejecting round under replay costs one more pass, which lifts the acceptance a round needs by ~0.3 over a
-stateless model; per-row states take it back to within ~0.1 of stateless, for a kept-state write that costs an
-accepting round 0.4-3.6 ms. Memory is the price: a working set holds 2 + 8 states instead of 2 (LFM2 above: 24 KiB
-a state, conv only; Mamba above: 608 KiB; a 130M Mamba: 2.4 MB, so 64 slots take 1.2 GB more). Hence the
-default per-row, ``--per-row-states`` to bound it and ``--recurrent-fold replay`` where memory is short. The
+Why per-row is the default (measured by examples/recurrent_replay_bench.py; the table is in docs/performance.md,
+"Recurrent state"): a rejecting round under replay costs one more pass, which raises the acceptance a round
+needs well above a stateless model's; per-row states bring it back near stateless, for a kept-state write that
+costs an accepting round little. Memory is the price: a working set holds 2 + ``--per-row-states`` states
+instead of 2. Hence the default per-row, ``--per-row-states`` to bound it and ``--recurrent-fold replay`` where
+memory is short. The
 draft-length planner (inferlet.draft_length) prices a replay only for folds per-row states do not serve
 (``ModelInfo.per_row_states``).
 """

@@ -1,7 +1,8 @@
 """A measured pass-cost curve kept on disk, so that an engine started again on the same machine, model, weight
 format and threads reuses it instead of timing the whole curve again.
 
-Timing the curve (engine/pass_costs.py) runs about 44 passes: 7 s of a 13 s start on a 2-core AVX2 CPU. Kernel
+Timing the curve (engine/pass_costs.py) runs about 44 passes, half of a small CPU engine's start
+(docs/performance.md, "Pass costs"). Kernel
 autotuners keep their choices the same way, keyed by the hardware (Triton's cache, vLLM's tuned MoE configs).
 A reused curve is checked first: its 1-row and widest passes are timed again, and when either moved by more than
 ``TOLERANCE`` (another CPU behind the same home folder, a code change, a machine busy when it was measured) the

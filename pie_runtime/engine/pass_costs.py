@@ -1,11 +1,11 @@
 """The cost of one sequence's pass by its row count, measured at engine start and published in ``hello``.
 
-A speculative inferlet picks how many drafts to verify from what a wider window costs on *this* engine:
-on a CPU in float32 a 3-row window costs about one row and a 9-row one about 1.6x, in bfloat16 17 rows cost
-about 1.2x, on a GPU wider still is nearly free. Guessing that curve in the SDK would be wrong somewhere,
-so the engine times it: a pass of w rows after ``context`` cached tokens plus the lm head and argmax of
-every row (what a greedy verify fire runs), the median of a few repeats taken round-robin over the widths,
-for w = 1..6 and a few wider windows up to ``max_rows``, made non-decreasing and interpolated between them.
+A speculative inferlet picks how many drafts to verify from what a wider window costs on *this* engine: the curve's
+shape differs by device and format (on a CPU a few rows cost about one, in bfloat16 more rows do, on a GPU wider
+still is nearly free; docs/performance.md, "Pass costs"). Guessing that curve in the SDK would be wrong somewhere,
+so the engine times it: a pass of w rows after ``context`` cached tokens plus the lm head and argmax of every row
+(what a greedy verify fire runs), the median of a few repeats taken round-robin over the widths, for w = 1..6 and a
+few wider windows up to ``max_rows``, made non-decreasing and interpolated between them.
 
 It runs before the engine serves anyone, on the first pages of the KV pool, which hold nothing yet; the
 K/V it writes there is garbage that the next owner of those pages overwrites.

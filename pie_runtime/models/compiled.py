@@ -4,8 +4,8 @@ At a few rows a step is mostly small ops: the norms, rope, residual adds, casts 
 than the int4 matmuls. Inductor fuses them into a few C++ kernels a layer. Paged attention runs inside the
 graph as an opaque custom op (``pie::paged_attention``): it writes the KV pool and loops over the pass's
 attention groups, which change every step and would make the compiler specialize endlessly, and as an op of
-its own it costs no graph break (one a layer cost what the fusion saved: int4, 1 row, 12.5 ms compiled against
-11.1 eager on a 2-core Intel CPU when each layer was compiled around an eager attention). The op finds the
+its own it costs no graph break (one a layer cost more than the fusion saved when each layer was compiled
+around an eager attention; docs/performance.md, "--compile"). The op finds the
 pass's context and KV pool in :data:`_PASSES`, set by the model's forward just before the graph runs.
 
 Exactness: a verify window's row must get the bits a 1-row pass gives it. Inductor keeps float32 inside a
@@ -13,10 +13,9 @@ fused kernel and rounds to bf16 where a kernel ends, and it fuses a 1-row graph 
 otherwise than a wider one, so rows differed; ``emulate_precision_casts`` rounds where eager rounds, which makes
 them equal again, and ``split_reductions`` is off so that a row's reduction is never split across kernels.
 
-Measured on the 2-core AVX2 CPU, int4, after 600 cached tokens, interleaved with eager in one process: a 1-row
-pass 31.7 against 33.4 ms, a 4-row one 35.5 against 38.6. Compiling takes 70-100 s cold on 2 cores (the engine
-does it before it says ready, and reports the time), less with inductor's on-disk cache warm, so it is off by
-default.
+A compiled pass is a few percent faster than eager at 1 to 4 rows, but compiling takes a minute or more cold on
+a small CPU (the engine does it before it says ready, and reports the time), less with inductor's on-disk cache
+warm, so it is off by default (docs/performance.md, "--compile").
 """
 
 from __future__ import annotations

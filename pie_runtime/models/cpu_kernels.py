@@ -3,15 +3,9 @@ the drafters' projections, all of ``--weights int8``) on x86 CPUs with AVX2 but 
 machine's C compiler the first time it is needed, loaded with ctypes.
 
 Torch's int8 kernel reads the weight again for every row, without prefetching it. This one reads each group of
-32 weights once for up to 4 rows and asks for the weight 2 KB ahead. On a 2-core AVX2 EPYC (2 threads,
-interleaved medians):
-
-- the default model's int8 lm head (49,152 x 576) alone: 1.4 against 2.5 ms at 1 row, 2.0 against 3.2 at 4,
-  4.1 against 7.3 at 8;
-- whole int4 passes after 600 cached tokens (the head's kernel toggled pass by pass on one engine): 1 row 34.3
-  against 34.8 ms, 4 rows 38.5 against 41.6, 8 rows 61.2 against 66.6; the MTP head's 3-step chain after a pass
-  3.6-4.2 against 3.9-4.5 ms with its projections on it too;
-- ``--weights int8`` passes: 1 row 32.9 against 36.0 ms, 4 rows 36.7 against 44.7, 8 rows 54.8 against 72.8.
+32 weights once for up to 4 rows and asks for the weight 2 KB ahead, which makes the lm head, int4 passes,
+``--weights int8`` passes and the MTP head's chain faster on an AVX2 CPU (docs/performance.md, "The int8 kernel
+on AVX2").
 
 It computes what torch's computes (the int8 values, float32 products and sums, times the bf16 scale, rounded to
 bf16) in its own fixed order, so it is batch-invariant as torch's is, and the two differ in the last bits only.

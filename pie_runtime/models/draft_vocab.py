@@ -1,9 +1,9 @@
 """A drafter's reduced vocabulary (Li et al. 2025, "EAGLE-3", §3.3): a chained draft step reads only the rows
 of the target's lm head for the N tokens the target most often predicts, instead of all V.
 
-On the default model (V = 49,152, hidden 576) the lm head is most of a draft step on a CPU: 6.6 ms of CPU
-time of a 9.8 ms MTP step at one row, against 1.3 ms for an 8,192-row slice (1 thread, int4 serving, bf16
-activations). A target token outside the slice can never be drafted, so acceptance loses what the slice
+On the default model (V = 49,152, hidden 576) the lm head is most of a draft step on a CPU, and an 8,192-row
+slice costs a fraction of it (docs/performance.md, "A draft step's lm head"). A target token outside the slice
+can never be drafted, so acceptance loses what the slice
 does not cover; ``pie drafter train --draft-vocab N`` picks the slice from the target's own greedy choices
 over the training data and reports the coverage.
 
@@ -95,9 +95,8 @@ class DraftLogits:
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) normed hidden states → (...,) int64 argmax of :meth:`__call__`'s logits, without building them:
         with a slice, the argmax over its N logits mapped to its ids. The ids are sorted, so a tie goes to the
-        lower id either way. A greedy chain's draft step then skips a (V,)-wide fill, scatter and argmax: 0.16
-        of the default model's 2.56 ms MTP step on a 2-core AVX2 CPU (int4 target, int8 head; medians of 1,500
-        alternated steps), where an argmax over 49,152 floats alone takes 0.13 ms."""
+        lower id either way. A greedy chain's draft step then skips a (V,)-wide fill, scatter and argmax, a
+        measurable share of a small head's step (docs/performance.md, "A draft step's lm head")."""
         if self.ids is None:
             return self.target_logits(hidden).argmax(dim=-1)
         return self.ids[self.slice_logits(hidden).argmax(dim=-1)]

@@ -3,8 +3,8 @@ to whom is the engine's business (``engine/page_pool.py``); this module only sto
 
 The layout is head-major, ``(layers, kv_heads, slots, head_dim)``: gathering a sequence's pages gives each head's
 keys in one contiguous run, the layout attention multiplies, so the gather is the only copy on the way (the
-float32 attention of CPUs without bf16 units converts it in one contiguous pass; slot-major pages took a
-strided copy per head: 0.13 instead of 0.05 ms a layer at 600 keys, 2 threads).
+float32 attention of CPUs without bf16 units converts it in one contiguous pass, where slot-major pages took a
+slower strided copy per head: docs/performance.md, "KV pool layout").
 
 ``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
 (an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too."""

@@ -1,8 +1,8 @@
 """The models' linear layer, with optional oneDNN-prepacked weights for multi-row passes on CPU.
 
 A speculative verify window is a pass of a few rows (1 + k drafts). In float32 on CPU, MKL's sgemm picks
-a poor path for 4..16 rows: on SmolLM2-135M the layers' matmuls cost about twice the 1-row gemv at 9
-rows, and the 49152-row lm head more than three times. oneDNN's matmul over weights reordered once into
+a poor path for 4..16 rows, worst for the 49152-row lm head (docs/performance.md, "The prepacked fp32 lm
+head"). oneDNN's matmul over weights reordered once into
 its blocked layout (what torch inductor's CPU "freezing" and IPEX do) is nearly flat there, but slower
 than MKL's gemv for a single row. So a prepacked layer keeps both: one row goes through ``F.linear``,
 several through the packed copy. The cost is a second copy of each packed weight (see ``prepack``).

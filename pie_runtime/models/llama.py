@@ -23,8 +23,8 @@ from .rope import Rotary, apply_rotary
 
 # A batch-invariant model attends in slices of at most this many query rows per sequence (any verify window is
 # one slice), so that a row's bits do not depend on how its prompt was chunked: a prefix-cache hit recomputes a
-# prompt's tail in a short window that a first run computed inside a long chunk. Slicing costs about 11% of an
-# int4 prefill against one SDPA call per chunk (768 rows in 3 chunks: 783 vs 694 ms, 2 threads).
+# prompt's tail in a short window that a first run computed inside a long chunk. Slicing makes a prefill a little
+# slower than one SDPA call per chunk (docs/performance.md, "Invariant slices in prefill").
 INVARIANT_MAX_ROWS = 64
 # The float32 form (CPUs without bf16 units, :func:`attend_invariant_fp32`): every matmul has one shape, query
 # rows padded to FP32_ROWS and keys cut into blocks of FP32_KEYS, because MKL picks its sgemm kernel (and so
@@ -36,8 +36,7 @@ INVARIANT_KEYS = 128
 FP32_ATTENTION: bool | None = None
 # softmax as 2^(x log2 e): the scores are scaled by log2 e with the head's scale, free, and exp2 costs the same
 # for every input, where MKL's exp (torch's CPU exp) takes a slow path on -inf and on results below float32's
-# normal range: 130 instead of 38 us for a 1-row layer's scores at 1,024 keys (three quarters of them -inf,
-# the padding rows'), 1.1 ms where they fell near -95
+# normal range, which the padding rows' scores are (docs/performance.md, "Float32 attention")
 LOG2_E = 1.4426950408889634
 
 
@@ -213,9 +212,8 @@ def _attend_invariant_slice(
     At a few rows the cost is the number of ops, not their arithmetic (each a few microseconds on tensors of a
     few hundred keys), so scale and mask are one add (``bias + scale * qk``: a fused multiply-add whose addend
     is 0 or -inf rounds as the product alone), exp runs in place, and the padded weights and [V | 1] are
-    written once into their blocked buffers. The same bits, and at 560 keys (2 threads) 0.20 instead of 0.23 ms a
-    layer at one row, 0.22 instead of 0.28 at three: an int4 1-row pass after 551-679 tokens 24.3 instead of
-    25.7 ms."""
+    written once into their blocked buffers: the same bits in fewer ops (docs/performance.md, "bf16
+    batch-invariant attention")."""
     b, h, nq, d = q.shape
     kvh, n_keys = k.shape[1], k.shape[2]
     g = h // kvh
@@ -223,7 +221,7 @@ def _attend_invariant_slice(
     # keys made contiguous, then viewed transposed: the batched matmul then folds (B, kvh) into one batch of
     # plain transposed matrices whatever B is. On the gathered strided view it copied them into another
     # layout when B > 1 and not when B = 1, and on CPUs without bf16 units (AVX2) the two paths round
-    # differently, so a row's scores changed with the batch it was in (and the copy cost 4x the matmul)
+    # differently, so a row's scores changed with the batch it was in (and the copy cost more than the matmul)
     kt = k.contiguous().transpose(-1, -2)
     qk = torch.matmul(qs, kt).view(b, kvh, g, nq, n_keys)
     scores = torch.add(bias.unsqueeze(2), qk, alpha=scale * LOG2_E).view(b, kvh, g * nq, n_keys)  # float32
@@ -250,7 +248,7 @@ def _sum_blocks_in_order(parts: torch.Tensor) -> torch.Tensor:
     another, an order that does not depend on how many blocks there are (``sum`` over the dim would reduce in its own
     order). torch's CPU cumsum is that sequential scan, accumulating float32 in float64, so its last prefix is
     the in-order sum rounded once, and the zero blocks past a sequence's keys leave it as it is: one op where
-    adding block by block took one per block (0.15 ms a layer at 1,024 keys, 2 threads)."""
+    adding block by block took one per block."""
     if parts.device.type != "cpu":
         summed = parts[:, :, 0]
         for j in range(1, parts.shape[2]):
@@ -344,7 +342,7 @@ def attend_fp32_blocks(
     """The float32 form's arithmetic: q (B, h, Q, D) any dtype; kb (kvh, B, K, D) and vb (kvh, B, K, D + 1), [V | 1],
     float32, contiguous, K a multiple of FP32_KEYS (keys past a sequence's are masked by ``bias``, any finite
     values); ``bias`` :func:`fp32_attention_bias` → (B, h, Q, D) in q's dtype. Without bf16 units a bf16 matmul
-    is emulated, and the attention's two matmuls took half a 3-row int4 pass at 640 keys (2 threads, AVX2).
+    is emulated, and the attention's two matmuls took a large share of a few-row int4 pass.
 
     Query rows go in slices of FP32_ROWS, padded; keys and values in blocks of FP32_KEYS: every sgemm has one
     shape whatever the window, the batch or the padding, and MKL computes a given shape in a fixed order. The
@@ -355,10 +353,8 @@ def attend_fp32_blocks(
     their normaliser (the column of ones) are summed block by block in order (:func:`_sum_blocks_in_order`), so
     the blocks past a sequence's keys add exact zeros.
 
-    At a few rows the cost is the number of ops: at one row and 257 keys (2 threads, AVX2) 0.32 instead of
-    0.47 ms a layer once K and [V | 1] were written once and the mask kept for the pass (int4 1-row pass 32.2
-    instead of 37.0 ms); exp2 and one cumsum then took a layer at 600 keys from 0.72 to 0.62 ms, at 1,024 from
-    0.94 to 0.75."""
+    At a few rows the cost is the number of ops, hence K and [V | 1] written once, the mask kept for the pass,
+    exp2 and one cumsum (docs/performance.md, "Float32 attention")."""
     b, h, nq, d = q.shape
     kvh = kb.shape[0]
     g, rows, block = h // kvh, FP32_ROWS, FP32_KEYS

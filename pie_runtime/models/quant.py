@@ -15,9 +15,10 @@ Bytes per weight of a projection in each weight format (``models/weights.py`` se
     | int4   | 0.5 + 4/32 (bf16 scale and | ``torch._weight_int4pack_mm_for_cpu`` on CPU; bf16 ``F.linear`` |
     |        | zero a group of 32)        | on CUDA                                                        |
 
-Torch's CPU kernels want bfloat16 activations: with float32 ones they are about 40x slower, so the layers refuse
-them. All the CPU kernels are batch-invariant (row i of an M-row call equals a 1-row call bit for bit), which the
-engine's speculative verification relies on; tests/models/test_quant.py and test_cpu_kernels.py check it.
+Torch's CPU kernels want bfloat16 activations: with float32 ones they are many times slower (docs/performance.md),
+so the layers refuse them. All the CPU kernels are batch-invariant (row i of an M-row call equals a 1-row call bit
+for bit), which the engine's speculative verification relies on; tests/models/test_quant.py and test_cpu_kernels.py
+check it.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def causal_conv(
     b, c = lay.rows.shape[0], x.shape[1]
     xs = lay.pad(x).transpose(1, 2)  # (B, C, T)
     full = torch.cat([state[lay.entries].to(x.dtype), xs], dim=-1)  # (B, C, K-1+T)
-    # K shifted products, not F.conv1d: torch's CPU depthwise conv1d took ~160 ms for a (1, 512, 3) input here
+    # K shifted products, not F.conv1d: torch's CPU depthwise conv1d is pathologically slow at these shapes
+    # (docs/performance.md, "Recurrent state")
     out = (full.unfold(-1, k, 1) * weight.view(1, c, 1, k)).sum(-1)  # (B, C, T)
     if bias is not None:
         out = out + bias.view(1, c, 1)

@@ -11,15 +11,13 @@ float32 sums in the last bits, and fp32 is the format that matches transformers 
 
 Norms accumulate and logits come out in float32 in every format. A GGUF's own blocks (Q4_0, Q4_1, Q8_0, kept
 by the store) become the int4/int8 layers as they are; a float checkpoint is quantized here, at load.
-
-The lm head stays 8-bit in int4: at 1 row its int8 matmul takes 0.56 ms against bf16's 3.9, for 0.8 points
-of top-1 agreement with fp32 (0.972 against 0.980 on held-out text). Batch invariance is what keeps greedy
+ The lm head stays 8-bit in int4: several times faster than bf16's at 1 row, for a point or less of top-1 agreement
+with fp32 on held-out text (docs/performance.md, "The int8 lm head of int4"). Batch invariance is what keeps greedy
 speculation exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
 ``attend_invariant``); the int matmuls are invariant by themselves, bf16's once every matmul has one shape
-(``Linear.invariant_rows``: slices of 16 rows, the last padded; oneDNN sums a partial tile's rows, a single
-row, and on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones are not (fp32's differences are
-~1e-7, below what flips an argmax in practice). On an x86 CPU without bf16 units the slices are single rows
-(:func:`bf16_rows`).
+(``Linear.invariant_rows``: slices of 16 rows, the last padded; oneDNN sums a partial tile's rows, a single row, and
+on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones are not (fp32's differences are ~1e-7, below
+what flips an argmax in practice). On an x86 CPU without bf16 units the slices are single rows (:func:`bf16_rows`).
 """
 
 from __future__ import annotations
@@ -50,9 +48,9 @@ ACTIVATION_DTYPE: dict[str, torch.dtype] = {
 
 def bf16_rows(device: torch.device) -> int:
     """Rows per matmul of a bf16 layer on ``device``. An x86 CPU without bf16 units (no AVX512-BF16, no AMX)
-    gets 1: oneDNN's bf16 kernels there cost the same per row alone or in a tile (2-core AVX2 EPYC: gate_up
-    0.26 ms at 1 row, 4.3 ms at 16; the lm head 5.8 and 67 ms), so 16-row slices made a 1-row decode pass
-    pay for 16 (313 ms against 48 for int4). Elsewhere a tile costs little more than a row: ``BF16_ROWS``."""
+    gets 1: oneDNN's bf16 kernels there cost the same per row alone or in a tile, so 16-row slices made a
+    1-row decode pass pay for 16 (docs/performance.md, "bf16 on an x86 CPU without bf16 units"). Elsewhere a
+    tile costs little more than a row: ``BF16_ROWS``."""
     if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return BF16_ROWS
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -110,11 +108,11 @@ def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQua
 def serve_drafter(module: DrafterModule, fmt: str) -> DrafterModule:
     """A drafter module (an MTP or EAGLE head) beside a target served in ``fmt``, in place: in int8 and int4
     every projection becomes an int8 layer, one by one (unfused); fp32 and bf16 keep it as loaded. A draft step
-    at one row reads its weights once, so its cost follows their bytes: the default model's MTP step (two
-    blocks, the 8,192-token slice of the int8 lm head) takes 0.5 ms in int8 against 1.4 ms in bf16 (2 threads,
-    AMX CPU). Not int4 beside an int4 target: at this size it is no faster than int8 (0.34 ms for the module
-    either way), and a few layers carry their rounding straight to the drafts (a 4-layer draft model does not
-    survive int4 at all; README); the MTP head's first-draft agreement in int8 is within 0.3 points of bf16's.
+    at one row reads its weights once, so its cost follows their bytes: int8 makes the default model's MTP step
+    several times cheaper than bf16. Not int4 beside an int4 target: at this size it is no faster than int8,
+    and a few layers carry their rounding straight to the drafts (a 4-layer draft model does not survive int4
+    at all; README); the MTP head's first-draft agreement in int8 stays near bf16's (docs/performance.md,
+    "Drafter heads beside an int8/int4 target").
     Exactness does not depend on it: verification keeps only what the target chooses."""
     if fmt not in ("int8", "int4"):
         return module
