@@ -14,32 +14,32 @@ overhead, then picks
 The overhead is not a guess either: a round's wall time past the curve's pass and the drafts' cost is what
 the loop spends besides (the engine's step bookkeeping, the messages, the verification on the host, and the
 attention over a context longer than the curve was measured at), and on a CPU it is a third of a 1-row pass.
-``observe_time`` keeps the median of the last rounds' residuals as ``overhead_ms``. Priced at 1 ms instead, a
-draft row looked three times dearer than it is, and the planner drafted one after most misses where two pay.
+``observe_time`` keeps the median of the last rounds' residuals as ``overhead_ms``. Priced at a fixed guess
+instead, a draft row looked dearer than it is, and the planner drafted one after most misses where two pay.
 
 The α's come from recent rounds with exponential forgetting, and each is conditioned on how the last
 drafting round ended: all its drafts kept, or one rejected. A prompt lookup's hits come in runs (a copied
 passage) and its misses too, so after a full round α|full is high and after a rejection α|rejected low, and k
-follows the runs: on a CPU in float32, where 3 rows cost about one and 9 rows 1.6x, short probes while the
-drafter misses and long windows while it hits; where wide windows are nearly free (bf16 with AMX, GPUs), k
+follows the runs: on a CPU in float32, where a few rows cost about one (engine/pass_costs.py), short probes while
+the drafter misses and long windows while it hits; where wide windows are nearly free (bf16 with AMX, GPUs), k
 at the maximum. An MTP head's verdicts are nearly independent from round to round, so the two estimates
 agree and k holds where it pays on average. Each state's counts forget slowly (``state_decay``, about twenty
 rounds), toward the per-position α of the last few rounds (``decay``) where a state has little evidence.
 Forgetting fast without the state (as this planner first did) made an independent drafter's k swing with
-every miss: one halved α, and the next round drafted one or none where two pay on average. Simulated at an
-MTP head's 0.45 / 0.55 / 0.5 on the AMX CPU's int4 curve with an 8 ms overhead: 1.42x for that planner,
-1.46x with the state, 1.48x for a fixed 2; on a lookup's runs of hits the state gains on it as well.
+every miss: one halved α, and the next round drafted one or none where two pay on average. With the state an
+MTP head's simulated rounds come near a fixed 2's, and on a lookup's runs of hits the state gains on it as well
+(docs/performance.md, "The draft-length planner").
 
 A drafter that knows its acceptance before the run passes it as ``prior``: an MTP or EAGLE head's training
 record holds its acceptance per position on held-out text (``Model.mtp_acceptance``), and each position's
 estimate holds it with the weight of ``prior_weight`` rounds, never forgotten. Without it the first rounds
-decided alone: two misses at the second position made that draft look like a loss, and a position the
-planner stops drafting at is not measured again, so chat replies ran at one draft a round where two pay (the
-shipped head: 2.1 rows a round, the second position shown as 0.0). With the record they draft two, and on
-the machine the shipped head's adaptive 2 gained 1.7% on average over eight prompts (+3.4% on the mixed one,
-+11% on one chat reply, -2% to +2% on the others, where the second draft is kept 0.07-0.2 of the time against
-the record's 0.54). About twenty rounds of evidence outweigh the prior: a head its record flatters that much
-drafts its second near break-even, where the second row costs a few percent of a round.
+decided alone: two misses at the second position made that draft look like a loss, and a position the planner
+stops drafting at is not measured again, so chat replies ran at one draft a round where two pay (the shipped
+head: 2.1 rows a round, the second position shown as 0.0). With the record they draft two, a small gain on
+average over the benchmark prompts, and little where the second draft is kept far less often than the record
+says (docs/performance.md, "The draft-length planner"). About twenty rounds of evidence outweigh the prior: a
+head its record flatters that much drafts its second near break-even, where the second row costs a few percent
+of a round.
 
 Under load the round is not alone in its step: other sequences' rows share the pass. The planner then
 prices a round by what it adds to the step, ``pass_cost(load + 1 + k) - pass_cost(load)`` (``load``: the other
@@ -61,15 +61,14 @@ acceptance of depth d given depth d-1 was kept, observed on tree rounds (``obser
 draft). It takes the tree when that, over the tree's cost, beats the best chain's tokens per millisecond.
 
 Whether to draft at all is decided on a slower estimate (``slow_decay``, about twenty drafting rounds): a
-drafter near break-even (a draft model that costs a third of a target step and is right 40% of the time)
-would otherwise flip to plain steps after two unlucky rounds, and not drafting where it pays costs more than
-drafting where it does not (a kept draft is a whole token, a draft row a few percent of a round). Forgotten
-within five rounds, as it first was, a sentence the head got wrong stopped a chat reply's drafting for the
-next eight rounds; simulated (iid verdicts, the AMX int4 curve) an MTP head at 0.35 / 0.3 gains 1.17x →
-1.23x from the longer memory, a lookup's runs of hits 2.53x → 2.61x, and a drafter right 7% of the time
-stays at 0.99x. When drafting does not pay the round is a plain step, except every ``probe_every``-th one,
-which drafts one token: without rounds that draft, the planner would never see the drafter start hitting
-again.
+drafter near break-even (a draft model that costs a third of a target step and is right 40% of the time) would
+otherwise flip to plain steps after two unlucky rounds, and not drafting where it pays costs more than drafting
+where it does not (a kept draft is a whole token, a draft row a few percent of a round). Forgotten within five
+rounds, as it first was, a sentence the head got wrong stopped a chat reply's drafting for the next eight
+rounds; in simulation the longer memory gains for an MTP head and a lookup and costs a drafter that is rarely
+right nothing (docs/performance.md, "The draft-length planner"). When drafting does not pay the round is a plain
+step, except every ``probe_every``-th one, which drafts one token: without rounds that draft, the planner would
+never see the drafter start hitting again.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]):
 
 
 def ll_tokenizer(tok: Tokenizer, vocab_size: int):
-    """The llguidance tokenizer of ``tok`` (about 0.3 s to build; cached)."""
+    """The llguidance tokenizer of ``tok`` (slow to build, so cached: docs/performance.md)."""
     return _ll_tokenizer(tok.to_json(), vocab_size, tuple(tok.eos_token_ids))
 
 
