@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -115,9 +117,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def run_inferlet(path: Path, engine: str, words: list[str], stdout=None, timeout: float | None = None) -> dict:
+def run_inferlet(
+    path: Path,
+    engine: str,
+    words: list[str],
+    stdout=None,
+    timeout: float | None = None,
+    on_output: Callable[[bytes], None] | None = None,
+) -> dict:
     """Runs one inferlet against ``engine``; returns ``{"ok": True, "result": ...}`` or ``{"ok": False, ...}``.
-    The child's streamed text goes to ``stdout`` (ours by default)."""
+    The child's streamed text goes to ``stdout`` (ours by default), or with ``on_output`` to that function,
+    chunk by chunk as the child writes it."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
         cmd = [
@@ -132,7 +142,37 @@ def run_inferlet(path: Path, engine: str, words: list[str], stdout=None, timeout
             "--",
             *words,
         ]
-        proc = subprocess.run(cmd, stdout=stdout if stdout is not None else None, timeout=timeout)
+        if on_output is None:
+            code = subprocess.run(cmd, stdout=stdout if stdout is not None else None, timeout=timeout).returncode
+        else:
+            code = _run_piped(cmd, on_output, timeout)
         if result_file.exists():
             return json.loads(result_file.read_text())
-        return {"ok": False, "error": f"the inferlet process died (exit {proc.returncode})"}
+        return {"ok": False, "error": f"the inferlet process died ({_exit_words(code)})"}
+
+
+def _run_piped(cmd: list[str], on_output: Callable[[bytes], None], timeout: float | None) -> int:
+    """Runs ``cmd`` handing its stdout to ``on_output`` as it comes; its exit code."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None  # PIPE
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = proc.stdout.fileno()
+        while True:
+            if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                proc.kill()
+                raise subprocess.TimeoutExpired(cmd, timeout or 0)
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            on_output(chunk)
+        return proc.wait()
+
+
+def _exit_words(code: int) -> str:
+    """An exit status as a person reads it: ``exit 1``, or the signal that killed the process and what that
+    usually means."""
+    if code >= 0:
+        return f"exit {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    hint = {"SIGKILL": ": killed, often by the kernel when memory ran out", "SIGSEGV": ": a crash in native code"}
+    return f"killed by {name}{hint.get(name, '')}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,55 @@ def test_a_killed_pie_run_leaves_no_engine_behind(pie_home, tmp_path):
         assert not alive(engines[0]), "the engine outlived `pie run`"
     finally:
         proc.kill()
+
+
+def pie_run(*words: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pie_runtime.cli.main", "run", *words], capture_output=True, text=True, timeout=timeout
+    )
+
+
+STATS_LINE = re.compile(
+    r"8 tokens, \d+\.\d tok/s; prompt 5 tokens, prefill \d+ ms; stopped at (the token limit|end of sequence)"
+)
+
+
+@pytest.mark.parametrize("stream", ["true", "false"])
+def test_pie_run_prints_the_text_then_one_line_of_stats(engine, stream):
+    """For people: stdout is the text (streamed, or printed at the end when the run streamed none) and stderr
+    one readable line of stats; the raw stats as JSON only under --json."""
+    words = ["--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--stream", stream]
+    out = pie_run("text-completion", "--engine", engine.address, "--", *words)
+    assert out.returncode == 0, out.stderr
+    result = run("text-completion", engine.address, *words)
+    assert out.stdout == result["text"] + "\n"
+    assert out.stderr.splitlines() == [out.stderr.strip()] and STATS_LINE.fullmatch(out.stderr.strip()), out.stderr
+    machine = pie_run("text-completion", "--engine", engine.address, "--json", "--", *words)
+    assert machine.returncode == 0 and machine.stderr == ""
+    assert json.loads(machine.stdout.splitlines()[-1])["token_ids"] == result["token_ids"]
+
+
+def test_a_speculative_run_s_stats_line_gives_rounds_and_acceptance():
+    from pie_runtime.cli.run import stats_line
+
+    result = {
+        "finish_reason": "stop",
+        "stop_reason": " 7",
+        "stats": {"prompt_tokens": 9, "generated_tokens": 30, "cached_tokens": 4, "prefill_ms": 88.4},
+        "speculation": {"rounds": 11, "proposed": 20, "accepted": 17, "acceptance": 0.85},
+    }
+    result["stats"]["decode_tokens_per_s"] = 41.26
+    assert stats_line(result) == (
+        "30 tokens, 41.3 tok/s, 11 rounds, acceptance 0.85 (17 of 20 drafts); prompt 9 tokens (4 cached), "
+        "prefill 88 ms; stopped at ' 7'"
+    )
+    assert stats_line({"shape": [3, 4]}) is None
+
+
+def test_pie_run_on_an_address_no_engine_listens_on_says_how_to_start_one(tmp_path):
+    """An ipc:// address without its socket file would leave the inferlet waiting for ever."""
+    address = f"ipc://{tmp_path}/none.sock"
+    out = pie_run("text-completion", "--engine", address, "--", "--prompt", "hi", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith(f"error: no engine listens on {address}") and "pie engine --listen" in out.stderr

@@ -1,14 +1,23 @@
 """`pie run NAME_OR_FILE [--model NAME] [--engine ADDR] [--json] -- ARGS`: run one inferlet.
 
 Without --engine an engine is started on the model (the default one, imported on first use) and stopped
-afterwards: the embedded default."""
+afterwards: the embedded default.
+
+What it prints, for people: the inferlet's text on stdout as it streams (or at the end, when it streamed none),
+then one line of stats on stderr (tokens, tok/s, prefill, and for a speculative run its rounds and acceptance).
+``--json`` prints the whole result as one JSON object on stdout's last line instead, for programs. An error is
+one line on stderr, starting ``error:``, that says what to do about it."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from .engine import add_engine_options, weights_words
+
+# result fields the stats line and the text stand for; any other field of a dict result is printed as is
+SHOWN = ("text", "token_ids", "finish_reason", "stop_reason", "stats", "speculation", "choices")
 
 
 def register(sub) -> None:
@@ -48,29 +57,129 @@ def engine_args(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
+    from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet
 
+    streamed = _Echo()
     try:
         path = resolve_inferlet(args.inferlet)
         if args.engine:
-            outcome = run_inferlet(path, args.engine, args.inferlet_args)
+            _check_address(args.engine)
+            outcome = _run(path, args.engine, args.inferlet_args, streamed)
         else:
             with EmbeddedEngine(args.model, engine_args(args), die_with_parent=True) as engine:
-                outcome = run_inferlet(path, engine.address, args.inferlet_args)
+                outcome = _run(path, engine.address, args.inferlet_args, streamed)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write("\n")
     if not outcome["ok"]:
+        if streamed.any:
+            sys.stdout.write("\n")
         print(f"error: {outcome['error']}", file=sys.stderr)
         return 1
     result = outcome["result"]
     if args.json:
+        if streamed.any:
+            sys.stdout.write("\n")
         print(json.dumps(result))
-    elif isinstance(result, dict):
-        for key, value in result.items():
-            if key not in ("text", "token_ids"):
-                print(f"{key}: {json.dumps(value)}", file=sys.stderr)
-    elif result is not None:
-        print(json.dumps(result))
+        return 0
+    print_result(result, streamed.any)
     return 0
+
+
+class _Echo:
+    """The inferlet's stdout passed through to ours as it comes; ``any``: whether it wrote anything."""
+
+    def __init__(self) -> None:
+        self.any = False
+
+    def __call__(self, chunk: bytes) -> None:
+        self.any = self.any or bool(chunk.strip())
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+
+
+def _run(path: Path, address: str, words: list[str], echo: _Echo) -> dict:
+    from ..launcher import run_inferlet
+
+    return run_inferlet(path, address, words, on_output=echo)
+
+
+def _check_address(address: str) -> None:
+    """A LaunchError saying what to do when ``address`` is an ipc:// socket no engine listens on (a client would
+    otherwise wait for it forever)."""
+    from ..launcher import LaunchError
+
+    if address.startswith("ipc://") and not Path(address.removeprefix("ipc://")).exists():
+        raise LaunchError(
+            f"no engine listens on {address} (no such socket file): start one with `pie engine --listen {address}`,"
+            " or leave out --engine and pie run starts one for this run"
+        )
+
+
+def print_result(result, streamed: bool) -> None:
+    """The result for a person: the text when the run streamed none, the other choices' texts, any field the
+    inferlet added, and one line of stats on stderr."""
+    if not isinstance(result, dict):
+        if result is not None:
+            print(json.dumps(result))
+        return
+    text = result.get("text")
+    if isinstance(text, str) and not streamed:
+        sys.stdout.write(text)
+    sys.stdout.write("\n")
+    for i, choice in enumerate((result.get("choices") or [])[1:], start=1):  # choice 0 is the text above
+        if isinstance(choice, dict):
+            print(f"--- choice {i}\n{choice.get('text', '')}")
+    sys.stdout.flush()
+    for key, value in result.items():
+        if key not in SHOWN:
+            print(f"{key}: {json.dumps(value)}", file=sys.stderr)
+    line = stats_line(result)
+    if line:
+        print(line, file=sys.stderr)
+
+
+def stats_line(result: dict) -> str | None:
+    """One readable line of a completion-style result's stats, e.g. ``12 tokens, 9.4 tok/s, 3 rounds,
+    acceptance 0.57 (4 of 7 drafts); prompt 5 tokens, prefill 142 ms; stopped at the token limit``; None when
+    the result carries no stats."""
+    stats = result.get("stats")
+    if not isinstance(stats, dict):
+        return None
+    parts = []
+    if "generated_tokens" in stats:
+        parts.append(f"{stats['generated_tokens']} tokens")
+    if stats.get("decode_tokens_per_s"):
+        parts.append(f"{stats['decode_tokens_per_s']:.1f} tok/s")
+    speculation = result.get("speculation")
+    spec: dict = speculation if isinstance(speculation, dict) else stats
+    if "rounds" in spec:
+        parts.append(f"{spec['rounds']} rounds")
+    if spec.get("proposed"):
+        parts.append(
+            f"acceptance {spec.get('acceptance', 0.0):.2f} ({spec.get('accepted', 0)} of {spec['proposed']} drafts)"
+        )
+    line = ", ".join(parts)
+    prompt = []
+    if "prompt_tokens" in stats:
+        cached = stats.get("cached_tokens") or 0
+        prompt.append(f"prompt {stats['prompt_tokens']} tokens" + (f" ({cached} cached)" if cached else ""))
+    if stats.get("prefill_ms"):
+        prompt.append(f"prefill {stats['prefill_ms']:.0f} ms")
+    if prompt:
+        line += "; " + ", ".join(prompt)
+    finish = _finish(result.get("finish_reason"), result.get("stop_reason"))
+    if finish:
+        line += f"; {finish}"
+    if stats.get("device"):
+        line += f"; {stats['device']}"
+    return line or None
+
+
+def _finish(reason, stop) -> str:
+    """Why the text ended, in words (finish_reason and stop_reason as the OpenAI API and vLLM name them)."""
+    if reason == "length":
+        return "stopped at the token limit"
+    if reason == "stop":
+        return f"stopped at {stop!r}" if stop is not None else "stopped at end of sequence"
+    return f"finished: {reason}" if reason else ""
