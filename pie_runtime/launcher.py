@@ -83,7 +83,11 @@ class EmbeddedEngine:
         if "engine ready" not in line:
             self.proc.wait(timeout=10)
             tail = "".join(self._stderr[-20:]).strip()
-            raise LaunchError(f"the engine did not start: {tail.splitlines()[-1] if tail else 'no output'}")
+            last = tail.splitlines()[-1] if tail else "no output"
+            hint = (
+                "" if "error: " in last else " (PIE_ENGINE_LOG=1 prints its whole log)"
+            )  # its own errors say what to do
+            raise LaunchError(f"the engine did not start: {last}{hint}")
 
     def _drain_stderr(self) -> None:
         assert self.proc.stderr is not None  # PIPE
