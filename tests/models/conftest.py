@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ALL_FAMILIES, write_tiny_checkpoint
 
 from pie_runtime.cli.main import main as pie
 from pie_runtime.models.context import ForwardContext, Segment
@@ -16,6 +15,7 @@ from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.shipped import ensure_default_model
 from pie_runtime.store import LoadedModel, ModelStore, load_model
+from tests.models.tiny_models import ALL_FAMILIES, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
-from test_weights import PAGE, prepared
-from tiny_models import TINY_VOCAB
 
 from pie_runtime.models import llama
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.weights import ACTIVATION_DTYPE
+from tests.models.test_weights import PAGE, prepared
+from tests.models.tiny_models import TINY_VOCAB
 
 A, B, C = [0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]  # 24 keys each
 # (segments as (pages, start, rows), the groups' row spans): prompts first, then the layouts a step runs

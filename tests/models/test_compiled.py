@@ -4,13 +4,13 @@ get the bits 1-row passes give them, as in eager, and the logits stay eager's up
 from __future__ import annotations
 
 import torch
-from test_weights import PAGE, prepared
-from tiny_models import TINY_VOCAB
 
 from pie_runtime.models.compiled import compile_decoder
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.weights import ACTIVATION_DTYPE
+from tests.models.test_weights import PAGE, prepared
+from tests.models.tiny_models import TINY_VOCAB
 
 
 def test_a_compiled_decoder_keeps_rows_batch_invariant_and_close_to_eager(tiny_store):

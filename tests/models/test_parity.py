@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ALL_FAMILIES, TINY_VOCAB, run_chunks
 
 from pie_runtime.models.linear import prepack, unpack
 from pie_runtime.reference import transformers_llama
 from pie_runtime.store import load_model
+from tests.models.tiny_models import ALL_FAMILIES, TINY_VOCAB, run_chunks
 
 # 1e-4 absolute plus float32 rounding relative to the logit (SmolLM2 logits reach ~20, and chunking changes
 # the order of the attention sums)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_weights import PAGE, logits_of, prepared
-from tiny_models import TINY_VOCAB
 
 from pie_runtime.models.context import ForwardContext, Segment, ancestor_mask
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.weights import ACTIVATION_DTYPE
 from pie_runtime.protocol.tree import ancestors, tree_depths
+from tests.models.test_weights import PAGE, logits_of, prepared
+from tests.models.tiny_models import TINY_VOCAB
 
 #          0
 #        / | \

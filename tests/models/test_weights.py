@@ -9,7 +9,6 @@ from typing import cast
 
 import pytest
 import torch
-from tiny_models import FAMILIES, TINY_VOCAB
 
 from pie_runtime.distill.data import find_corpus
 from pie_runtime.models import llama, weights
@@ -27,6 +26,7 @@ from pie_runtime.models.weights import (
 )
 from pie_runtime.reference import transformers_llama
 from pie_runtime.store import load_model
+from tests.models.tiny_models import FAMILIES, TINY_VOCAB
 
 PAGE = 4
 # measured on 1,024 tokens of austen.txt (2 threads): bf16 0.97, int8 0.95, int4 0.97 (int4 runs the GGUF's

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_speculative import Q, T, assert_matches, fails_check
 
 from inferlet.speculative import SpecStats
 from inferlet.tree import (
@@ -19,6 +18,7 @@ from inferlet.tree import (
     verify_tree_sampled,
 )
 from pie_runtime.protocol.tree import fold_path, tree_depths
+from tests.sdk.test_speculative import Q, T, assert_matches, fails_check
 
 TRIALS = 40_000
 

@@ -1,16 +1,9 @@
-"""`pie bench decode`: option parsing, the ratios and the table, the engine's pass-cost line, peak RSS, the
-transformers worker on the tiny model, and one tiny end-to-end run (pie fp32; llama.cpp skipped: the tiny model
-has no GGUF)."""
+"""The parts of the benchmarks (pie_runtime/bench/): the report's ratios and table, the engine's pass-cost line,
+peak RSS, the packaged GGUF llama.cpp runs on, and the transformers worker on the tiny model."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from pydantic import ValidationError
 from rich.console import Console
 
 from pie_runtime.bench.hf_worker import HfJob, measure
@@ -18,33 +11,8 @@ from pie_runtime.bench.llama_cpp_env import LlamaCppUnavailable, packaged_gguf
 from pie_runtime.bench.pie_runs import parse_pass_costs
 from pie_runtime.bench.report import Measured, Report, Row, print_report
 from pie_runtime.bench.rss import peak_rss_mib
-from pie_runtime.cli.bench_decode import DecodeOptions
-from pie_runtime.cli.main import build_parser, main
 from pie_runtime.store import DEFAULT_MODEL
 from tests.conftest import TINY
-
-
-def options(*words: str) -> DecodeOptions:
-    return DecodeOptions.from_args(build_parser().parse_args(["bench", "decode", *words]))
-
-
-def test_options_split_comma_lists_and_keep_defaults():
-    o = options("--formats", "fp32, int4", "--peers", "none", "--tokens", "8", "--threads", "1")
-    assert o.formats == ["fp32", "int4"] and o.peers == [] and o.tokens == 8 and o.threads == 1
-    d = options()
-    assert d.formats == ["fp32", "bf16", "int8", "int4"] and d.peers == ["transformers", "llama.cpp"]
-    assert d.model == DEFAULT_MODEL and d.threads >= 1 and not d.speculation and not d.json_output
-
-
-@pytest.mark.parametrize("words", [["--formats", "fp16"], ["--peers", "vllm"], ["--tokens", "1"], ["--formats", ""]])
-def test_options_refuse_what_cannot_run(words):
-    with pytest.raises(ValidationError):
-        options(*words)
-
-
-def test_cli_reports_a_bad_option_without_running(capsys):
-    assert main(["bench", "decode", "--formats", "fp32,fp8"]) == 2
-    assert "--formats" in capsys.readouterr().err
 
 
 def row(runner: str, variant: str, rate: float, ids: list[int], costs: dict[int, float] | None = None) -> Row:
@@ -99,25 +67,6 @@ def test_the_packaged_gguf_only_for_the_default_model():
     assert packaged_gguf(DEFAULT_MODEL).suffix == ".gguf"
     with pytest.raises(LlamaCppUnavailable, match="no packaged GGUF"):
         packaged_gguf(TINY)
-
-
-def test_tiny_end_to_end(pie_home):
-    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "bench", "decode", "--model", TINY, "--formats", "fp32"]
-    cmd += ["--tokens", "8", "--threads", "1", "--peers", "llama.cpp", "--json"]
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PIE_HOME": str(pie_home)}
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = Report.model_validate(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert report.threads == 1 and report.formats == ["fp32"]
-    rows = {r.label: r for r in report.rows}
-    assert set(rows) == {"pie fp32"}
-    pie = rows["pie fp32"]
-    assert pie.decode_tokens_per_s > 0 and pie.prefill_tokens_per_s and pie.prompt_tokens > 400
-    assert pie.peak_rss_mib and pie.peak_rss_mib > 0 and {1, 8, 16} <= set(pie.pass_cost_ms)
-    assert 0 < pie.generated_tokens <= 8 and pie.vs_llama_cpp is None and pie.vs_transformers_fp32 is None
-    assert [(s.runner, s.variant) for s in report.skipped] == [("llama.cpp", "Q4_1")]
-    assert "llama.cpp Q4_1 skipped: no packaged GGUF" in out.stderr
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

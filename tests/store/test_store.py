@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pie_runtime.cli.main import main as pie
-from pie_runtime.paths import pie_home
 from pie_runtime.store import (
     ImportRefused,
     ModelNotFoundError,
@@ -81,11 +80,6 @@ def refuse(args: list[str], capsys, home: Path, words: str) -> None:
     assert err.startswith("error: ") and "\n" not in err, err
     assert words in err, err
     assert snapshot(home) == before
-
-
-def test_home_defaults(monkeypatch):
-    monkeypatch.delenv("PIE_HOME", raising=False)
-    assert pie_home() == Path.home() / ".cache" / "pie"
 
 
 def test_import_list_info_remove(home, checkpoint, capsys):

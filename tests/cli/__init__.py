@@ -1,0 +1,1 @@
+"""Tests of the command line (pie_runtime/cli/): pie run, pie bench, their output and their errors."""

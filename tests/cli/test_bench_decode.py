@@ -1,0 +1,60 @@
+"""`pie bench decode`: option parsing, and one tiny end-to-end run (pie fp32; llama.cpp skipped: the tiny model
+has no GGUF). Its parts (report, workers) are tested in tests/bench/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from pie_runtime.bench.report import Report
+from pie_runtime.cli.bench_decode import DecodeOptions
+from pie_runtime.cli.main import build_parser, main
+from pie_runtime.store import DEFAULT_MODEL
+from tests.conftest import TINY
+
+
+def options(*words: str) -> DecodeOptions:
+    return DecodeOptions.from_args(build_parser().parse_args(["bench", "decode", *words]))
+
+
+def test_options_split_comma_lists_and_keep_defaults():
+    o = options("--formats", "fp32, int4", "--peers", "none", "--tokens", "8", "--threads", "1")
+    assert o.formats == ["fp32", "int4"] and o.peers == [] and o.tokens == 8 and o.threads == 1
+    d = options()
+    assert d.formats == ["fp32", "bf16", "int8", "int4"] and d.peers == ["transformers", "llama.cpp"]
+    assert d.model == DEFAULT_MODEL and d.threads >= 1 and not d.speculation and not d.json_output
+
+
+@pytest.mark.parametrize("words", [["--formats", "fp16"], ["--peers", "vllm"], ["--tokens", "1"], ["--formats", ""]])
+def test_options_refuse_what_cannot_run(words):
+    with pytest.raises(ValidationError):
+        options(*words)
+
+
+def test_cli_reports_a_bad_option_without_running(capsys):
+    assert main(["bench", "decode", "--formats", "fp32,fp8"]) == 2
+    assert "--formats" in capsys.readouterr().err
+
+
+def test_tiny_end_to_end(pie_home):
+    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "bench", "decode", "--model", TINY, "--formats", "fp32"]
+    cmd += ["--tokens", "8", "--threads", "1", "--peers", "llama.cpp", "--json"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PIE_HOME": str(pie_home)}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = Report.model_validate(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert report.threads == 1 and report.formats == ["fp32"]
+    rows = {r.label: r for r in report.rows}
+    assert set(rows) == {"pie fp32"}
+    pie = rows["pie fp32"]
+    assert pie.decode_tokens_per_s > 0 and pie.prefill_tokens_per_s and pie.prompt_tokens > 400
+    assert pie.peak_rss_mib and pie.peak_rss_mib > 0 and {1, 8, 16} <= set(pie.pass_cost_ms)
+    assert 0 < pie.generated_tokens <= 8 and pie.vs_llama_cpp is None and pie.vs_transformers_fp32 is None
+    assert [(s.runner, s.variant) for s in report.skipped] == [("llama.cpp", "Q4_1")]
+    assert "llama.cpp Q4_1 skipped: no packaged GGUF" in out.stderr

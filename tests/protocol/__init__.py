@@ -1,0 +1,1 @@
+"""Tests of the wire protocol (pie_runtime/protocol/): golden round trips and typed refusals, no engine."""

@@ -1,0 +1,1 @@
+"""Tests of the SDK (sdk/inferlet/) without an engine."""
