@@ -154,9 +154,42 @@ def run(prog, window=3, cells=2):
     return fold, txn
 
 
+def seeded_window(window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the window's rows and its tokens as :class:`FakeFire` draws them, in the order a program
+    reads them (its logits node first)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(window, DIMS.vocab, generator=g)
+    return logits, torch.randint(0, DIMS.vocab, (window,), generator=g)
+
+
+def accepted_prefix(target: torch.Tensor, drafts: torch.Tensor) -> int:
+    return int((target == drafts).int().cumprod(0).sum())
+
+
 def test_the_good_program_runs():
+    """GOOD folds the rows whose argmax equals the window's token, up to the first that does not."""
+    logits, tokens = seeded_window(3)
     fold, _ = run(validate("m", GOOD, DIMS))
-    assert isinstance(fold, int) and 0 <= fold <= 3
+    assert fold == accepted_prefix(logits.argmax(-1), tokens) == 0  # seeded: argmax 45, 9, 22 vs tokens 6, 44, 41
+
+
+class AgreeingFire(FakeFire):
+    """FakeFire whose tokens equal its logits' argmax on every row but the last."""
+
+    def logits(self, rows):
+        self.drawn = super().logits(rows)
+        return self.drawn
+
+    def tokens(self):
+        t = self.drawn.argmax(-1)
+        t[-1] = (t[-1] + 1) % DIMS.vocab
+        return t
+
+
+def test_the_good_program_folds_the_agreeing_rows():
+    chans: list[Channel] = []
+    fold = run_program(validate("m", GOOD, DIMS), AgreeingFire(3), Txn(chans), CPU)
+    assert fold == 2
 
 
 # ---- fuzzing: the validator never crashes, and what it accepts runs with the shapes it inferred ------------
@@ -328,7 +361,12 @@ def test_traced_verify_program_validates_and_accepts_the_agreeing_prefix():
     assert prog.hash == Program(cast(Any, FakeModel()), b.nodes, b.channels).hash
     assert [c for c in b.channels] == [out, window]
     fold, txn = run(prog, window=4)
-    assert isinstance(fold, int) and 1 <= fold <= 4 and len(txn.puts[0]) == 1
+    logits, tokens = seeded_window(4)
+    target = logits.argmax(-1)
+    n = accepted_prefix(target[:3], tokens[1:])
+    assert fold == n + 1 == 1  # seeded: no draft agrees
+    assert len(txn.puts[0]) == 1 and txn.puts[0][0].tolist() == [int(target[0]), -1, -1, -1]
+    assert txn.puts[1][0].tolist() == [int(target[0]), *tokens[1:].tolist()]
 
 
 def test_tracer_refuses_at_the_offending_line():
