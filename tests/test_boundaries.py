@@ -174,6 +174,10 @@ def test_pie_runtime_imports_no_cycle_outside_type_checking():
     assert_no_cycle(files("pie_runtime/**/*.py"), at_run_time=True)
 
 
+def test_the_sdk_imports_no_cycle_outside_type_checking():
+    assert_no_cycle(files("sdk/inferlet/**/*.py"), at_run_time=True)
+
+
 def test_the_cycle_check_sees_lazy_imports_and_skips_type_checking(tmp_path, monkeypatch):
     pkg = tmp_path / "pie_runtime" / "demo"
     pkg.mkdir(parents=True)
