@@ -312,7 +312,12 @@ def load_mtp_head(
         return None
     path = store.path(target.name) / entry.path
     check_mtp(target, path)
-    return MTPHead(serve_drafter(load_mtp(path, dtype, device), weights), model)
+    return MTPHead(serve_drafter(load_mtp(path, dtype, device), weights, native=_native(model)), model)
+
+
+def _native(model) -> bool:
+    """Whether ``model`` runs on the native step (its heads then take float32 hidden states)."""
+    return bool(getattr(model, "attends_natively", False))
 
 
 def heldout_acceptance(training: dict) -> list[float]:
@@ -334,7 +339,7 @@ def load_eagle_head(
         return None
     path = store.path(target.name) / entry.path
     check_eagle(target, path)
-    return EagleHead(serve_drafter(load_eagle(path, dtype, device), weights), model)
+    return EagleHead(serve_drafter(load_eagle(path, dtype, device), weights, native=_native(model)), model)
 
 
 def served_formats(store: ModelStore, names: list[str], default: str, chosen: dict[str, str]) -> dict[str, str]:

@@ -11,15 +11,20 @@ import time
 import torch
 
 from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
+from ..models import native_lib
 from ..models.compiled import compile_decoder
+from ..models.config import ModelConfig
 from ..models.eagle import EagleHead
 from ..models.families import state_shapes
 from ..models.kv_cache import KVCache
 from ..models.linear import prepack
 from ..models.llama import LlamaForCausalLM
 from ..models.mtp import MTPHead
+from ..models.native_model import NativeLlama
+from ..models.native_model import unsupported as native_unsupported
 from ..models.state_cache import StateCache
 from ..models.weights import ACTIVATION_DTYPE, linear_bytes, load_dtype, prepare_for_serving
+from ..native_load import NATIVE_FORMATS, load_native
 from ..protocol.messages import ModelInfo
 from ..store import LoadedModel, ModelStore, load_model
 from .kv_pages import KVPages
@@ -49,7 +54,8 @@ def build_served_model(
     runner, kv = _runner(name, loaded, opts, weights, kv_pages, eagle is not None)
     runner.mtp, runner.eagle = mtp, eagle
     info = _describe(loaded, opts, weights, mtp, eagle, packed_bytes)
-    if opts.compiled:
+    info.kv_bytes = kv.nbytes
+    if opts.compiled and not _native(loaded):
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused by _weights_for for the recurrent families
         t0 = time.perf_counter()
         compile_decoder(loaded.model)
@@ -86,8 +92,14 @@ def _weights_for(name: str, store: ModelStore, opts: ServeOptions) -> str:
 
 
 def _load(name: str, store: ModelStore, opts: ServeOptions, weights: str) -> tuple[LoadedModel, int]:
-    """The model's weights on the device, prepared for serving in ``weights``, and the bytes of the lm head's
-    prepacked copy (0: none)."""
+    """The model's weights on the device, prepared for serving in ``weights`` (on the native step where it runs
+    them: :func:`torch_kernels_reason`), and the bytes of the lm head's prepacked copy (0: none)."""
+    why = torch_kernels_reason(store.get(name).config, weights, opts.device, opts.tensor_parallel)
+    if why is None:
+        if opts.compiled:
+            log.info("%s: the native step is one call a pass; --compile has nothing left to compile", name)
+        return load_native(name, weights, store), 0
+    log.info("%s: %s on torch's kernels (%s)", name, weights, why)
     quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=opts.device, store=store, keep_quantized=quantized)
     prepare_for_serving(loaded.model, weights, loaded.quantized)
@@ -105,7 +117,8 @@ def _heads(
     check_attached(store, loaded.manifest)
     if opts.sharded:
         return None, None
-    dtype, device = ACTIVATION_DTYPE[weights], opts.device
+    # the heads of a model on the native step take its float32 hidden states
+    dtype, device = torch.float32 if _native(loaded) else ACTIVATION_DTYPE[weights], opts.device
     mtp = load_mtp_head(store, loaded.manifest, loaded.model, dtype, device, weights)
     eagle = load_eagle_head(store, loaded.manifest, loaded.model, dtype, device, weights)
     return mtp, eagle
@@ -168,7 +181,8 @@ def _describe(
         eagle_acceptance=heldout_acceptance(eagle.module.config.training) if eagle is not None else [],
         prepacked_bytes=packed_bytes,
         weights=weights,
-        weight_bytes=linear_bytes(loaded.model),
+        weight_bytes=loaded.model.weight_bytes if isinstance(loaded.model, NativeLlama) else linear_bytes(loaded.model),
+        kernels=f"native {native_lib.variant()}" if _native(loaded) else "torch",
         family=cfg.family,
         recurrent=cfg.recurrent,
         state_slots=opts.state_slots if shapes else 0,
@@ -187,10 +201,28 @@ def _time_passes(
     if not opts.pass_cost_rows:
         return ""
     device = torch.device(opts.device)
+    fmt = f"{weights} ({info.kernels})" if _native(loaded) else weights  # a curve per kernel set
     key = curve_key(
-        loaded.manifest, weights, device, opts.pass_cost_rows, opts.page_size, opts.compiled, opts.tensor_parallel
+        loaded.manifest, fmt, device, opts.pass_cost_rows, opts.page_size, opts.compiled, opts.tensor_parallel
     )
     info.pass_cost_ms, costs_from = pass_costs(runner, kv_pages, key, opts.pass_cost_cache)
     info.mtp_step_ms = measure_mtp_step_ms(runner)
     info.eagle_step_ms = measure_eagle_step_ms(runner, kv_pages)
     return costs_from
+
+
+def torch_kernels_reason(cfg, weights: str, device: str, tensor_parallel: int) -> str | None:
+    """Why a model of ``cfg`` in ``weights`` runs on torch's kernels rather than the native step (None: native)."""
+    if weights not in NATIVE_FORMATS:
+        return f"--weights {weights}: the native step runs {' and '.join(NATIVE_FORMATS)}"
+    if torch.device(device).type != "cpu":
+        return f"the native step runs on CPUs, not {device}"
+    if tensor_parallel > 1:
+        return "--tensor-parallel shards torch's layers"
+    if not isinstance(cfg, ModelConfig):
+        return f"the native step runs the Llama family, not {cfg.family}"
+    return native_unsupported(cfg) or native_lib.unavailable_reason()
+
+
+def _native(loaded: LoadedModel) -> bool:
+    return isinstance(loaded.model, NativeLlama)

@@ -79,7 +79,8 @@ class ModelRunner:
         docstring)."""
         if self.state is not None:  # slot → its live entry; a segment of no working set runs on the scratch
             segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
-        ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions)
+        native = getattr(self.model, "attends_natively", False)  # reads the page tables itself: no torch groups
+        ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions, torch_groups=not native)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             hidden = self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]

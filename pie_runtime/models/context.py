@@ -62,8 +62,9 @@ class AttentionGroup:
 class ForwardContext:
     positions: torch.Tensor  # (N,) int64 RoPE position of each row
     write_slots: torch.Tensor  # (N,) int64 slot each row's K/V is written to
-    groups: tuple[AttentionGroup, ...]
+    groups: tuple[AttentionGroup, ...]  # () when built for a model that attends natively (``torch_groups=False``)
     states: StateLayout | None = None  # each segment's recurrent state, when its segments name one
+    segments: tuple[Segment, ...] = ()  # the pass's segments, rows in this order
 
     @staticmethod
     def build(
@@ -71,9 +72,12 @@ class ForwardContext:
         page_size: int,
         device: torch.device | str = "cpu",
         positions: list[int] | None = None,
+        torch_groups: bool = True,
     ) -> ForwardContext:
         """Lay out ``segments`` (rows concatenated in this order). ``positions`` defaults to each row's
-        sequence index; a caller may pass others (RoPE only; attention stays causal over the page table)."""
+        sequence index; a caller may pass others (RoPE only; attention stays causal over the page table).
+        ``torch_groups=False`` skips the padded attention groups (and their masks) of torch's attention, for a
+        model that reads the segments' page tables itself (models/native_model.py)."""
         write_slots: list[int] = []
         seq_index: list[int] = []
         row_start: list[int] = []
@@ -96,7 +100,8 @@ class ForwardContext:
         long = [i for i, s in enumerate(segments) if s.n_rows > SHORT_SEGMENT_ROWS]
         plans = ([short] if short else []) + [[i] for i in long]
         groups = tuple(
-            _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device) for plan in plans
+            _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device)
+            for plan in (plans if torch_groups else [])
         )
         entries = [s.state for s in segments]
         states = None
@@ -113,6 +118,7 @@ class ForwardContext:
             write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             groups=groups,
             states=states,
+            segments=tuple(segments),
         )
 
 

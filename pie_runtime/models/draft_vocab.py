@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .native_linear import PackedLinear
 from .quant import Int8Linear
 
 
@@ -63,14 +64,15 @@ class DraftLogits:
         self.vocab_size = vocab_size
         self.ids = ids
         self.weight: torch.Tensor | None = None  # the slice's rows, dense (a float or a non-CPU head)
-        self.int8: Int8Linear | None = None  # or the served int8 head's own rows (a CPU int8 head)
+        # or the served head's own rows (a CPU int8 head, a native one): the head's bits for those rows
+        self.rows: Int8Linear | PackedLinear | None = None
         if ids is not None:
             p = next(iter(lm_head.buffers()), None)
             p = next(iter(lm_head.parameters()), p)
             device = p.device if p is not None else torch.device("cpu")
             self.ids = ids.to(device=device, dtype=torch.int64)
-            if isinstance(lm_head, Int8Linear) and lm_head.on_cpu:
-                self.int8 = lm_head.rows(self.ids)
+            if isinstance(lm_head, PackedLinear) or (isinstance(lm_head, Int8Linear) and lm_head.on_cpu):
+                self.rows = lm_head.rows(self.ids)
             else:
                 dtype = p.dtype if p is not None and p.is_floating_point() else torch.bfloat16
                 full = served_head_weight(lm_head, hidden_size, dtype, device)
@@ -87,9 +89,9 @@ class DraftLogits:
 
     def slice_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) normed hidden states → (..., N) logits of the slice's tokens, in the head's own dtype."""
-        if self.int8 is not None:
-            return self.int8(hidden.to(torch.bfloat16))
-        assert self.weight is not None  # a slice without the int8 rows has dense ones
+        if self.rows is not None:
+            return self.rows(hidden.to(self.rows.input_dtype))
+        assert self.weight is not None  # a slice without the head's own rows has dense ones
         return hidden.to(self.weight.dtype) @ self.weight.T
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:

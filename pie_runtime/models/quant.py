@@ -224,6 +224,7 @@ class _QuantLinear(nn.Module):
     weight in bfloat16 and ``F.linear``."""
 
     bits: int
+    input_dtype = torch.bfloat16  # what forward takes
     weight: torch.Tensor  # other devices: the dequantized bf16 weight
     bias: torch.Tensor | None
 

@@ -105,7 +105,7 @@ def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQua
     return model
 
 
-def serve_drafter(module: DrafterModule, fmt: str) -> DrafterModule:
+def serve_drafter(module: DrafterModule, fmt: str, native: bool = False) -> DrafterModule:
     """A drafter module (an MTP or EAGLE head) beside a target served in ``fmt``, in place: in int8 and int4
     every projection becomes an int8 layer, one by one (unfused); fp32 and bf16 keep it as loaded. A draft step
     at one row reads its weights once, so its cost follows their bytes: int8 makes the default model's MTP step
@@ -113,8 +113,19 @@ def serve_drafter(module: DrafterModule, fmt: str) -> DrafterModule:
     and a few layers carry their rounding straight to the drafts (a 4-layer draft model does not survive int4
     at all; README); the MTP head's first-draft agreement in int8 stays near bf16's (docs/performance.md,
     "Drafter heads beside an int8/int4 target").
-    Exactness does not depend on it: verification keeps only what the target chooses."""
+    Exactness does not depend on it: verification keeps only what the target chooses. Beside a target on the
+    native step (``native``: float32 hidden states) the projections become the native 8-bit layers instead
+    (Q8_0, :class:`~.native_linear.PackedLinear`), float32 in and out."""
     if fmt not in ("int8", "int4"):
+        return module
+    if native:
+        from .native_linear import PackedLinear, PackedWeight
+
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    packed = PackedWeight.from_float(child.weight.detach(), 8)
+                    setattr(parent, name, PackedLinear(packed, None if child.bias is None else child.bias.detach()))
         return module
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -322,6 +322,8 @@ class ModelInfo(BaseModel):
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
     weight_bytes: int = 0  # bytes of the projections and lm head as served
+    kernels: str = "torch"  # what runs the passes: "native <ISA variant>" (models/native_model.py) or "torch"
+    kv_bytes: int = 0  # bytes of the KV pool, allocated at start
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
     family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)
     recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran restores it

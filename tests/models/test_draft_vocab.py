@@ -136,7 +136,7 @@ def test_a_head_served_beside_an_int4_target_runs_int8_layers_that_compute_its_q
     served = MTPHead(serve_drafter(module.to(torch.bfloat16), "int4"), t)
     assert not any(isinstance(m, torch.nn.Linear) for m in served.module.modules())
     assert any(isinstance(m, Int8Linear) for m in served.module.modules())
-    assert isinstance(served.logits.int8, Int8Linear)  # the slice of the int8 head stays int8
+    assert isinstance(served.logits.rows, Int8Linear)  # the slice of the int8 head stays int8
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     sliced = served.logits.ids
     assert sliced is not None and torch.equal(served.logits(x)[:, sliced], t.logits(x)[:, sliced])  # its own rows

@@ -1,0 +1,173 @@
+"""A linear layer on the native integer-dot kernel (``kernels/native/qmatmul.h``): the weight kept as GGUF-style
+blocks of 32 (4-bit Q4_0/Q4_1 values, or 8-bit Q8_0) repacked at load into the kernel's x8 layout, and the
+activations quantized to 8 bits per block of 32 inside the call. Float32 in, float32 out.
+
+:class:`PackedWeight` is the weight itself, also what the native decoder step reads; :class:`PackedLinear` the
+module around it (the lm head, a drafter's projections). A tied embedding table is one of these too: its rows
+come back dequantized (:meth:`PackedWeight.rows`), so the table is kept once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import native_lib
+from .quant import GroupQuant, QuantError
+
+Q4, Q8 = 0, 1  # the kernel's weight kinds
+BLOCK = 32
+
+
+def _lib() -> ctypes.CDLL:
+    lib = native_lib.library()
+    if lib is None:
+        raise QuantError(f"the native kernels are not available here ({native_lib.unavailable_reason()})")
+    return lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 of a float (N, K) weight, K a multiple of 32: int8 values and float16 scales (N, K / 32),
+    ``d = max|w| / 127`` a block and ``q = round(w / d)`` (as llama.cpp's ``quantize_row_q8_0``)."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise QuantError(f"Q8_0 needs rows of whole blocks of {BLOCK}, not {k}")
+    g = w.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
+    d = g.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = (g * inv.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d.to(torch.float16)
+
+
+@dataclass
+class PackedWeight:
+    """An (n, k) weight in the kernel's x8 layout: ``data`` uint8, ``kind`` Q4 or Q8."""
+
+    data: torch.Tensor
+    kind: int
+    n: int
+    k: int
+
+    @staticmethod
+    def pack_q4(packed_q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
+        """From the store's 4-bit form: q (n, k / 2) uint8, two values a byte, low nibble first; d and m
+        (n, k / 32) float16 (Q4_0: m = -8 d)."""
+        lib = _lib()
+        n, k = packed_q.shape[0], packed_q.shape[1] * 2
+        _check(n, k, d, m)
+        q, d, m = packed_q.contiguous(), d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous()
+        out = torch.empty(lib.pie_packed_bytes(Q4, n, k), dtype=torch.uint8)
+        lib.pie_pack_q4(_ptr(q), _ptr(d), _ptr(m), n, k, _ptr(out))
+        return PackedWeight(out, Q4, n, k)
+
+    @staticmethod
+    def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
+        """From Q8_0's values: q (n, k) int8, d (n, k / 32) float16."""
+        lib = _lib()
+        n, k = q.shape
+        _check(n, k, d)
+        q, d = q.to(torch.int8).contiguous(), d.to(torch.float16).contiguous()
+        out = torch.empty(lib.pie_packed_bytes(Q8, n, k), dtype=torch.uint8)
+        lib.pie_pack_q8(_ptr(q), _ptr(d), n, k, _ptr(out))
+        return PackedWeight(out, Q8, n, k)
+
+    @staticmethod
+    def from_group_quant(gq: GroupQuant) -> PackedWeight:
+        """A GroupQuant of 4-bit blocks of 32 as it is; 8-bit blocks of 32 as they are; anything else (8-bit per
+        channel) requantized to Q8_0 from its float value."""
+        if gq.group == BLOCK and gq.bits == 4:
+            return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
+        if gq.group == BLOCK and gq.bits == 8 and gq.symmetric:
+            return PackedWeight.pack_q8(gq.q, gq.d)
+        return PackedWeight.pack_q8(*quantize_q8_0(gq.dequantize()))
+
+    @staticmethod
+    def from_float(w: torch.Tensor, bits: int) -> PackedWeight:
+        """A float weight quantized here: 4-bit as GGUF's Q4_1, 8-bit as Q8_0."""
+        if bits == 4:
+            from .quant import quantize_int4
+
+            return PackedWeight.from_group_quant(quantize_int4(w, BLOCK))
+        return PackedWeight.pack_q8(*quantize_q8_0(w))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """(m, k) → (m, n) float32."""
+        lib = _lib()
+        x = x.to(torch.float32).contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        if m:
+            scratch = torch.empty(lib.pie_qmatmul_scratch(m, self.k), dtype=torch.uint8)
+            lib.pie_qmatmul(_ptr(self.data), self.kind, self.n, self.k, _ptr(x), m, _ptr(y), _ptr(scratch))
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(count,) int64 row ids → (count, k) float32, the rows dequantized (an embedding lookup)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        _lib().pie_dequant_rows(_ptr(self.data), self.kind, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
+        return out
+
+    def select(self, ids: torch.Tensor) -> PackedWeight:
+        """The rows ``ids`` as a weight of their own: the same values and scales, the same outputs bit for bit."""
+        lib = _lib()
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n):
+            raise QuantError(f"row ids outside 0..{self.n - 1}")
+        out = torch.empty(lib.pie_packed_bytes(self.kind, ids.numel(), self.k), dtype=torch.uint8)
+        lib.pie_select_rows(_ptr(self.data), self.kind, self.k, _ptr(ids), ids.numel(), _ptr(out))
+        return PackedWeight(out, self.kind, ids.numel(), self.k)
+
+
+def _check(n: int, k: int, *scales: torch.Tensor) -> None:
+    if k % BLOCK:
+        raise QuantError(f"the native kernels need rows of whole blocks of {BLOCK}, not {k}")
+    for s in scales:
+        if tuple(s.shape) != (n, k // BLOCK):
+            raise QuantError(f"block scales of shape {tuple(s.shape)} for a {n}x{k} weight")
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ w.T (+ bias)`` on :class:`PackedWeight`, float32 (any float input) → float32."""
+
+    input_dtype = torch.float32
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed = weight
+        self.register_buffer("data", weight.data, persistent=False)  # counted with the module's buffers
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.out_features, self.in_features = weight.n, weight.k
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer {self.in_features}")
+        lead = x.shape[:-1]
+        y = self.packed.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> PackedLinear:
+        """The layer computing only the output rows ``ids`` (a drafter's slice of the lm head), bit for bit the
+        same outputs. No bias."""
+        return PackedLinear(self.packed.select(ids))
+
+    def extra_repr(self) -> str:
+        kind = "q4" if self.packed.kind == Q4 else "q8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
