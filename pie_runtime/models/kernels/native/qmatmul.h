@@ -125,10 +125,17 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
         }
     }
     const long n0 = g * 8, n = w->n - n0 < 8 ? w->n - n0 : 8;
+    const __m256 bv = bias && n == 8 ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
     for (int r = 0; r < R; r++) {
+        float *yr = y + (m0 + r) * ldy + n0;
+        if (n == 8) { /* a whole group: one vector (+ bias, then + y) in this order, as the tail below */
+            __m256 v = bias ? _mm256_add_ps(acc[r], bv) : acc[r];
+            if (add) v = _mm256_add_ps(_mm256_loadu_ps(yr), v);
+            _mm256_storeu_ps(yr, v);
+            continue;
+        }
         float o[8];
         _mm256_storeu_ps(o, acc[r]);
-        float *yr = y + (m0 + r) * ldy + n0;
         for (long j = 0; j < n; j++) {
             const float v = bias ? o[j] + bias[n0 + j] : o[j];
             yr[j] = add ? yr[j] + v : v;
