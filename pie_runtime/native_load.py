@@ -62,7 +62,8 @@ class _Reader:
         return _Stored(kind=kind, parts=(q, d, m))
 
     def float32(self, name: str) -> torch.Tensor:
-        return self._tensor(name).detach().float().contiguous()
+        # a copy, always: a tensor read from the file may map it, and one kept would keep the whole file mapped
+        return self._tensor(name).detach().to(torch.float32, copy=True).contiguous()
 
 
 def _pack(parts: list[_Stored], fmt: str) -> PackedWeight:
@@ -83,10 +84,49 @@ def _bias(reader: _Reader, names: list[str]) -> torch.Tensor | None:
     return torch.cat([reader.float32(n) for n in names])
 
 
+class _FileTensors:
+    """The tensors of a safetensors file, each read into memory of its own when asked for. safetensors' own
+    reader maps the whole file, and the mapping stays resident (in the process's RSS) until every tensor read
+    from it is gone: reading tensor by tensor keeps the load's peak near what is kept."""
+
+    _DTYPES = {
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "I32": torch.int32,
+        "I64": torch.int64,
+        "BOOL": torch.bool,
+    }
+
+    def __init__(self, path):
+        import json
+
+        self.file = open(path, "rb")  # noqa: SIM115 - closed by close(), after the last tensor
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header = json.loads(self.file.read(size))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        self.file.seek(self.data_start + begin)
+        if self.file.readinto(memoryview(out.numpy())) != end - begin:
+            raise StoreError(f"tensor {name} is cut short in {self.file.name}")
+        return out.view(self._DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedModel:
     """The stored model ``name`` on the native step in ``fmt`` (int4 or int8), checked against its digests."""
-    from safetensors import safe_open
-
     if fmt not in NATIVE_FORMATS:
         raise ValueError(f"the native step serves {', '.join(NATIVE_FORMATS)}, not {fmt}")
     store = store or ModelStore()
@@ -98,8 +138,11 @@ def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedM
     if why is not None:
         raise StoreError(f"model {name!r} does not fit the native step: {why}")
     folder = store.path(name)
-    with safe_open(str(folder / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+    f = _FileTensors(folder / WEIGHTS_FILE)
+    try:
         model = _build(cfg, _Reader(f, dict(manifest.quantized)), fmt)
+    finally:
+        f.close()
     return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE)  # type: ignore[arg-type]
 
 

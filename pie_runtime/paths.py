@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
-# $PIE_HOME/cache/<kind>: built kernels (models/cpu_kernels.py), pass-cost curves (engine/pass_cost_cache.py),
-# the teacher data of drafter training (cli/drafter.py)
+# $PIE_HOME/cache/<kind>: built kernels (models/cpu_kernels.py, models/native_lib.py), pass-cost curves
+# (engine/pass_cost_cache.py), the teacher data of drafter training (cli/drafter.py)
 CacheKind = Literal["kernels", "pass_costs", "distill"]
 
 

@@ -192,6 +192,7 @@ def run_engine(args) -> int:
         return 2
     for s in served:
         _print_model(s)
+    print(_memory_line(served, args.program_memory), file=sys.stderr, flush=True)
     pools = ", ".join(f"{s.name}: {s.pages.total} pages x {s.info.page_size}" for s in served)
     print(f"pie engine ready on {args.listen} ({pools})", flush=True)
     server.serve_forever()
@@ -269,6 +270,7 @@ def _print_model(s: ServedModel) -> None:
         say(f"pass costs {s.pass_costs_from}")
     compiled = f", decoder compiled in {info.compile_s:.1f} s" if info.compile_s else ""
     say(f"weights {info.weights} ({info.weight_bytes >> 20} MiB of projections and lm head){compiled}")
+    say(f"kernels {info.kernels}")
     if info.state_slots:
         per_row = info.per_row_states
         fold = f"fold per-row (up to {per_row} rows, then replay)" if per_row else "fold by replay"
@@ -279,3 +281,15 @@ def _print_model(s: ServedModel) -> None:
         )
     if info.prepacked_bytes:
         say(f"lm head prepacked for multi-row readouts (+{info.prepacked_bytes >> 20} MiB)")
+
+
+def _memory_line(served: list[ServedModel], program_mib: int) -> str:
+    """The engine's memory at start by part: the weights as served, the KV pools as allocated (their pages
+    become resident as they fill), the epilogue programs' limit, and the process's resident set."""
+    from ..bench.rss import rss_mib
+
+    weights = sum(s.info.weight_bytes for s in served) / 2**20
+    kv = sum(s.info.kv_bytes for s in served) / 2**20
+    rss = rss_mib()
+    rest = f", process RSS {rss:.0f} MiB (weights, touched KV pages, torch, Python)" if rss is not None else ""
+    return f"memory: weights {weights:.0f} MiB, KV pool {kv:.0f} MiB allocated, programs up to {program_mib} MiB{rest}"

@@ -12,7 +12,6 @@ import torch
 
 from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
 from ..models import native_lib
-from ..models.compiled import compile_decoder
 from ..models.config import ModelConfig
 from ..models.eagle import EagleHead
 from ..models.families import state_shapes
@@ -58,6 +57,8 @@ def build_served_model(
     if opts.compiled and not _native(loaded):
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused by _weights_for for the recurrent families
         t0 = time.perf_counter()
+        from ..models.compiled import compile_decoder  # torch.compile's import alone holds ~80 MiB: only for --compile
+
         compile_decoder(loaded.model)
         warm_up(runner, kv_pages)
         info.compile_s = round(time.perf_counter() - t0, 1)
@@ -182,7 +183,7 @@ def _describe(
         prepacked_bytes=packed_bytes,
         weights=weights,
         weight_bytes=loaded.model.weight_bytes if isinstance(loaded.model, NativeLlama) else linear_bytes(loaded.model),
-        kernels=f"native {native_lib.variant()}" if _native(loaded) else "torch",
+        kernels=_kernels(loaded, weights, opts),
         family=cfg.family,
         recurrent=cfg.recurrent,
         state_slots=opts.state_slots if shapes else 0,
@@ -222,6 +223,12 @@ def torch_kernels_reason(cfg, weights: str, device: str, tensor_parallel: int) -
     if not isinstance(cfg, ModelConfig):
         return f"the native step runs the Llama family, not {cfg.family}"
     return native_unsupported(cfg) or native_lib.unavailable_reason()
+
+
+def _kernels(loaded: LoadedModel, weights: str, opts: ServeOptions) -> str:
+    if _native(loaded):
+        return f"native {native_lib.variant()}"
+    return f"torch ({torch_kernels_reason(loaded.model.config, weights, opts.device, opts.tensor_parallel)})"
 
 
 def _native(loaded: LoadedModel) -> bool:

@@ -11,9 +11,20 @@ slower strided copy per head: docs/performance.md, "KV pool layout").
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .config import AnyConfig
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor; on the CPU its pages become resident only when written (the kernel's zero pages behind a
+    large calloc, through numpy), so a pool sized for many sequences costs memory only as they fill it."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+    return torch.from_numpy(raw).view(dtype)
 
 
 class KVCache:
@@ -29,8 +40,8 @@ class KVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (cfg.kv_layers + extra_layers, cfg.num_key_value_heads, num_pages * page_size, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
 
     @staticmethod
     def bytes_per_page(cfg: AnyConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:

@@ -9,7 +9,7 @@ compiler is found, or ``PIE_CPU_KERNELS=torch`` declines them, the models run to
 why, once. ``PIE_NATIVE_VARIANT=NAME`` picks a lower variant than the CPU's best (the tests run each);
 ``PIE_NATIVE_PROFILE=1`` builds the step with per-stage timers (:func:`stage_times`).
 
-The libraries land in the kernel cache (``$PIE_HOME/cache/kernels``), named by variant and by the digest of the
+The libraries land in the kernel cache (``paths.cache_dir("kernels")``), named by variant and by the digest of the
 sources and flags. Their OpenMP runtime is torch's own ``libgomp.so.1`` (torch loads it first, so the dynamic
 loader hands the library the same one): ``torch.set_num_threads`` governs both, one thread pool.
 """
@@ -27,6 +27,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..paths import cache_dir
 
 log = logging.getLogger("pie.kernels")
 
@@ -146,10 +148,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded library of this process's variant, or None (the reason logged once)."""
     choice = _variant()
     if isinstance(choice, Variant):
-        from ..store import pie_home
-
         try:
-            lib = ctypes.CDLL(str(build(choice, pie_home() / "cache" / "kernels")))
+            lib = ctypes.CDLL(str(build(choice, cache_dir("kernels"))))
         except (OSError, subprocess.CalledProcessError) as e:
             stderr = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) and e.stderr else ""
             global _failure
