@@ -117,7 +117,7 @@ class _FileTensors:
         begin, end = entry["data_offsets"]
         out = torch.empty(end - begin, dtype=torch.uint8)
         self.file.seek(self.data_start + begin)
-        if self.file.readinto(memoryview(out.numpy())) != end - begin:
+        if self.file.readinto(out.numpy().data) != end - begin:
             raise StoreError(f"tensor {name} is cut short in {self.file.name}")
         return out.view(self._DTYPES[entry["dtype"]]).reshape(entry["shape"])
 

@@ -142,6 +142,7 @@ class PackedLinear(nn.Module):
     """``y = x @ w.T (+ bias)`` on :class:`PackedWeight`, float32 (any float input) → float32."""
 
     input_dtype = torch.float32
+    bias: torch.Tensor | None
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()

@@ -175,12 +175,13 @@ class NativeLlama(nn.Module):
             raise ValueError(f"the native step reads a contiguous bfloat16 or float32 pool, not {kv.k.dtype}")
         keep: list = []
 
-        def arr(ts: list[torch.Tensor | None]) -> ctypes.Array | None:
-            if all(t is None for t in ts):
-                return None
+        def keep_ptrs(ts: list[torch.Tensor | None]) -> ctypes.Array:
             a = _ptr_array(ts)
             keep.append(a)
             return a
+
+        def arr(ts: list[torch.Tensor | None]) -> ctypes.Array | None:
+            return None if all(t is None for t in ts) else keep_ptrs(ts)
 
         m = _Model(
             layers=cfg.num_hidden_layers,
@@ -195,7 +196,7 @@ class NativeLlama(nn.Module):
             kv_slots=kv.k.shape[2],
         )
         for i, name in enumerate(("qkv", "o", "gate_up", "down")):
-            m.w[i] = ctypes.cast(arr([getattr(x, name).data for x in layers]), _PP)
+            m.w[i] = ctypes.cast(keep_ptrs([getattr(x, name).data for x in layers]), _PP)
         fields = {
             "qkv_bias": [x.qkv_bias for x in layers],
             "o_bias": [x.o_bias for x in layers],
