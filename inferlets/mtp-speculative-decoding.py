@@ -52,7 +52,9 @@ from inferlet.tree import TokenTree, TreeVerdict, parse_shape, shape_rows
 
 
 class Args(DecodeArgs):
-    draft_length: int  # required: at most the model's MTP depth
+    # at most the model's MTP depth; unset: that depth, the chain the head was trained and measured for (with the
+    # adaptive schedule, the default, the planner then drafts up to it a round as the head's record says pays)
+    draft_length: int | None = Field(default=None, ge=0)
     run_ahead: bool = False  # greedy: the whole loop in the engine
     tree: str | None = None  # widths per depth, e.g. "3,2,1": draft a tree of the head's top-k per depth
     lookup: int = Field(default=0, ge=0)  # > 0: prompt-lookup drafts of up to this many tokens where they match
@@ -146,15 +148,19 @@ async def main(args: Args) -> dict:
     if args.lookup and (args.tree or args.run_ahead):
         raise ArgumentError("--lookup drafts chains on the host: it does not combine with --tree or --run-ahead")
     model = inferlet.model()
-    model.require_mtp(args.draft_length)
+    if args.draft_length is None:
+        model.require_mtp(1)  # says how to attach a head when there is none
+    k = model.mtp_depth if args.draft_length is None else args.draft_length
+    model.require_mtp(k)
+    args = args.model_copy(update={"draft_length": k})
     widths = parse_shape(args.tree) if args.tree else None
     if widths is not None:
         model.require_mtp(len(widths))
     if args.run_ahead and args.n == 1 and not args.ignore_eos and widths is None:
-        return await mtp_run_ahead(model, args, MTPDrafter(args.draft_length), args.draft_length)
-    most = max(args.draft_length, args.lookup) if args.draft_length else 0  # --draft-length 0: plain steps
+        return await mtp_run_ahead(model, args, MTPDrafter(k), k)
+    most = max(k, args.lookup) if k else 0  # --draft-length 0: plain steps
 
     def drafter(a: Args) -> MTPDrafter:
-        return MTPDrafter(a.draft_length, model.mtp_step_ms, widths, a.lookup, model.mtp_acceptance)
+        return MTPDrafter(k, model.mtp_step_ms, widths, a.lookup, model.mtp_acceptance)
 
     return await run_choices(model, args, lambda a, ws: speculate(model, a, drafter(a), most, ws=ws))

@@ -140,6 +140,7 @@ def test_pie_run_unknown_inferlet_is_one_line_error():
     ("inferlet", "words", "says"),
     [
         ("mtp-speculative-decoding", ["--draft-length", "2"], ["has no MTP head", "pie model drafter attach"]),
+        ("mtp-speculative-decoding", [], ["has no MTP head", "pie model drafter attach"]),
         ("draft-model-speculative-decoding", [], ["has no draft model attached", "pie drafter train"]),
         ("draft-model-speculative-decoding", ["--draft", "nope"], ["serves no model 'nope'"]),
     ],

@@ -105,6 +105,22 @@ def test_mtp_greedy_equals_text_completion(spec_engine, reference):
     assert all(s["proposed"] <= draft_length * s["rounds"] for s in stats)
 
 
+def test_mtp_draft_length_defaults_to_the_head_depth(spec_engine, reference):
+    """Without --draft-length the inferlet drafts as deep as the attached head was trained (its MTP depth):
+    with the fixed schedule every drafting round proposes that many, and the output is still the target's."""
+    got = call_many(
+        spec_engine.address,
+        "mtp-speculative-decoding",
+        [{**p, "max_tokens": MAX, "draft_schedule": "fixed"} for p in PROMPTS],
+    )
+    for want, res in zip(reference, got):
+        assert res["token_ids"] == want["token_ids"]
+    stats = [r["stats"] for r in got]
+    assert max(len(s["acceptance_per_position"]) for s in stats) == MTP_DEPTH
+    assert sum(s["proposed"] for s in stats) > 0
+    assert all(s["proposed"] <= MTP_DEPTH * s["rounds"] for s in stats)
+
+
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
 def test_mtp_with_prompt_lookup_greedy_equals_text_completion(spec_engine, reference, schedule):
     """--lookup: rounds whose last tokens occurred earlier draft what followed them (longer than the head's
