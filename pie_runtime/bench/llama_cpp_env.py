@@ -1,8 +1,11 @@
 """llama-cpp-python for `pie bench decode`, installed on demand into a venv in a cache outside the repository
 (``$PIE_LLAMA_CPP_DIR``, default ``~/.cache/pie/llama-cpp``), and the packaged GGUF it runs.
 
-The default build (``-DGGML_NATIVE=ON``) dies with "Illegal instruction" on these CPUs, so it is built with the
-flags in ``CMAKE_ARGS`` (about 10 minutes on 2 cores; its log is kept in the cache). A second bench waits for
+The default build (``-DGGML_NATIVE=ON``) died with "Illegal instruction" on some of these machines' CPUs, so it
+is built with explicit options for what ``/proc/cpuinfo`` says the CPU has (:func:`cmake_args`): AVX2 always,
+and AVX-512 with VNNI and BF16, and AVX-VNNI, where present, as our native kernels pick theirs; not AMX, whose
+matmul died with SIGILL. One build per option set, in its own folder of the cache (about 10 minutes on 2 cores;
+its log is kept there). A second bench waits for
 a build in progress (a file lock) instead of starting another. Every failure is an ``LlamaCppUnavailable``
 whose message says why, for the bench's "llama.cpp skipped: ..." line.
 """
@@ -20,7 +23,14 @@ from pathlib import Path
 from ..store import DEFAULT_MODEL, PACKAGED
 
 VERSION = "0.3.36"
-CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+BASE_CMAKE_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
+# (the CPU flags a set of options needs, the options); the AVX-512 ones only with all of F, BW, VL
+OPTIONAL_CMAKE_ARGS = (
+    (("avx512f", "avx512bw", "avx512vl"), ("-DGGML_AVX512=ON",)),
+    (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), ("-DGGML_AVX512_VNNI=ON",)),
+    (("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), ("-DGGML_AVX512_BF16=ON",)),
+    (("avx_vnni",), ("-DGGML_AVX_VNNI=ON",)),
+)  # not AMX: ggml 0.25's AMX matmul dies with SIGILL on a prompt (seen on a Xeon with amx_int8, 2026-12-05)
 BUILD_TIMEOUT_S = 3600
 WORKER = Path(__file__).with_name("llama_worker.py")
 
@@ -29,8 +39,23 @@ class LlamaCppUnavailable(RuntimeError):
     """llama.cpp cannot run here; the message is the reason, one line."""
 
 
+def cmake_args(cpu: set[str]) -> tuple[str, ...]:
+    """llama.cpp's build options for a CPU with the /proc/cpuinfo ``cpu`` flags; AVX-512 off unless it has it."""
+    extra = [opt for need, opts in OPTIONAL_CMAKE_ARGS if all(f in cpu for f in need) for opt in opts]
+    return (*BASE_CMAKE_ARGS, *(extra or ["-DGGML_AVX512=OFF"]))
+
+
+def build_name(args: tuple[str, ...]) -> str:
+    """The cache folder of one flag set: "avx2", or "avx2" and the options added ("avx2+avx512+...")."""
+    added = [a.removeprefix("-DGGML_").removesuffix("=ON").lower() for a in args[len(BASE_CMAKE_ARGS) :] if "=ON" in a]
+    return "+".join(["avx2", *added])
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("PIE_LLAMA_CPP_DIR") or Path.home() / ".cache" / "pie" / "llama-cpp")
+    from ..models.native_lib import cpu_flags
+
+    root = Path(os.environ.get("PIE_LLAMA_CPP_DIR") or Path.home() / ".cache" / "pie" / "llama-cpp")
+    return root / build_name(cmake_args(cpu_flags()))
 
 
 def venv_python(root: Path | None = None) -> Path:
@@ -74,7 +99,11 @@ def ensure_llama_cpp(progress: Callable[[str], None] = print) -> Path:
             if made.returncode != 0:
                 raise LlamaCppUnavailable(f"cannot make a venv in {root}: {made.stderr.strip()[-300:]}")
         progress(f"building llama-cpp-python {VERSION} into {root} (about 10 minutes on 2 cores; log {log})")
-        env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        from ..models.native_lib import cpu_flags
+
+        flags = " ".join(cmake_args(cpu_flags()))
+        progress(f"llama.cpp build options: {flags}")
+        env = {**os.environ, "CMAKE_ARGS": flags, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
         with open(log, "w") as out:
             try:
                 built = subprocess.run(

@@ -1,13 +1,13 @@
 """The native kernels of ``kernels/native/`` (integer-dot matmuls, paged attention, the whole decoder step): one
 ISA variant picked once a process from what the CPU has, built with the machine's C compiler the first time it
-is needed, loaded with ctypes, and called as torch custom ops (``pie::native_qmatmul``, ``pie::native_step``) so
-that a compiled graph holds each as one node.
+is needed, and called through ctypes (a pass is one call, so there is no graph of small ops left to compile).
 
-Variants, best first: ``avx512vnni`` (AVX512-VNNI with AVX512-VL: dpbusd on 256-bit lanes), ``avxvnni``
-(AVX-VNNI), ``avx2`` (AVX2's maddubs + madd). All need AVX2, FMA and F16C on Linux x86-64. Where none fits, no
-compiler is found, or ``PIE_CPU_KERNELS=torch`` declines them, the models run torch's kernels and the log says
-why, once. ``PIE_NATIVE_VARIANT=NAME`` picks a lower variant than the CPU's best (the tests run each);
-``PIE_NATIVE_PROFILE=1`` builds the step with per-stage timers (:func:`stage_times`).
+Variants, best first: ``amx`` (``avx512vnni``'s kernels, and Intel's AMX tiles for matmuls of 6+ rows: the
+same int32 sums, so the same bits), ``avx512vnni`` (AVX512-VNNI with AVX512-VL: dpbusd on 256-bit lanes,
+512-bit attention), ``avxvnni`` (AVX-VNNI), ``avx2`` (AVX2's maddubs + madd). All need AVX2, FMA and F16C on
+Linux x86-64. Where none fits, no compiler is found, or ``PIE_CPU_KERNELS=torch`` declines them, the models run
+torch's kernels and the log says why, once. ``PIE_NATIVE_VARIANT=NAME`` picks a lower variant than the CPU's
+best (the tests run each); ``PIE_NATIVE_PROFILE=1`` builds the step with per-stage timers (:func:`stage_times`).
 
 The libraries land in the kernel cache (``paths.cache_dir("kernels")``), named by variant and by the digest of the
 sources and flags. Their OpenMP runtime is torch's own ``libgomp.so.1`` (torch loads it first, so the dynamic
@@ -44,11 +44,17 @@ class Variant:
     cc_flags: tuple[str, ...]
 
 
+_AVX512VNNI = ("-DPIE_AVX512VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 VARIANTS = (
+    Variant(
+        "amx",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
+        (*_AVX512VNNI, "-DPIE_AMX", "-mamx-tile", "-mamx-int8"),
+    ),
     Variant(
         "avx512vnni",
         ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-        ("-DPIE_AVX512VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        _AVX512VNNI,
     ),
     Variant("avxvnni", ("avx_vnni",), ("-DPIE_AVXVNNI", "-mavxvnni")),
     Variant("avx2", (), ()),

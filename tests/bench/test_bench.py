@@ -79,3 +79,14 @@ def test_transformers_worker_on_the_tiny_model(pie_home, monkeypatch, dtype):
     assert m.prompt_tokens == len(ids) and 0 < len(m.token_ids) <= 6
     assert m.prefill_tokens_per_s and m.prefill_tokens_per_s > 0 and m.peak_rss_mib and m.peak_rss_mib > 0
     assert m.decode_tokens_per_s > 0 or len(m.token_ids) == 1
+
+
+def test_llama_cpp_is_built_for_what_the_cpu_has():
+    from pie_runtime.bench.llama_cpp_env import build_name, cmake_args
+
+    plain = cmake_args({"avx2", "fma", "f16c"})
+    assert "-DGGML_AVX512=OFF" in plain and build_name(plain) == "avx2"
+    zen4 = cmake_args({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"})
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"} <= set(zen4)
+    assert "-DGGML_AVX512=OFF" not in zen4 and build_name(zen4) == "avx2+avx512+avx512_vnni+avx512_bf16"
+    assert "-DGGML_AVX512=ON" not in cmake_args({"avx2", "avx512f"})  # F alone, without BW and VL: not enough

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,9 @@ def test_the_best_variant_the_cpu_has_is_chosen():
     base = {"avx2", "fma", "f16c"}
     vnni512 = base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     assert native_lib.choose_variant(vnni512).name == "avx512vnni"  # type: ignore[union-attr]
+    amx = vnni512 | {"amx_tile", "amx_int8"}
+    assert native_lib.choose_variant(amx).name == "amx"  # type: ignore[union-attr]
+    assert native_lib.choose_variant(amx, "avx512vnni").name == "avx512vnni"  # type: ignore[union-attr]
     assert native_lib.choose_variant(base | {"avx_vnni"}).name == "avxvnni"  # type: ignore[union-attr]
     assert native_lib.choose_variant(base).name == "avx2"  # type: ignore[union-attr]
     assert native_lib.choose_variant(vnni512, "avx2").name == "avx2"  # type: ignore[union-attr]
@@ -217,27 +221,45 @@ CHECK_VARIANT = textwrap.dedent(
     from pie_runtime.models.quant import quantize_int4
     assert native_lib.variant() == "{variant}", native_lib.variant()
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(203, 576, generator=g), torch.randn(17, 576, generator=g)
-    for packed, ref in ((PackedWeight.from_group_quant(quantize_int4(w)), quantize_int4(w).dequantize()),
-                        (PackedWeight.pack_q8(*quantize_q8_0(w)), None)):
-        full = packed.matmul(x)
-        for m in range(1, 18):
+    w, x = torch.randn(203, 576, generator=g), torch.randn(40, 576, generator=g)
+    results = {{}}
+    for name, packed, ref in (("q4", PackedWeight.from_group_quant(quantize_int4(w)), quantize_int4(w).dequantize()),
+                              ("q8", PackedWeight.pack_q8(*quantize_q8_0(w)), None)):
+        full = results[name] = packed.matmul(x)
+        for m in (*range(1, 18), 31, 40):
             assert torch.equal(packed.matmul(x[:m]), full[:m]), m
+            assert torch.equal(packed.matmul(x[m - 1 : m]), full[m - 1 : m]), m
         if ref is not None:
             assert ((full - x @ ref.T).norm() / (x @ ref.T).norm()).item() < 0.01
+    torch.save(results, "{out}")
     print(native_lib.variant(), "ok")
     """
 )
 
 
-@pytest.mark.parametrize("variant", [v.name for v in native_lib.VARIANTS])
-def test_every_variant_the_cpu_runs_keeps_rows_batch_invariant(variant):
+def run_variant(variant: str, out: Path) -> dict[str, torch.Tensor]:
+    """The CHECK_VARIANT script's matmuls in a process of its own running ``variant`` (skipped where the CPU
+    cannot run it)."""
     choice = native_lib.choose_variant(native_lib.cpu_flags(), variant)
     if isinstance(choice, str):
         pytest.skip(choice)
     env = {**os.environ, "PIE_NATIVE_VARIANT": variant}
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK_VARIANT.format(variant=variant)], env=env, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"{variant} ok" in out.stdout
+    script = CHECK_VARIANT.format(variant=variant, out=out)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{variant} ok" in done.stdout
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("variant", [v.name for v in native_lib.VARIANTS])
+def test_every_variant_the_cpu_runs_keeps_rows_batch_invariant(variant, tmp_path):
+    run_variant(variant, tmp_path / "out.pt")
+
+
+def test_amx_tiles_give_the_bits_of_the_dpbusd_path(tmp_path):
+    """The amx variant multiplies calls of 6+ rows on the tile unit and fewer with dpbusd: both make the same
+    int32 sums and scale them in one order, so its results equal avx512vnni's bit for bit at every row count."""
+    tiles = run_variant("amx", tmp_path / "amx.pt")
+    dpbusd = run_variant("avx512vnni", tmp_path / "vnni.pt")
+    for name in ("q4", "q8"):
+        assert torch.equal(tiles[name], dpbusd[name]), name

@@ -10,8 +10,8 @@
  *
  * The unit of work is one row and one key head with the G query heads that share it (grouped-query attention):
  * each key and value row is read and widened to float32 once for the G heads. In this order:
- *   scores  s_hj = (q_h . k_j) * log2(e) / sqrt(D): 8 lanes accumulated over the head's dimensions, then the
- *           lanes summed by one fixed tree (keys go 8 at a time, and the tree treats each alike)
+ *   scores  s_hj = (q_h . k_j) * log2(e) / sqrt(D): 8 lanes (16 with AVX-512, then folded to 8) accumulated
+ *           over the head's dimensions, then the lanes summed by one fixed tree (keys go 8 at a time, and the tree treats each alike)
  *   softmax m_h = max_j s_hj (exact), p_hj = 2^(s_hj - m_h) (elementwise), l_h = sum_j p_hj in list order
  *   values  o_h = (sum_j p_hj v_j) / l_h, accumulated key by key in list order. */
 #ifndef PIE_ATTENTION_H
@@ -108,47 +108,73 @@ typedef struct { /* a run of rows attending one part of the same key list (rows 
     float *out[RUN];      /* each row's partial result: G * (D + 2) floats */
 } Run;
 
+#if defined(__AVX512F__) /* 16 lanes: half the instructions for the same arithmetic order in each lane */
+typedef __m512 vecf;
+#define VL 16
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vmul _mm512_mul_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+INLINE __m256 lanes8(__m512 v) { /* the 16 lanes folded to 8: lane i + lane i + 8 */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+typedef __m256 vecf;
+#define VL 8
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vmul _mm256_mul_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+INLINE __m256 lanes8(__m256 v) { return v; }
+#endif
+
 /* Scores of 8 widened keys (rows[8][D]) for HB query heads of one row: s[h * sp + t] for t < 8. The HB * 8
  * accumulators and HB query chunks stay in registers; each key chunk is loaded once for the HB heads. */
 INLINE void scores8(const float *q, const float *rows, float *s, long sp, float scale, const int D, const int HB) {
-    __m256 acc[HB][8], qv[HB];
-    for (int h = 0; h < HB; h++) qv[h] = _mm256_loadu_ps(q + h * D);
+    vecf acc[HB][8], qv[HB];
+    for (int h = 0; h < HB; h++) qv[h] = vload(q + h * D);
     for (int t = 0; t < 8; t++) {
-        const __m256 k = _mm256_loadu_ps(rows + t * D);
-        for (int h = 0; h < HB; h++) acc[h][t] = _mm256_mul_ps(qv[h], k);
+        const vecf k = vload(rows + t * D);
+        for (int h = 0; h < HB; h++) acc[h][t] = vmul(qv[h], k);
     }
-    for (int c = 1; c < D / 8; c++) {
-        for (int h = 0; h < HB; h++) qv[h] = _mm256_loadu_ps(q + h * D + 8 * c);
+    for (int c = 1; c < D / VL; c++) {
+        for (int h = 0; h < HB; h++) qv[h] = vload(q + h * D + VL * c);
         for (int t = 0; t < 8; t++) {
-            const __m256 k = _mm256_loadu_ps(rows + t * D + 8 * c);
-            for (int h = 0; h < HB; h++) acc[h][t] = _mm256_fmadd_ps(qv[h], k, acc[h][t]);
+            const vecf k = vload(rows + t * D + VL * c);
+            for (int h = 0; h < HB; h++) acc[h][t] = vfma(qv[h], k, acc[h][t]);
         }
     }
-    for (int h = 0; h < HB; h++) _mm256_storeu_ps(s + h * sp, _mm256_mul_ps(sum8(acc[h]), _mm256_set1_ps(scale)));
+    for (int h = 0; h < HB; h++) {
+        __m256 folded[8];
+        for (int t = 0; t < 8; t++) folded[t] = lanes8(acc[h][t]);
+        _mm256_storeu_ps(s + h * sp, _mm256_mul_ps(sum8(folded), _mm256_set1_ps(scale)));
+    }
 }
 
 /* acc (HB heads of D) += sum over t < cnt of p[h * sp + t] * rows[t]: the accumulators in registers for the chunk. */
 INLINE void values(const float *p, long sp, const float *rows, long cnt, float *acc, const int D, const int HB) {
-    __m256 a[HB][D / 8];
+    vecf a[HB][D / VL];
     for (int h = 0; h < HB; h++)
-        for (int c = 0; c < D / 8; c++) a[h][c] = _mm256_loadu_ps(acc + h * D + 8 * c);
+        for (int c = 0; c < D / VL; c++) a[h][c] = vload(acc + h * D + VL * c);
     for (long t = 0; t < cnt; t++) {
-        __m256 w[HB];
-        for (int h = 0; h < HB; h++) w[h] = _mm256_set1_ps(p[h * sp + t]);
-        for (int c = 0; c < D / 8; c++) {
-            const __m256 v = _mm256_loadu_ps(rows + t * D + 8 * c);
-            for (int h = 0; h < HB; h++) a[h][c] = _mm256_fmadd_ps(w[h], v, a[h][c]);
+        vecf w[HB];
+        for (int h = 0; h < HB; h++) w[h] = vset1(p[h * sp + t]);
+        for (int c = 0; c < D / VL; c++) {
+            const vecf v = vload(rows + t * D + VL * c);
+            for (int h = 0; h < HB; h++) a[h][c] = vfma(w[h], v, a[h][c]);
         }
     }
     for (int h = 0; h < HB; h++)
-        for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(acc + h * D + 8 * c, a[h][c]);
+        for (int c = 0; c < D / VL; c++) vstore(acc + h * D + VL * c, a[h][c]);
 }
 
 /* One run, key head and part. Each row's arithmetic is what it would be alone (R = 1), and each head's what it
  * would be alone: the run shares only the widened key and value rows, heads only their loads. */
 INLINE void attend_part(const KVLayer *kv, const Run *run, long kv_head, float scale, const int D, const int G) {
     const long sp = KEY_PART + 8; /* a head's scores, padded to whole chunks of 8 */
-    const int VB = D == 64 ? 3 : 1; /* heads whose value sums fit in registers together */
+    const int VB = 3 * D / VL <= 24 ? 3 : 1; /* heads whose value sums fit in registers together */
     float *s = thread_scratch(RUN * G * sp + VCHUNK * D);
     float *rows = s + RUN * G * sp; /* widened key (8 at a time) or value (VCHUNK at a time) rows */
     const long head_at = kv_head * kv->slots;

@@ -88,6 +88,29 @@ INLINE void load_values(const uint8_t *p, int kind, __m256i w[8]) {
     }
 }
 
+/* Rows m0 .. m0+R-1 of group g's results: acc (+ bias) into y, or added to y (`add`); one order for every path. */
+INLINE void store_group(const QWeight *w, long g, const __m256 *acc, long m0, int R, float *y, long ldy,
+                        const float *bias, int add) {
+    const long n0 = g * 8, n = w->n - n0 < 8 ? w->n - n0 : 8;
+    const __m256 bv = bias && n == 8 ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        float *yr = y + (m0 + r) * ldy + n0;
+        if (n == 8) { /* a whole group: one vector (+ bias, then + y) in this order, as the tail below */
+            __m256 v = bias ? _mm256_add_ps(acc[r], bv) : acc[r];
+            if (add) v = _mm256_add_ps(_mm256_loadu_ps(yr), v);
+            _mm256_storeu_ps(yr, v);
+            continue;
+        }
+        float o[8];
+        _mm256_storeu_ps(o, acc[r]);
+        for (long j = 0; j < n; j++) {
+            const float v = bias ? o[j] + bias[n0 + j] : o[j];
+            yr[j] = add ? yr[j] + v : v;
+        }
+    }
+}
+
+
 /* Rows m0 .. m0+R-1 of one group of 8 outputs; `out` gets acc (+ bias), or acc added to it (`add`). */
 INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
                        const float *bias, int add) {
@@ -124,30 +147,148 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[ab]), acc[r]);
         }
     }
-    const long n0 = g * 8, n = w->n - n0 < 8 ? w->n - n0 : 8;
-    const __m256 bv = bias && n == 8 ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-    for (int r = 0; r < R; r++) {
-        float *yr = y + (m0 + r) * ldy + n0;
-        if (n == 8) { /* a whole group: one vector (+ bias, then + y) in this order, as the tail below */
-            __m256 v = bias ? _mm256_add_ps(acc[r], bv) : acc[r];
-            if (add) v = _mm256_add_ps(_mm256_loadu_ps(yr), v);
-            _mm256_storeu_ps(yr, v);
-            continue;
-        }
-        float o[8];
-        _mm256_storeu_ps(o, acc[r]);
-        for (long j = 0; j < n; j++) {
-            const float v = bias ? o[j] + bias[n0 + j] : o[j];
-            yr[j] = add ? yr[j] + v : v;
+    store_group(w, g, acc, m0, R, y, ldy, bias, add);
+}
+
+#ifdef PIE_AMX
+/* AMX (Intel's tile matrix unit) for calls of several rows: per block, one TDPBSUD multiplies up to 16 rows'
+ * activations (signed, R x 32) by two groups' weights (unsigned, 32 x 16, the x8 records side by side) into
+ * exact int32 sums, the same integers the dpbusd path makes; the float epilogue is then the dpbusd path's,
+ * lane for lane (16 lanes: two groups), so a row's bits are the same on either path and the number of rows
+ * decides only the speed. Tiles: C0 C1 (R x 16 int32), A0 A1 (R x 32 bytes), B0 B1 (8 x 64 bytes): two blocks
+ * in flight. Linux hands a process the tile state on request (arch_prctl); refused, the dpbusd path runs. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_MIN_ROWS 6 /* fewer rows: the dpbusd path is as fast (a tile multiply costs about the same at any R) */
+static int amx_ready;
+__attribute__((constructor)) static void amx_request(void) {
+    amx_ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+static __thread int amx_rows; /* the row count this thread's tiles are configured for (0: none yet) */
+
+static void amx_configure(int R) {
+    if (amx_rows == R) return;
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t += 3) {
+        c.rows[t] = (uint8_t)R, c.colsb[t] = 64;         /* C */
+        c.rows[t + 1] = (uint8_t)R, c.colsb[t + 1] = 32; /* A */
+        c.rows[t + 2] = 8, c.colsb[t + 2] = 64;          /* B */
+    }
+    _tile_loadconfig(&c);
+    amx_rows = R;
+}
+
+/* Block b of groups g and g+1 as B's 8 rows of 64 bytes: row j = value 4j + t of output o at byte 4o + t (o < 16;
+ * a group past the last is zeros). */
+INLINE void amx_weights(const QWeight *w, long g, long b, int pair, uint8_t *out) {
+    const long nb = w->k / QK, rb = record_bytes(w->kind);
+    const uint8_t *r0 = w->data + (g * nb + b) * rb, *r1 = r0 + nb * rb;
+    const __m512i lo = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < (w->kind == WQ4 ? 4 : 8); j++) {
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(r0 + 32 * j));
+        const __m256i c1 = pair ? _mm256_loadu_si256((const __m256i *)(r1 + 32 * j)) : _mm256_setzero_si256();
+        const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+        if (w->kind == WQ4) {
+            _mm512_storeu_si512(out + 64 * j, _mm512_and_si512(c, lo));
+            _mm512_storeu_si512(out + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi16(c, 4), lo));
+        } else {
+            _mm512_storeu_si512(out + 64 * j, c);
         }
     }
 }
+
+INLINE __m512 load_f16x16(const uint16_t *p0, const uint16_t *p1, int pair) {
+    const __m128i h0 = _mm_loadu_si128((const __m128i *)p0), h1 = pair ? _mm_loadu_si128((const __m128i *)p1) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+}
+
+/* acc[r] (16 lanes) += block b's sums for rows m0 .. m0+R-1: as group_rows does for 8 lanes. */
+INLINE void amx_epilogue(const QWeight *w, long g, long b, int pair, const QAct *a, long m0, int R,
+                         const int32_t *sums, __m512 *acc) {
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const uint8_t *r0 = w->data + (g * nb + b) * rb, *r1 = r0 + nb * rb;
+    const __m512 dw = load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), pair);
+    const __m512 mw = load_f16x16((const uint16_t *)(r0 + vb + 16), (const uint16_t *)(r1 + vb + 16), pair);
+    for (int r = 0; r < R; r++) {
+        const long ab = (m0 + r) * nb + b;
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 16 * r));
+        acc[r] = _mm512_fmadd_ps(isum, scale, acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[ab]), acc[r]);
+    }
+}
+
+#define AMX_CHUNK 8 /* blocks whose weights are laid out, multiplied, then scaled, in three passes */
+
+/* Rows m0 .. m0+R-1 (R <= 16) of groups g and g+1 (`pair`; else g alone). A chunk of blocks goes through each
+ * step before the next (lay out B, multiply, scale in block order), so that no step waits on the memory the
+ * step before it has just written. */
+static void amx_rows_of(const QWeight *w, long g, int pair, const QAct *a, long m0, int R, float *y, long ldy,
+                        const float *bias, int add) {
+    const long nb = w->k / QK;
+    __attribute__((aligned(64))) uint8_t wb[AMX_CHUNK][512];
+    __attribute__((aligned(64))) int32_t sums[AMX_CHUNK][16 * 16];
+    __m512 acc[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    amx_configure(R);
+    const int8_t *x = a->q + m0 * a->k;
+    for (long b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
+        const int cnt = nb - b0 < AMX_CHUNK ? (int)(nb - b0) : AMX_CHUNK;
+        for (int i = 0; i < cnt; i++) amx_weights(w, g, b0 + i, pair, wb[i]);
+        int i = 0;
+        for (; i + 2 <= cnt; i += 2) {
+            _tile_zero(0);
+            _tile_zero(3);
+            _tile_loadd(1, x + (b0 + i) * QK, a->k);
+            _tile_loadd(2, wb[i], 64);
+            _tile_loadd(4, x + (b0 + i + 1) * QK, a->k);
+            _tile_loadd(5, wb[i + 1], 64);
+            _tile_dpbsud(0, 1, 2);
+            _tile_dpbsud(3, 4, 5);
+            _tile_stored(0, sums[i], 64);
+            _tile_stored(3, sums[i + 1], 64);
+        }
+        if (i < cnt) {
+            _tile_zero(0);
+            _tile_loadd(1, x + (b0 + i) * QK, a->k);
+            _tile_loadd(2, wb[i], 64);
+            _tile_dpbsud(0, 1, 2);
+            _tile_stored(0, sums[i], 64);
+        }
+        for (i = 0; i < cnt; i++) amx_epilogue(w, g, b0 + i, pair, a, m0, R, sums[i], acc);
+    }
+    for (int h = 0; h <= pair; h++) {
+        __m256 half[16];
+        for (int r = 0; r < R; r++)
+            half[r] = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)
+                                         : _mm512_castpd512_pd256(_mm512_castps_pd(acc[r])));
+        store_group(w, g + h, half, m0, R, y, ldy, bias, add);
+    }
+}
+#endif
 
 #define ROW_TILE 4
 
 /* Groups g0 .. g1-1 of every row of `a` (M rows). */
 static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, float *y, long ldy,
                            const float *bias, int add) {
+#ifdef PIE_AMX
+    if (amx_ready && m >= AMX_MIN_ROWS) {
+        for (long g = g0; g < g1; g += 2)
+            for (long m0 = 0; m0 < m; m0 += 16)
+                amx_rows_of(w, g, g + 1 < g1, a, m0, m - m0 < 16 ? (int)(m - m0) : 16, y, ldy, bias, add);
+        return;
+    }
+#endif
     for (long g = g0; g < g1; g++) {
         long m0 = 0;
         for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
@@ -160,5 +301,14 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
 }
 
 INLINE long n_groups(const QWeight *w) { return (w->n + 7) / 8; }
+
+/* The unit of a matmul's work split across threads: two groups (16 outputs), which the AMX path takes at once. */
+INLINE long n_units(const QWeight *w) { return (n_groups(w) + 1) / 2; }
+
+INLINE void qmatmul_unit(const QWeight *w, long u, const QAct *a, long m, float *y, long ldy, const float *bias,
+                         int add) {
+    const long g1 = 2 * u + 2 < n_groups(w) ? 2 * u + 2 : n_groups(w);
+    qmatmul_groups(w, 2 * u, g1, a, m, y, ldy, bias, add);
+}
 
 #endif

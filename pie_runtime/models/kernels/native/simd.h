@@ -16,7 +16,11 @@
 #define INLINE static inline __attribute__((always_inline))
 #define QK 32 /* values in a quantized block (weights and activations) */
 
-#if defined(PIE_AVX512VNNI)
+#if defined(PIE_AVX512VNNI) && defined(PIE_AMX) /* AVX512-VNNI, and AMX tiles for calls of several rows */
+#define PIE_VARIANT "amx"
+#define PIE_VNNI 1
+INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(PIE_AVX512VNNI)
 #define PIE_VARIANT "avx512vnni"
 #define PIE_VNNI 1
 INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }

@@ -12,7 +12,12 @@
 #include "attention.h"
 #include "qmatmul.h"
 
-const char *pie_variant(void) { return PIE_VARIANT; }
+const char *pie_variant(void) {
+#ifdef PIE_AMX
+    if (!amx_ready) return "avx512vnni"; /* the kernel refused the tile state: the same kernels without tiles */
+#endif
+    return PIE_VARIANT;
+}
 
 /* ---- stage timings (built with -DPIE_PROFILE: PIE_NATIVE_PROFILE=1) ---------------------------------------
  * Thread 0 adds the time since the previous mark to the stage just ended: a stage's own work and the wait for
@@ -162,13 +167,13 @@ void pie_qmatmul(const uint8_t *data, int32_t kind, long n, long k, const float 
     QWeight w = {data, kind, (int32_t)n, (int32_t)k};
     float *ds = (float *)scratch;
     QAct a = {(int8_t *)(ds + 2 * m * (k / QK)), ds, ds + m * (k / QK), k};
-    const long groups = n_groups(&w);
+    const long units = n_units(&w);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (long r = 0; r < m; r++) quantize_rows(x, k, r, r + 1, &a);
 #pragma omp for schedule(static)
-        for (long g = 0; g < groups; g++) qmatmul_groups(&w, g, g + 1, &a, m, y, n, NULL, 0);
+        for (long u = 0; u < units; u++) qmatmul_unit(&w, u, &a, m, y, n, NULL, 0);
     }
 }
 
@@ -370,8 +375,8 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
             }
             MARK(norm1);
 #pragma omp for schedule(static)
-            for (long g = 0; g < n_groups(&wqkv); g++)
-                qmatmul_groups(&wqkv, g, g + 1, &a, n, b.qkv, qkv_n, m->qkv_bias ? m->qkv_bias[l] : NULL, 0);
+            for (long u = 0; u < n_units(&wqkv); u++)
+                qmatmul_unit(&wqkv, u, &a, n, b.qkv, qkv_n, m->qkv_bias ? m->qkv_bias[l] : NULL, 0);
             MARK(qkv);
 #pragma omp for schedule(static)
             for (long r = 0; r < n; r++) rope_and_write(m, l, p, &b, r);
@@ -402,8 +407,8 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
             for (long r = 0; r < n; r++) quantize_rows(b.attn, hd, r, r + 1, &a);
             MARK(quant_attn);
 #pragma omp for schedule(static)
-            for (long g = 0; g < n_groups(&wo); g++)
-                qmatmul_groups(&wo, g, g + 1, &a, n, b.x, hidden, m->o_bias ? m->o_bias[l] : NULL, 1);
+            for (long u = 0; u < n_units(&wo); u++)
+                qmatmul_unit(&wo, u, &a, n, b.x, hidden, m->o_bias ? m->o_bias[l] : NULL, 1);
             MARK(o);
             a.k = hidden;
 #pragma omp for schedule(static)
@@ -413,7 +418,8 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
             }
             MARK(norm2);
 #pragma omp for schedule(static)
-            for (long g = 0; g < n_groups(&wgu); g++) qmatmul_groups(&wgu, g, g + 1, &a, n, b.gu, 2 * inter, NULL, 0);
+            for (long u = 0; u < n_units(&wgu); u++)
+                qmatmul_unit(&wgu, u, &a, n, b.gu, 2 * inter, NULL, 0);
             MARK(gate_up);
             a.k = inter;
 #pragma omp for schedule(static)
@@ -423,8 +429,8 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
             }
             MARK(silu);
 #pragma omp for schedule(static)
-            for (long g = 0; g < n_groups(&wdown); g++)
-                qmatmul_groups(&wdown, g, g + 1, &a, n, b.x, hidden, NULL, 1);
+            for (long u = 0; u < n_units(&wdown); u++)
+                qmatmul_unit(&wdown, u, &a, n, b.x, hidden, NULL, 1);
             MARK(down);
         }
 #pragma omp for schedule(static)
