@@ -11,6 +11,8 @@ slower strided copy per head: docs/performance.md, "KV pool layout").
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -18,13 +20,16 @@ from .config import AnyConfig
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A zero tensor; on the CPU its pages become resident only when written (the kernel's zero pages behind a
-    large calloc, through numpy), so a pool sized for many sequences costs memory only as they fill it."""
+    """A zero tensor; on the CPU its pages become resident only when written (an anonymous mapping: the kernel's
+    zero pages until then), so a pool sized for many sequences costs memory only as they fill it. Not numpy's
+    allocator: it asks for transparent huge pages on large arrays, and the pool's head-major layout would then
+    make a sequence's first token resident 2 MiB at a time in every layer and head (~360 MiB for the default
+    model)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    width = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
-    return torch.from_numpy(raw).view(dtype)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]  # the array keeps the mapping
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 class KVCache:
