@@ -10,11 +10,16 @@ from an empty KV cache (``reset()``; otherwise llama-cpp-python would reuse the 
 an EOS id or the token count; with ``lookup`` > 0 its drafts come from ``LlamaPromptLookupDecoding``.
 prefill = start → first token; decode rate = (n - 1) kept tokens over first → last token (an EOS's step
 counts in the time, not the tokens), as for the others.
+
+With ``pass_rows`` (e.g. [1, 4, 8, 16]) it then times one sequence's pass of that many tokens after
+``pass_context`` cached tokens, logits for every row, as the engine's pass-cost curve does (the median of
+``pass_repeats``, the widths taken round-robin so that a slow spell of the machine spreads over all of them).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +48,22 @@ def timed_generate(llm, prompt_ids: list[int], tokens: int, eos: set[int]) -> tu
     return ids, times, t0
 
 
+def pass_costs(llm, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Median ms of a pass of each of ``rows`` tokens after ``context`` cached ones, logits on every row."""
+    llm._logits_all = True  # every row's logits, as a verify window reads them (the scores buffer has room)
+    llm.reset()
+    llm.eval([(i * 7919) % llm.n_vocab() for i in range(context)])
+    times: dict[int, list[float]] = {w: [] for w in rows}
+    for rep in range(repeats + 1):  # the first round warms each width up
+        for w in rows:
+            llm.n_tokens = context  # eval drops the cache past this and writes the window there
+            t0 = time.perf_counter()
+            llm.eval([(i * 31 + 1) % llm.n_vocab() for i in range(w)])
+            if rep:
+                times[w].append((time.perf_counter() - t0) * 1e3)
+    return {w: round(statistics.median(v), 3) for w, v in times.items()}
+
+
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     # only in the bench's llama-cpp-python venv, never in the project's
@@ -52,7 +73,7 @@ def main(argv: list[str]) -> int:
     lookup = int(job.get("lookup", 0))
     llm = Llama(
         model_path=job["gguf"],
-        n_ctx=max(2048, len(job["prompt_ids"]) + job["tokens"] + 64),
+        n_ctx=max(2048, len(job["prompt_ids"]) + job["tokens"] + 64, job.get("pass_context", 0) + 64),
         n_batch=1024,
         n_threads=job["threads"],
         n_threads_batch=job["threads"],
@@ -68,8 +89,12 @@ def main(argv: list[str]) -> int:
         "prefill_tokens_per_s": len(job["prompt_ids"]) / (times[0] - t0) if times else None,
         "prompt_tokens": len(job["prompt_ids"]),
         "token_ids": ids,
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(),  # before the pass costs: the decode's own peak
     }
+    if job.get("pass_rows"):
+        out["pass_cost_ms"] = pass_costs(
+            llm, job["pass_rows"], job.get("pass_context", 128), job.get("pass_repeats", 5)
+        )
     print(json.dumps(out), flush=True)
     return 0
 

@@ -9,6 +9,7 @@ import json
 from pydantic import BaseModel, Field
 
 PIE, TRANSFORMERS, LLAMA_CPP = "pie", "transformers", "llama.cpp"
+PASS_ROWS = (1, 4, 8, 16)  # the pass costs the table shows: one sequence's pass of that many rows after 128 tokens
 
 
 def digest(token_ids: list[int]) -> str:
@@ -25,6 +26,7 @@ class Measured(BaseModel):
     token_ids: list[int]
     peak_rss_mib: float | None = None
     acceptance: float | None = None  # speculative runs only
+    pass_cost_ms: dict[int, float] = Field(default_factory=dict)  # rows → ms of one pass, when the runner timed it
 
 
 class Row(BaseModel):
@@ -38,7 +40,7 @@ class Row(BaseModel):
     generated_tokens: int
     digest: str
     peak_rss_mib: float | None = None
-    pass_cost_ms: dict[int, float] = Field(default_factory=dict)  # rows → ms of one pass (pie only)
+    pass_cost_ms: dict[int, float] = Field(default_factory=dict)  # rows → ms of one pass (pie and llama.cpp)
     acceptance: float | None = None
     vs_llama_cpp: float | None = None  # decode rate / llama.cpp plain's, same prompt
     vs_transformers_fp32: float | None = None
@@ -48,10 +50,10 @@ class Row(BaseModel):
     def label(self) -> str:
         return f"{self.runner} {self.variant}"
 
-    @property
-    def pass_cost_8_over_1(self) -> float | None:
-        one, eight = self.pass_cost_ms.get(1), self.pass_cost_ms.get(8)
-        return round(eight / one, 2) if one and eight else None
+    def pass_cost_over_1(self, rows: int) -> float | None:
+        """A pass of ``rows`` rows over a 1-row pass (what a verify window or a batch of that width costs)."""
+        one, wide = self.pass_cost_ms.get(1), self.pass_cost_ms.get(rows)
+        return round(wide / one, 2) if one and wide else None
 
     @classmethod
     def of(cls, runner: str, variant: str, m: Measured, pass_cost_ms: dict[int, float] | None = None) -> Row:
@@ -64,7 +66,7 @@ class Row(BaseModel):
             generated_tokens=len(m.token_ids),
             digest=digest(m.token_ids),
             peak_rss_mib=None if m.peak_rss_mib is None else round(m.peak_rss_mib, 1),
-            pass_cost_ms=pass_cost_ms or {},
+            pass_cost_ms=pass_cost_ms or m.pass_cost_ms,
             acceptance=m.acceptance,
         )
 
@@ -138,14 +140,15 @@ def print_report(report: Report, console=None) -> None:
         "vs transformers fp32",
         "prefill tok/s",
         "peak RSS MiB",
-        "pass ms 1 / 8 / 16 rows",
+        f"pass ms {' / '.join(map(str, PASS_ROWS))} rows",
         "pass 8 / 1",
+        "pass 16 / 1",
         "tokens",
         "= pie fp32",
     ):
         table.add_column(name, justify="left" if name == "runner" else "right")
     for r in report.rows:
-        costs = " / ".join(_num(r.pass_cost_ms.get(n)) for n in (1, 8, 16)) if r.pass_cost_ms else "-"
+        costs = " / ".join(_num(r.pass_cost_ms.get(n)) for n in PASS_ROWS) if r.pass_cost_ms else "-"
         table.add_row(
             r.label,
             _num(r.decode_tokens_per_s),
@@ -154,7 +157,8 @@ def print_report(report: Report, console=None) -> None:
             _num(r.prefill_tokens_per_s, ".0f"),
             _num(r.peak_rss_mib, ".0f"),
             costs,
-            _num(r.pass_cost_8_over_1, ".2f", "x"),
+            _num(r.pass_cost_over_1(8), ".2f", "x"),
+            _num(r.pass_cost_over_1(16), ".2f", "x"),
             str(r.generated_tokens),
             _same(r.same_tokens_as_pie_fp32),
         )

@@ -9,13 +9,16 @@ same token ids, the same token budget (each stops at EOS) and the same thread co
 an engine subprocess per format driven by text-completion, a transformers worker per dtype, a llama.cpp worker
 (installed on demand, ``pie_runtime.bench.llama_cpp_env``). Columns: decode tok/s, ratios against llama.cpp's
 plain decode and transformers fp32, prefill tok/s, peak RSS (VmHWM) of the process that holds the weights, and
-for pie the engine's pass cost at 1/8/16 rows. ``--speculation`` adds cacheback (pie, the engine's default
-format) and llama.cpp's prompt lookup on the repetitive prompt, each beside its plain decode.
+for pie and llama.cpp the cost of one sequence's pass of 1/4/8/16 rows after 128 cached tokens (a verify
+window's width: the engine's own start-up curve for pie, timed the same way by the llama.cpp worker).
+``--speculation`` adds cacheback (pie, the engine's default format) and llama.cpp's prompt lookup on the
+repetitive prompt, each beside its plain decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from ..bench.report import Report
 
 Peer = Literal["transformers", "llama.cpp"]
+PASS_CONTEXT = 128  # cached tokens before a timed pass: the engine's pass-cost curve's (engine/pass_costs.py)
 WORKER_TIMEOUT_S = 1200
 
 
@@ -222,6 +226,10 @@ class DecodeBench:
         from ..bench.report import TRANSFORMERS, Row
 
         o = self.o
+        if importlib.util.find_spec("transformers") is None:
+            for dtype in ("fp32", "bf16"):
+                self.skip(TRANSFORMERS, dtype, "transformers is not installed (`bash scripts/setup.sh --test` adds it)")
+            return
         for dtype in ("fp32", "bf16"):
             self.progress(f"transformers {dtype}")
             job = HfJob(model=o.model, dtype=dtype, threads=o.threads, prompt_ids=ids[DECODE_PROMPT], tokens=o.tokens)
@@ -236,7 +244,7 @@ class DecodeBench:
         """llama.cpp on the packaged GGUF (installed on demand): plain decode, and with --speculation its plain
         decode and its prompt lookup on the repetitive prompt."""
         from ..bench import llama_cpp_env
-        from ..bench.report import LLAMA_CPP, Row
+        from ..bench.report import LLAMA_CPP, PASS_ROWS, Row
 
         o, report = self.o, self.report
         try:
@@ -259,6 +267,8 @@ class DecodeBench:
                 "eos_ids": eos_ids,
                 "lookup": lookup,
             }
+            if lookup == 0 and prompt == DECODE_PROMPT:  # the pass costs once, beside the plain decode
+                job.update(pass_rows=list(PASS_ROWS), pass_context=PASS_CONTEXT)
             try:
                 m = run_worker([str(python), str(llama_cpp_env.WORKER), json.dumps(job)])
                 rows.append(Row.of(LLAMA_CPP, variant, m))

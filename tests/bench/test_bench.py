@@ -23,10 +23,19 @@ def row(runner: str, variant: str, rate: float, ids: list[int], costs: dict[int,
 def test_ratios_and_table():
     report = Report(model="m", threads=2, tokens=4, formats=["fp32", "int4"], prompt="p", note="shared CPU")
     report.rows = [
-        row("pie", "fp32", 20.0, [1, 2, 3, 4], {1: 30.0, 8: 45.0, 16: 60.0}),
+        row("pie", "fp32", 20.0, [1, 2, 3, 4], {1: 30.0, 4: 40.0, 8: 45.0, 16: 60.0}),
         row("pie", "int4", 100.0, [1, 2, 3, 5], {1: 10.0, 8: 30.0}),
         row("transformers", "fp32", 10.0, [1, 2, 3, 4]),
-        row("llama.cpp", "Q4_1", 50.0, [1, 2, 3, 4]),
+        Row.of(
+            "llama.cpp",
+            "Q4_1",
+            Measured(
+                decode_tokens_per_s=50.0,
+                prompt_tokens=518,
+                token_ids=[1, 2, 3, 4],
+                pass_cost_ms={1: 8.0, 4: 10.0, 8: 12.0, 16: 20.0},
+            ),
+        ),
     ]
     report.speculation_prompt = "repetitive"
     report.speculation = [row("pie", "fp32 cacheback", 75.0, [7]), row("llama.cpp", "Q4_1 plain", 25.0, [7])]
@@ -34,7 +43,8 @@ def test_ratios_and_table():
     fp32, int4, hf, llama = report.rows
     assert (int4.vs_llama_cpp, int4.vs_transformers_fp32) == (2.0, 10.0)
     assert (fp32.vs_llama_cpp, hf.vs_transformers_fp32, llama.vs_llama_cpp) == (0.4, 1.0, 1.0)
-    assert fp32.pass_cost_8_over_1 == 1.5 and int4.pass_cost_8_over_1 == 3.0 and hf.pass_cost_8_over_1 is None
+    assert fp32.pass_cost_over_1(8) == 1.5 and int4.pass_cost_over_1(8) == 3.0 and hf.pass_cost_over_1(8) is None
+    assert fp32.pass_cost_over_1(16) == 2.0 and int4.pass_cost_over_1(16) is None and llama.pass_cost_over_1(16) == 2.5
     assert (fp32.same_tokens_as_pie_fp32, int4.same_tokens_as_pie_fp32, hf.same_tokens_as_pie_fp32) == (
         None,
         False,
@@ -44,7 +54,13 @@ def test_ratios_and_table():
     console = Console(record=True, width=220)
     print_report(report, console)
     text = console.export_text()
-    assert "pie int4" in text and "10.00x" in text and "30.0 / 45.0 / 60.0" in text and "shared CPU" in text
+    assert (
+        "pie int4" in text
+        and "10.00x" in text
+        and "30.0 / 40.0 / 45.0 / 60.0" in text
+        and "8.0 / 10.0 / 12.0 / 20.0" in text
+        and "shared CPU" in text
+    )
     assert "speculation on the repetitive prompt" in text and "3.00x" in text
     assert Report.model_validate_json(report.model_dump_json()) == report  # the --json form reads back
 
