@@ -102,15 +102,11 @@ class PackedWeight:
         return self.data.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """(m, k) → (m, n) float32."""
-        lib = _lib()
-        x = x.to(torch.float32).contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, self.n, dtype=torch.float32)
-        if m:
-            scratch = torch.empty(lib.pie_qmatmul_scratch(m, self.k), dtype=torch.uint8)
-            lib.pie_qmatmul(_ptr(self.data), self.kind, self.n, self.k, _ptr(x), m, _ptr(y), _ptr(scratch))
-        return y
+        """(m, k) → (m, n) float32. Inside a torch.compile graph the call is the custom op ``pie::native_qmatmul``,
+        which the graph keeps as one opaque node (a ctypes call would break the graph)."""
+        if torch.compiler.is_compiling():
+            return native_qmatmul(x, self.data, self.kind, self.n, self.k)
+        return _qmatmul(x, self.data, self.kind, self.n, self.k)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(count,) int64 row ids → (count, k) float32, the rows dequantized (an embedding lookup)."""
@@ -128,6 +124,29 @@ class PackedWeight:
         out = torch.empty(lib.pie_packed_bytes(self.kind, ids.numel(), self.k), dtype=torch.uint8)
         lib.pie_select_rows(_ptr(self.data), self.kind, self.k, _ptr(ids), ids.numel(), _ptr(out))
         return PackedWeight(out, self.kind, ids.numel(), self.k)
+
+
+def _qmatmul(x: torch.Tensor, data: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:
+    lib = _lib()
+    x = x.to(torch.float32).contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        scratch = torch.empty(lib.pie_qmatmul_scratch(m, k), dtype=torch.uint8)
+        lib.pie_qmatmul(_ptr(data), kind, n, k, _ptr(x), m, _ptr(y), _ptr(scratch))
+    return y
+
+
+@torch.library.custom_op("pie::native_qmatmul", mutates_args=())
+def native_qmatmul(x: torch.Tensor, data: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:
+    """(m, k) float activations times a packed (n, k) weight (``data``, ``kind`` Q4 or Q8) → (m, n) float32: the
+    integer-dot matmul as an op a compiled graph can hold."""
+    return _qmatmul(x, data, kind, n, k)
+
+
+@native_qmatmul.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 def _check(n: int, k: int, *scales: torch.Tensor) -> None:

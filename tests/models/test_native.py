@@ -94,6 +94,32 @@ def test_rows_and_slices_of_a_packed_weight():
     assert torch.equal(packed4.rows(torch.arange(40)), w4)
 
 
+def test_a_compiled_graph_holds_the_native_matmul_as_one_op():
+    """``pie::native_qmatmul``: no graph break around the ctypes call, and the compiled graph's result is the
+    eager one bit for bit."""
+    packed, _ = weights(40, 64, 4, seed=7)
+    layer = PackedLinear(packed, bias=torch.randn(40))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return layer(torch.nn.functional.silu(x)) * 2
+
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch._dynamo.explain(f)(x).graph_break_count == 0
+        assert torch.equal(torch.compile(f)(x), f(x))
+
+
+def test_every_variant_the_cpu_runs_gives_4_bit_rows_the_same_bits(tmp_path):
+    """A 4-bit block's integer sum is exact on every variant (AVX2's maddubs cannot saturate on values of 0..15)
+    and each variant scales it in the same float order, so the CPU's variants agree bit for bit (8-bit weights
+    differ on AVX2, which moves their sign onto x)."""
+    runs = [run_variant_if_runs(v.name, tmp_path / f"{v.name}.pt") for v in native_lib.VARIANTS]
+    got = [r["q4"] for r in runs if r is not None]
+    assert len(got) >= 2  # avx2 runs wherever any variant does
+    for other in got[1:]:
+        assert torch.equal(got[0], other)
+
+
 def tiny_config(**switches) -> ModelConfig:
     return ModelConfig(
         vocab_size=VOCAB,
@@ -235,6 +261,14 @@ CHECK_VARIANT = textwrap.dedent(
     print(native_lib.variant(), "ok")
     """
 )
+
+
+def run_variant_if_runs(variant: str, out: Path) -> dict[str, torch.Tensor] | None:
+    """The CHECK_VARIANT script's matmuls in a process of its own running ``variant``; None where the CPU cannot
+    run it."""
+    if isinstance(native_lib.choose_variant(native_lib.cpu_flags(), variant), str):
+        return None
+    return run_variant(variant, out)
 
 
 def run_variant(variant: str, out: Path) -> dict[str, torch.Tensor]:
