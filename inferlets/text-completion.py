@@ -74,6 +74,8 @@ async def complete(model: inferlet.Model, args: Args, ws: inferlet.WorkingSet, r
             "cached_tokens": min(ws.cached_rows, len(prompt)),
             "prefill_ms": round(prefill_ms, 2),
             "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
+            "kv_pages": ws.pages,  # KV pages held at the end (the last fire's), and the most held at once
+            "kv_pages_max": ws.pages_max,
         },
     }
     if args.top_count is not None:

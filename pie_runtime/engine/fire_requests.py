@@ -51,7 +51,7 @@ class FireRequests:
         w = source.shape[0] if source is not None else len(req.tokens or [])
         start = ws.committed + len(settle) if settle is not None else served.queue.planned_length(ws)
         depths = self._check_tree(served, req, source, w)
-        positions = self._check_window(served, req, start, w, depths)
+        positions = self._check_window(served, req, ws.position(start), w, depths)
         self._check_readout_rows(req, w)
         masks = [self._check_readout(r, w, served, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
@@ -98,6 +98,7 @@ class FireRequests:
         return (
             start == 0
             and not ws.pages
+            and not ws.dropped
             and not ws.in_flight
             and req.tokens is not None
             and req.settle is None
@@ -131,8 +132,8 @@ class FireRequests:
 
     @staticmethod
     def _check_window(served: ServedModel, req: m.Fire, start: int, w: int, depths: list[int] | None) -> list[int]:
-        """The window's positions (a tree row's: ``start`` plus its depth), once its tokens and rows are known to
-        fit the model."""
+        """The window's positions (a tree row's: ``start``, the position of its first row, plus its depth), once
+        its tokens and positions are known to fit the model."""
         info = served.info
         bad = next((t for t in req.tokens or [] if not 0 <= t < info.vocab_size), None)
         if bad is not None:

@@ -90,9 +90,10 @@ class KVPages:
         return rows
 
     def wrote(self, ws: WorkingSet, start: int, tokens: Sequence[int] | None) -> None:
-        """Rows ``start ..`` of ``ws`` now hold ``tokens`` (None: rows the cache cannot name)."""
+        """Rows ``start ..`` of ``ws`` now hold ``tokens`` (None: rows the cache cannot name). Rows written after
+        an eviction sit at positions other than their index, so the cache names none of them."""
         if self.cache is not None:
-            ws.chain.wrote(start, tokens, self.page_size)
+            ws.chain.wrote(start, tokens if not ws.dropped else None, self.page_size)
 
     def commit(self, ws: WorkingSet) -> None:
         """Names the pages ``ws``'s committed length has just made full."""
@@ -117,6 +118,45 @@ class KVPages:
         ws.committed = rows
         ws.chain.cut(rows, self.page_size)
         self.trim(ws)
+
+    def evict(self, ws: WorkingSet, drop: set[int]) -> int:
+        """Drops the committed rows ``drop`` of ``ws`` and closes the gaps: kept row ``keep[i]`` becomes row ``i``.
+        A page of the new table whose rows are one old page's, in place, is that page (no copy: dropping whole
+        pages moves nothing); any other page is assembled in a fresh page from the kept rows' slots, so a page
+        shared with a fork or named by the prefix cache is never written. Old pages no new row lives in go back
+        to the pool. Returns the pages freed."""
+        ps, old = self.page_size, ws.pages
+        keep = [r for r in range(ws.committed) if r not in drop]
+        first = min(drop)
+        table = list(old[: first // ps])  # pages before the first dropped row are untouched
+        assemble: list[int] = []  # new page indices to fill from slots
+        for j in range(first // ps, self.pages_for(len(keep))):
+            rows = keep[j * ps : (j + 1) * ps]
+            q = rows[0] // ps
+            if all(r == q * ps + t for t, r in enumerate(rows)):
+                table.append(old[q])
+            else:
+                table.append(-1)
+                assemble.append(j)
+        fresh = self.pool.alloc(len(assemble))  # OUT_OF_PAGES here leaves ws as it was
+        src: list[int] = []
+        dst: list[int] = []
+        for j, page in zip(assemble, fresh):
+            table[j] = page
+            for t, r in enumerate(keep[j * ps : (j + 1) * ps]):
+                src.append(old[r // ps] * ps + r % ps)
+                dst.append(page * ps + t)
+        if src:
+            if self.copy_slots is None:
+                raise RuntimeError("this KVPages was built without a copy_slots callback")
+            self.copy_slots(src, dst)
+        kept = set(table)
+        gone = [p for p in old if p not in kept]
+        self.pool.release(gone[::-1])
+        ws.pages = table
+        ws.chain.wrote(first, None, ps)  # the rows from the first dropped one are no prefix any more
+        ws.committed, ws.dropped = len(keep), ws.dropped + len(drop)
+        return len(gone) - len(fresh)
 
     def release(self, ws: WorkingSet) -> None:
         # the tail first: of a released chain, its last pages become idle first and so are evicted first,

@@ -135,6 +135,7 @@ class Step:
                 "pending_fold": ws.pending_fold,
                 "cached_rows": fire.cached_rows,
                 "step_rows": step_rows,  # the batch this fire ran in: what a draft-length planner sees as load
+                "pages": len(ws.pages),  # KV pages the working set holds now
             }
             if o.device_fold is not None:
                 reply["fold"] = len(o.device_fold)
@@ -169,7 +170,7 @@ class Step:
         """Queues the next round of a run-ahead; returns why it cannot, if it cannot."""
         ws, w = fire.ws, len(fire.positions)
         start = ws.committed
-        if start + w > served.info.max_positions:
+        if ws.position(start) + w > served.info.max_positions:
             return "capacity"
         try:
             served.pages.reserve(ws, start, w)
@@ -181,7 +182,7 @@ class Step:
                 req_id=fire.req_id,
                 ws=ws,
                 tokens=[],
-                positions=list(range(start, start + w)),
+                positions=list(range(ws.position(start), ws.position(start) + w)),
                 readouts=[],
                 masks=[],
                 fold=None,

@@ -2,7 +2,9 @@
 ("The working set and its deferred fold"), and the table of every client's working sets.
 
 Rows ``0 .. committed-1`` are frozen. A fire writes rows ``committed ..`` unfrozen; its fold moves
-``committed`` forward by the fold count, and the rows past it are overwritten by the next fire.
+``committed`` forward by the fold count, and the rows past it are overwritten by the next fire. An eviction
+(``ws_evict``) drops committed rows and closes the gaps: a row's index then differs from its position, which
+stays the one it was written at, and a new row's position is ``committed + dropped``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class WorkingSet:
     model: str
     pages: list[int] = field(default_factory=list)
     committed: int = 0
+    dropped: int = 0  # committed rows evicted so far: the next row's position is committed + dropped
     pending_fold: int | None = None  # window size of a fire whose fold is deferred and not yet settled
     pending_tree: TreeWindow | None = None  # that fire's tree, when it has one
     in_flight: int = 0  # fires accepted and not yet answered
@@ -53,6 +56,10 @@ class WorkingSet:
             raise PieError(ErrorCode.INVALID_ARGUMENT, f"fold {fold} exceeds the fire's {self.pending_fold} rows")
         parents = self.pending_tree.parents if self.pending_tree is not None else None
         return fold_path(fold, parents, self.pending_fold)
+
+    def position(self, row: int) -> int:
+        """The position of a row written at index ``row`` from now on (a fire's default positions)."""
+        return row + self.dropped
 
 
 class WorkingSetTable:

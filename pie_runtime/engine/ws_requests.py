@@ -1,8 +1,8 @@
-"""The working-set requests: ``ws_open``, ``ws_fork``, ``ws_release``, ``ws_fold``, ``ws_truncate``, and the
-release of a departed client's working sets. Each checks everything before it changes anything. A working set
-of a model with recurrent state holds a state slot (engine/state_slots.py): open takes one, fork copies the
-parent's state into another, release frees it; truncate, which would need the state at an earlier row, is
-refused.
+"""The working-set requests: ``ws_open``, ``ws_fork``, ``ws_release``, ``ws_fold``, ``ws_truncate``,
+``ws_evict``, and the release of a departed client's working sets. Each checks everything before it changes
+anything. A working set of a model with recurrent state holds a state slot (engine/state_slots.py): open takes
+one, fork copies the parent's state into another, release frees it; truncate and evict, which would need the
+state without some rows, are refused.
 
 A client holds at most ``MAX_WORKING_SETS`` working sets at once (open and fork refuse more with
 ``limit_exceeded``), so one client cannot grow the engine's tables without bound."""
@@ -37,6 +37,7 @@ class WorkingSetRequests:
             "ws_release": self.release_request,
             "ws_fold": self.fold,
             "ws_truncate": self.truncate,
+            "ws_evict": self.evict,
         }
 
     def open(self, client: bytes, req: m.WsOpen) -> dict:
@@ -57,6 +58,7 @@ class WorkingSetRequests:
         pages = kv.fork(parent)
         child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
         child.state = hold
+        child.dropped = parent.dropped  # its rows sit where the parent's do
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
         child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
         self._held[client] = self._held.get(client, 0) + 1
@@ -96,6 +98,29 @@ class WorkingSetRequests:
             )
         self.models[ws.model].pages.truncate(ws, req.n)
         return {"committed": ws.committed}
+
+    def evict(self, client: bytes, req: m.WsEvict) -> dict:
+        """Drops the rows ``req`` names (kv_pages.evict); they must all be committed rows of an idle working set
+        of a model without recurrent state."""
+        ws = self.sets.idle(client, req.ws)  # BUSY / FOLD_PENDING: an edit never races a fire
+        if ws.state is not None:
+            raise PieError(
+                ErrorCode.UNSUPPORTED,
+                f"model {ws.model} carries recurrent state, which cannot forget a row: evict needs attention layers",
+            )
+        drop = set(req.rows)
+        for start, stop in req.ranges:
+            if stop > ws.committed:
+                break  # refused below, before building a huge set
+            drop.update(range(start, stop))
+        past = [r for r in req.rows if r >= ws.committed] + [stop for _, stop in req.ranges if stop > ws.committed]
+        if past:
+            raise PieError(
+                ErrorCode.ROW_OUT_OF_RANGE,
+                f"evict names rows up to {max(past)}, past the {ws.committed} committed rows of working set {ws.id}",
+            )
+        freed = self.models[ws.model].pages.evict(ws, drop) if drop else 0
+        return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages), "freed": freed}
 
     def release(self, ws: WorkingSet, notify: bool = True) -> None:
         """Returns ``ws``'s pages; its queued fires are dropped (a run-ahead stops) and, with ``notify``,

@@ -108,6 +108,29 @@ class WsTruncate(_Req):
     n: int = Field(ge=0)
 
 
+MAX_EVICT_SPANS = 4096  # rows or ranges in one ws_evict
+
+
+class WsEvict(_Req):
+    """Drops committed rows of a working set: ``rows`` (indices) and ``ranges`` (``[start, stop)`` pairs), any
+    mix, in any order. The kept rows keep their order and the positions they were written at (their keys are
+    rotated there); the next row's position is the sequence's logical length (rows kept + rows ever dropped),
+    not the number of rows kept. Pages that no longer hold a kept row go back to the pool at once."""
+
+    op: Literal["ws_evict"]
+    ws: int
+    rows: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_EVICT_SPANS)
+    ranges: list[Annotated[list[_Count], Field(min_length=2, max_length=2)]] = Field(
+        default_factory=list, max_length=MAX_EVICT_SPANS
+    )
+
+    @model_validator(mode="after")
+    def _ranges_ascend(self) -> WsEvict:
+        if any(stop < start for start, stop in self.ranges):
+            raise ValueError("a range is [start, stop) with stop >= start")
+        return self
+
+
 class RunAhead(_Msg):
     """Leaves a channel-fed pass with the engine: it re-fires it after every step until a budget or a stop.
     ``output`` is the bound channel whose cells are the committed tokens (entries < 0 are padding); they
@@ -275,6 +298,7 @@ Request = Annotated[
     | WsRelease
     | WsFold
     | WsTruncate
+    | WsEvict
     | Fire
     | Stats
     | Ping

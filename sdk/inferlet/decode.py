@@ -95,6 +95,8 @@ class Run:
             "prompt_tokens": len(self.prompt),
             "generated_tokens": len(self.out.ids),
             "cached_tokens": min(self.ws.cached_rows, len(self.prompt)),
+            "kv_pages": self.ws.pages,  # KV pages held at the end (the last fire's), and the most held at once
+            "kv_pages_max": self.ws.pages_max,
             **self.stats.as_dict(rate, round(self.prefill_ms, 2)),
         }
         if self.args.timing:

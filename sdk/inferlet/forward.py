@@ -95,13 +95,13 @@ class ForwardPass:
             self._positions = base + pos
         elif self._positions is not None:
             self._positions += list(
-                range(self.ws.committed + len(self._tokens), self.ws.committed + len(self._tokens) + len(ids))
+                range(self.ws.position + len(self._tokens), self.ws.position + len(self._tokens) + len(ids))
             )
         self._tokens += ids
         return self
 
     def _default_positions(self) -> list[int]:
-        return list(range(self.ws.committed, self.ws.committed + len(self._tokens)))
+        return list(range(self.ws.position, self.ws.position + len(self._tokens)))
 
     def readout(self, rows, kind: ReadoutSpec, mask: np.ndarray | None = None) -> ForwardPass:
         """Reads ``kind`` at window rows ``rows``; ``mask`` is a packed allowed-token bitmask per row
@@ -196,6 +196,8 @@ class ForwardPass:
         cached = int(reply.get("cached_rows") or 0)  # absent from engines without a prefix cache
         self.ws.cached_rows += cached
         self.ws.step_rows = int(reply.get("step_rows") or 0)
+        if "pages" in reply:
+            self.ws.held_pages(int(reply["pages"]))
         self.ws.replayed_rows = int(reply.get("replayed_rows") or self.ws.replayed_rows)  # a running total
         results = [
             ReadoutResult(kind=spec["kind"], **{k: decode_array(v) for k, v in res.items()})

@@ -11,13 +11,18 @@ if TYPE_CHECKING:
 class WorkingSet:
     """Rows ``0 .. committed-1`` are frozen; a fire writes after them and its fold commits some of its rows.
 
-    Opened lazily: the engine learns of it on its first fire or fork.
+    Opened lazily: the engine learns of it on its first fire or fork. :meth:`evict` drops committed rows (their
+    pages go back to the engine's pool); the kept rows keep the positions they were written at, and the next
+    row's position is :attr:`position`, the sequence's logical length (``committed + dropped``).
     """
 
     def __init__(self, model: Model, handle: int | None = None, committed: int = 0):
         self.model = model
         self._handle = handle
         self.committed = committed
+        self.dropped = 0  # committed rows evicted so far
+        self.pages = 0  # KV pages it holds in the engine, as its last fire or eviction said
+        self.pages_max = 0  # the most it held at once
         self.pending_fold = False
         self.released = False
         self._settle: int | list[int] | None = None  # a fold (count or tree path) to settle with the next fire
@@ -36,7 +41,37 @@ class WorkingSet:
         """A new working set sharing this one's committed rows copy-on-write."""
         await self._flush_settle()
         reply = await self.model.client.request("ws_fork", ws=await self.handle())
-        return WorkingSet(self.model, reply["ws"], reply["committed"])
+        child = WorkingSet(self.model, reply["ws"], reply["committed"])
+        child.dropped = self.dropped
+        return child
+
+    @property
+    def position(self) -> int:
+        """The position the next row is written at: rows kept plus rows ever evicted."""
+        return self.committed + self.dropped
+
+    def held_pages(self, pages: int) -> None:
+        """Notes the engine's count of the pages this working set holds (a fire or eviction reply's)."""
+        self.pages = pages
+        self.pages_max = max(self.pages_max, pages)
+
+    async def evict(self, rows=(), ranges=()) -> int:
+        """Drops committed rows: ``rows`` (indices) and ``ranges`` (``(start, stop)`` pairs, stop excluded).
+        The rows after them close the gaps, keeping their positions; pages no kept row lives in go back to the
+        engine's pool at once, and dropping whole pages copies nothing. Returns the rows kept.
+
+            # StreamingLLM: keep 4 sink rows and the last 252 rows
+            if ws.committed > 256:
+                await ws.evict(ranges=[(4, ws.committed - 252)])
+        """
+        await self._flush_settle()
+        spans = [[int(a), int(b)] for a, b in ranges]
+        reply = await self.model.client.request(
+            "ws_evict", ws=await self.handle(), rows=[int(r) for r in rows], ranges=spans
+        )
+        self.committed, self.dropped = reply["committed"], reply["dropped"]
+        self.held_pages(int(reply["pages"]))
+        return self.committed
 
     def settle(self, n: int | list[int]) -> None:
         """Settles a deferred fold with the next fire instead of a message of its own: commits the first

@@ -166,13 +166,14 @@ def test_fork_copies_the_state_and_release_frees_the_slot(family, store):
 
 
 @pytest.mark.parametrize("family", RECURRENT_FAMILIES)
-def test_truncate_and_granules_are_refused_with_typed_errors(family, store):
+def test_truncate_evict_and_granules_are_refused_with_typed_errors(family, store):
     c = Core(store, family)
     ws = c.call("ws_open")["ws"]
     c.fire(ws, PROMPT)
-    with pytest.raises(Exception) as refused:
-        c.call("ws_truncate", ws=ws, n=3)
-    assert getattr(refused.value, "code", None) == ErrorCode.UNSUPPORTED
+    for op, fields in (("ws_truncate", {"n": 3}), ("ws_evict", {"rows": [1]})):
+        with pytest.raises(Exception) as refused:
+            c.call(op, ws=ws, **fields)
+        assert getattr(refused.value, "code", None) == ErrorCode.UNSUPPORTED, op
     c.sm.info.state_granule = 4  # a model whose state advances 4 rows at a time
     for fold in ("deferred", 1):
         with pytest.raises(Exception) as refused:

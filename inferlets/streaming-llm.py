@@ -1,0 +1,105 @@
+"""streaming-llm: attention sinks plus a sliding window, so the KV memory of a generation stays flat however long
+it runs (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453).
+
+The first rows of a sequence soak up attention mass whatever they say (the "sinks"); keeping them beside a
+window of the most recent rows keeps the model fluent where a plain window would not. Here:
+
+    prefill the prompt, read its last row
+    loop: embed the new token, read it
+          if committed >= sinks + window + chunk: evict rows sinks .. committed - window - 1
+
+The eviction waits for ``chunk`` rows (default: a page) past the budget, so that the rows after the sinks move
+by whole pages: their pages are kept as they are, only the sinks' page is rebuilt, and each eviction frees
+``chunk / page_size`` pages. Kept rows keep the positions they were written at (the engine's rule: their keys
+are already rotated there) and new rows continue from the sequence's logical length, so a run ends at the
+model's position limit as any other does; the paper's positions counted inside the cache would need keys
+rotated again at every step, which the engine does not do.
+
+Stats: ``kv_pages`` (pages held at the end), ``kv_pages_max`` (the most held at once), ``evictions`` and
+``evicted_rows``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import Field, model_validator
+
+import inferlet
+from inferlet.args import CompletionArgs
+from inferlet.output import Output
+from inferlet.sampler import StepSampler
+
+
+class Args(CompletionArgs):
+    sinks: int = Field(default=4, ge=0)
+    window: int = Field(default=252, ge=1)
+    chunk: int | None = Field(default=None, ge=1)  # rows past the budget before an eviction (default: a page)
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> Args:
+        if self.n != 1:
+            raise ValueError("streaming-llm decodes one choice (n = 1)")
+        return self
+
+
+class SinkWindow:
+    """Which rows to drop: everything between the sinks and the window, once ``chunk`` rows have piled up."""
+
+    def __init__(self, sinks: int, window: int, chunk: int):
+        self.sinks, self.window, self.chunk = sinks, window, chunk
+        self.evictions = self.evicted_rows = 0
+
+    async def trim(self, ws: inferlet.WorkingSet) -> None:
+        if ws.committed < self.sinks + self.window + self.chunk:
+            return
+        stop = ws.committed - self.window
+        await ws.evict(ranges=[(self.sinks, stop)])
+        self.evictions += 1
+        self.evicted_rows += stop - self.sinks
+
+
+@inferlet.main
+async def main(args: Args) -> dict:
+    model = inferlet.model()
+    prompt = args.prompt_ids(model.tokenizer)
+    out = Output(model.tokenizer, args, len(prompt), model.max_positions)
+    sampler = StepSampler(args, prompt)
+    policy = SinkWindow(args.sinks, args.window, args.chunk or model.page_size)
+    ws = model.working_set()
+    try:
+        t0 = time.perf_counter()
+        fp = inferlet.ForwardPass(ws).embed(prompt)
+        for kind in sampler.readouts(0):
+            fp.readout([len(prompt) - 1], kind)
+        out.push([sampler.pick(await fp.submit(), out.ids)])
+        await policy.trim(ws)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        t_decode = time.perf_counter()
+        while not out.done:
+            fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
+            for kind in sampler.readouts(len(out.ids)):
+                fp.readout([0], kind)
+            out.push([sampler.pick(await fp.submit(), out.ids)])
+            await policy.trim(ws)
+        decode_s = time.perf_counter() - t_decode
+    finally:
+        await ws.release()
+    decoded = max(len(out.ids) - 1, 0)
+    result = {
+        **out.result(),
+        "stats": {
+            "prompt_tokens": len(prompt),
+            "generated_tokens": len(out.ids),
+            "prefill_ms": round(prefill_ms, 2),
+            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
+            "kv_pages": ws.pages,
+            "kv_pages_max": ws.pages_max,
+            "kv_rows": ws.committed,
+            "evictions": policy.evictions,
+            "evicted_rows": policy.evicted_rows,
+        },
+    }
+    if args.top_count is not None:
+        result["logprobs"] = sampler.logprobs
+    return result
