@@ -166,3 +166,27 @@ def test_a_closed_connection_releases_what_its_client_held(server):
         pump(server, 0.05)
     assert pages.free == free
     assert not server.connections.fd_of
+
+
+def test_over_tcp_a_client_with_the_token_is_served_and_released_when_it_leaves():
+    """The ZAP domain that turns legacy peers away lets a ZMTP 3 client with the token through on tcp://."""
+    from pie_runtime.protocol import messages as m
+
+    srv = EngineServer(Core().core, "tcp://127.0.0.1:*", token="sesame")
+    sock = srv.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        assert ask(srv, sock, pack({"id": 1, "op": "hello", "version": m.PROTOCOL_VERSION, "token": "sesame"}))["ok"]
+        assert ask(srv, sock, pack({"id": 2, "op": "ws_open"}))["ok"]
+        assert len(srv.core.sets) == 1 and len(srv.authed) == 1
+        sock.close(0)
+        deadline = time.monotonic() + BOUND_S
+        while len(srv.core.sets) and time.monotonic() < deadline:
+            pump(srv, 0.05)
+        assert len(srv.core.sets) == 0 and not srv.authed and not srv.connections.fd_of
+    finally:
+        sock.close(0)
+        srv.sock.disable_monitor()
+        srv.monitor.close(0)
+        srv.sock.close(0)
