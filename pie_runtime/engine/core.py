@@ -128,6 +128,7 @@ class EngineCore:
             "working_sets": len(self.sets),
             "channels": len(self.channels.channels),
             "programs": self.programs.count(),
+            "program_evictions": self.programs.programs.evictions,  # past --max-programs (programs/registry.py)
             "run_ahead": sum(fire.run is not None for fire in self.models.jobs()),
             "models": {
                 served.name: {

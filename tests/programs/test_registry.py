@@ -101,7 +101,7 @@ def test_past_the_cap_the_least_recently_used_program_is_evicted():
     assert register(c, 1) == p1  # registering it again evicts the next oldest
     assert table.held(A) == [p0, p3, p1]
     assert register(c, 0) == p0 and table.held(A) == [p3, p1, p0]  # registering a held one only touches it
-    assert table.evictions == 2
+    assert table.evictions == 2 and c.call(A, "stats")["program_evictions"] == 2
     assert [register(c, k, B) for k in range(3)] and table.held(A) == [p3, p1, p0]  # B's cap is its own
 
 
