@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..engine.options import (
+    DEFAULT_MAX_PROGRAMS,
     DEFAULT_PER_ROW_STATES,
     DEFAULT_STATE_SLOTS,
     PASS_COST_CACHE_MODES,
@@ -33,6 +34,13 @@ def weights_value(value: str) -> str:
             f"--weights takes FORMAT or MODEL=FORMAT with FORMAT one of {', '.join(WEIGHT_FORMATS)}, not {value!r}"
         )
     return value
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive count, not {value}")
+    return n
 
 
 def weight_format(args) -> str:
@@ -128,6 +136,14 @@ def _add_memory_options(p: argparse.ArgumentParser) -> None:
         default=PROGRAM_MEMORY >> 20,
         help=f"MiB a program's values may peak at; a program over it is refused (default {PROGRAM_MEMORY >> 20})",
     )
+    p.add_argument(
+        "--max-programs",
+        type=_positive,
+        default=DEFAULT_MAX_PROGRAMS,
+        help="epilogue programs one client holds at once; registering one more evicts its least recently used "
+        "program that no queued fire uses (the SDK registers an evicted one again by itself; "
+        f"default {DEFAULT_MAX_PROGRAMS})",
+    )
 
 
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
@@ -182,7 +198,13 @@ def run_engine(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         served = _build_models(args)
-        core = EngineCore(served, args.max_batch_tokens, args.program_memory << 20, prefix_cache=args.prefix_cache)
+        core = EngineCore(
+            served,
+            args.max_batch_tokens,
+            args.program_memory << 20,
+            prefix_cache=args.prefix_cache,
+            max_programs=args.max_programs,
+        )
         server = EngineServer(
             core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
         )

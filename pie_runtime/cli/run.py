@@ -51,7 +51,7 @@ def engine_args(args) -> list[str]:
     if getattr(args, "tensor_parallel", 1) > 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
     out += ["--pass-cost-rows", str(args.pass_cost_rows), "--pass-cost-cache", args.pass_cost_cache]
-    out += ["--program-memory", str(args.program_memory)]
+    out += ["--program-memory", str(args.program_memory), "--max-programs", str(args.max_programs)]
     out += [] if args.prepack else ["--no-prepack"]
     return out
 

@@ -23,6 +23,7 @@ from ..protocol.programs import PROGRAM_MEMORY
 from .channels import ChannelTable
 from .fire_requests import FireRequests
 from .jobs import Handler, Reply, StepStats
+from .programs.registry import MAX_PROGRAMS
 from .programs.requests import ProgramRequests
 from .served import ServedModel, ServedModels
 from .spec_totals import SpecTotals, totals_for
@@ -38,8 +39,11 @@ class EngineCore:
         max_batch_tokens: int = 256,
         program_memory: int = PROGRAM_MEMORY,
         prefix_cache: bool = True,
+        max_programs: int = MAX_PROGRAMS,
     ):
-        """``prefix_cache``: name full committed KV pages and let new working sets reuse them (prefix_cache.py)."""
+        """``prefix_cache``: name full committed KV pages and let new working sets reuse them (prefix_cache.py).
+        ``max_programs``: the programs one client holds at once, least recently used evicted
+        (programs/registry.py)."""
         self.models = ServedModels(models)
         self.sets = WorkingSetTable()
         self.channels = ChannelTable()
@@ -47,7 +51,7 @@ class EngineCore:
         self.outbox: list[Reply] = []  # replies owed outside the request being handled (waiting takes)
         self.spec_totals: dict[str, dict[str, SpecTotals]] = {}  # model → inferlet → summed run counters
         self.working_sets = WorkingSetRequests(self.models, self.sets, self.outbox, self.channels)
-        self.programs = ProgramRequests(self.models, self.channels, self.outbox, program_memory)
+        self.programs = ProgramRequests(self.models, self.channels, self.outbox, program_memory, max_programs)
         self.fires = FireRequests(self.models, self.sets, self.programs)
         self._step = Step(self.models, self.channels, self.stats, max_batch_tokens)
         own: dict[str, Handler] = {
@@ -124,6 +128,7 @@ class EngineCore:
             "working_sets": len(self.sets),
             "channels": len(self.channels.channels),
             "programs": self.programs.count(),
+            "program_evictions": self.programs.programs.evictions,  # past --max-programs (programs/registry.py)
             "run_ahead": sum(fire.run is not None for fire in self.models.jobs()),
             "models": {
                 served.name: {

@@ -1,11 +1,14 @@
 """The engine's ZeroMQ ROUTER loop: drain every pending request, answer control ops at once, then run one
 batched step over all ready fires and answer those.
 
-Client departure (even kill -9) releases everything the client held. libzmq's ROUTER_NOTIFY is a draft API,
-so departures come from the socket monitor: each message carries the file descriptor it arrived on
-(SRCFD), and a DISCONNECTED event for that descriptor drops the identities seen on it. The monitor is
-drained before every receive, so a descriptor's disconnect is always handled before a newcomer reusing it
-is heard.
+Client departure (even kill -9) releases everything the client held: the socket monitor's DISCONNECTED
+event names the connection that ended, and connections.py knows the clients heard on it. The monitor is
+drained before every receive, so a connection's end is always handled before a newcomer reusing its
+descriptor is heard.
+
+Nothing about one message ends the loop: a message is one frame after the routing id (else ``bad_message``),
+from a client whose connection is known (else ``unsupported``), and any exception while handling it is
+logged and answered ``internal``; the loop goes on to the next message.
 
 Auth (tcp://, ``--token``): a client is unauthenticated until a hello that fully succeeds (the engine's token
 and the engine's protocol version). Until then every message is refused ``unauthorized`` after a cheap look
@@ -29,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import ErrorCode, PieError
 from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request, unpack
+from .connections import Connections, message_fd
 from .core import EngineCore
 
 log = logging.getLogger("pie.engine")
@@ -57,11 +61,14 @@ class EngineServer:
         # far above the protocol limit, so oversize messages still arrive and get a typed error
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a ZAP domain refuses ZMTP 1.0/2.0 peers at the handshake, whose messages name no connection
+        # (connections.py); with no ZAP handler bound, ZMTP 3 peers pass as before
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, b"pie")
         self.sock.bind(address)
         for extra in also or []:
             self.sock.bind(extra)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.fd_clients: dict[int, set[bytes]] = {}
+        self.connections = Connections()
         self._running = False
 
     def serve_forever(self) -> None:
@@ -96,9 +103,22 @@ class EngineServer:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            client = frames[0].bytes
-            self.fd_clients.setdefault(frames[-1].get(zmq.SRCFD), set()).add(client)
-            self._handle(client, frames[-1].bytes)
+            try:
+                self._receive(frames)
+            except Exception as e:  # one message must never end the loop: it costs that message alone
+                log.exception("a message could not be handled")
+                self._refuse(frames[0].bytes, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        """One message off the ROUTER: its routing id, then (for a well-formed request) one payload frame."""
+        client = frames[0].bytes
+        if not self.connections.note(client, message_fd(frames[-1])):
+            self._refuse(client, ErrorCode.UNSUPPORTED, "the engine cannot tell which connection this came on")
+            return
+        if len(frames) != 2:
+            self._refuse(client, ErrorCode.BAD_MESSAGE, f"a request is one frame, got {len(frames) - 1}")
+            return
+        self._handle(client, frames[1].bytes)
 
     def _drain_departures(self) -> None:
         while True:
@@ -106,10 +126,13 @@ class EngineServer:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for client in self.fd_clients.pop(event["value"], ()):
-                released = self.core.drop_client(client)
+            for client in self.connections.closed(event["value"]):
+                try:
+                    released = self.core.drop_client(client)
+                    log.info("client %s left; released %d working sets", client.hex(), released)
+                except Exception:  # a departure must never end the loop either
+                    log.exception("releasing what client %s held failed", client.hex())
                 self.authed.discard(client)
-                log.info("client %s left; released %d working sets", client.hex(), released)
 
     def _handle(self, client: bytes, payload: bytes) -> None:
         req_id = None
@@ -128,17 +151,14 @@ class EngineServer:
         except PieError as e:
             if req_id is None:
                 req_id = e.request_id
-            self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": e.to_wire()})
+            self._refuse(client, e.code, e.message, req_id)
         except Exception as e:  # a bug must cost one request, never the engine
             log.exception("internal error")
-            self._send(
-                client,
-                {
-                    "id": req_id if isinstance(req_id, int) else None,
-                    "ok": False,
-                    "error": PieError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}").to_wire(),
-                },
-            )
+            self._refuse(client, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", req_id)
+
+    def _refuse(self, client: bytes, code: ErrorCode, message: str, req_id: object = None) -> None:
+        error = PieError(code, message).to_wire()
+        self._send(client, {"id": req_id if isinstance(req_id, int) else None, "ok": False, "error": error})
 
     def _check_hello(self, payload: bytes) -> int | None:
         """For an unauthenticated client: refuses ``unauthorized`` anything but a hello carrying the engine's
@@ -166,6 +186,14 @@ class EngineServer:
 
     def _send(self, client: bytes, reply: dict) -> None:
         try:
-            self.sock.send_multipart([client, pack(reply)], zmq.NOBLOCK)
+            data = pack(reply)
+        except Exception as e:  # a reply that cannot be packed is a bug: it costs that reply
+            log.exception("a reply could not be packed")
+            error = PieError(ErrorCode.INTERNAL, f"the reply could not be packed: {type(e).__name__}").to_wire()
+            data = pack(
+                {"id": reply.get("id") if isinstance(reply.get("id"), int) else None, "ok": False, "error": error}
+            )
+        try:
+            self.sock.send_multipart([client, data], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the client is gone; the socket monitor reports its departure

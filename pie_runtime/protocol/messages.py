@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .arrays import decode_array
 from .dtypes import ChannelDtype
 
-PROTOCOL_VERSION = 3  # 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree)
+# 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree); 4: program_unregister
+PROTOCOL_VERSION = 4
 Deferred = Literal["deferred"]
 DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
 
@@ -182,11 +183,27 @@ class ProgramNode(_Msg):
 
 
 class ProgramRegister(_Req):
-    """Registers an epilogue program for ``model``; the reply names it by hash."""
+    """Registers an epilogue program for ``model``; the reply names it by hash. A client holds at most the
+    engine's ``--max-programs``: one more evicts its least recently used program that no queued fire uses
+    (``limit_exceeded`` when queued fires use every one), and a fire naming an evicted program is refused
+    ``unknown_program``, which the SDK answers by registering it again."""
 
     op: Literal["program_register"]
     model: str | None = None
     nodes: list[ProgramNode] = Field(min_length=1)
+
+
+PROGRAM_HASH = r"^[0-9a-f]{32}$"  # a program's name: protocol.programs.program_hash
+
+
+class ProgramUnregister(_Req):
+    """Drops a registered program by its hash. Fires already queued with it (a run-ahead included) run on with
+    it; a later fire naming it is refused ``unknown_program`` until it is registered again. The reply says
+    whether the client held it (``{"removed": bool}``): a program the engine already evicted, or never had,
+    is no error, so unregistering twice is harmless."""
+
+    op: Literal["program_unregister"]
+    program: str = Field(pattern=PROGRAM_HASH)
 
 
 class ChannelOpen(_Req):
@@ -303,6 +320,7 @@ Request = Annotated[
     | Stats
     | Ping
     | ProgramRegister
+    | ProgramUnregister
     | ChannelOpen
     | ChannelPut
     | ChannelSet

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol.arrays import decode_array, encode_array
 from pie_runtime.protocol.messages import DEFERRED  # re-exported: inferlet.DEFERRED, forward.DEFERRED
 
@@ -189,8 +190,22 @@ class ForwardPass:
         await asyncio.sleep(0)  # lets the task send the request (a zmq send completes at once)
         return task
 
+    async def _fire(self, fields: dict) -> dict:
+        """Sends the fire. One refused ``unknown_program`` (the engine evicted the program past its
+        ``--max-programs``, or another run on this connection unregistered it) registers the program again and
+        sends the fire once more: a refused fire changed nothing, its settle included."""
+        client = self.ws.model.client
+        try:
+            return await client.request("fire", **fields)
+        except PieError as e:
+            if e.code != ErrorCode.UNKNOWN_PROGRAM or self._program is None:
+                raise
+        self._program.forget()
+        fields["program"] = await self._program.register()
+        return await client.request("fire", **fields)
+
     async def _result(self, fields: dict) -> PassResult:
-        reply = await self.ws.model.client.request("fire", **fields)
+        reply = await self._fire(fields)
         self.ws.committed = reply["committed"]
         self.ws.pending_fold = reply.get("pending_fold") is not None
         cached = int(reply.get("cached_rows") or 0)  # absent from engines without a prefix cache

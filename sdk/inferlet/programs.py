@@ -290,12 +290,35 @@ class Program:
         self._registered = False
 
     async def register(self) -> str:
-        """Registers once per connection; the engine validates it and answers with the same hash."""
+        """Registers once per connection; the engine validates it and answers with the same hash. A fire sent
+        with the program registers it by itself (again, if the engine has dropped it since)."""
         if not self._registered:
             reply = await self.model.client.request("program_register", model=self.model.name, nodes=self.nodes)
             assert reply["program"] == self.hash, "SDK and engine disagree on a program's hash"
             self._registered = True
         return self.hash
+
+    async def unregister(self) -> bool:
+        """Drops the program from the engine once you are done with it, so a long-lived connection (an
+        inferlet host) holds only the programs in use::
+
+            prog = inferlet.trace(model, accept, window, out)
+            for _ in range(rounds):
+                await inferlet.ForwardPass(ws).embed_from(window).epilogue(prog).submit()
+            await prog.unregister()
+
+        Fires already sent run to the end with it; a later fire with it registers it again by itself. The
+        engine holds a bounded number of programs per connection (``pie engine --max-programs``) and evicts
+        the least recently used one past it, so forgetting to unregister costs a slot, never an error. On a
+        connection shared by several runs, another run still firing the same program (same hash) registers it
+        again at its next fire. Returns whether the engine still held it."""
+        self._registered = False
+        reply = await self.model.client.request("program_unregister", program=self.hash)
+        return bool(reply["removed"])
+
+    def forget(self) -> None:
+        """Marks the program as not registered, so the next fire with it registers it again."""
+        self._registered = False
 
 
 def trace(model: Model, fn: Callable[..., Any], *channels: Channel) -> Program:

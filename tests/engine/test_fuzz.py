@@ -7,10 +7,15 @@ session's tests with it, and the RSS baseline must be this engine's own."""
 
 from __future__ import annotations
 
+import random
+import socket
+import time
+
 import pytest
 
 from examples.fuzz_engine import BOUND_S, FuzzReport, fuzz
 from pie_runtime.launcher import EmbeddedEngine
+from pie_runtime.protocol.codec import pack, unpack
 from tests.conftest import TINY, start_engine
 
 MESSAGES = 2000
@@ -52,3 +57,39 @@ def test_hostile_messages_leave_the_engine_sound(fuzz_engine):
     )
     growth = report.rss_growth
     assert growth is not None and growth < RSS_MARGIN, f"RSS {report.rss_before_kb} → {report.rss_after_kb} kB"
+
+
+def test_raw_bytes_on_the_engines_socket_leave_it_serving(fuzz_engine):
+    """The hostile run's crash, against a real ``pie engine``: a ZMTP 1.0 peer's message and 3 MB of random
+    bytes on raw connections (messages that name no connection) once ended its receive loop."""
+    import zmq
+
+    path = fuzz_engine.address.removeprefix("ipc://")
+    rng = random.Random(5)
+    for payload in [bytes([1, 0, 5, 0]) + b"ping", *(rng.randbytes(3 << 20) for _ in range(3))]:
+        with socket.socket(socket.AF_UNIX) as raw:
+            try:
+                raw.connect(path)
+            except OSError as e:
+                pytest.fail(f"the engine stopped listening ({e}); exit code {fuzz_engine.proc.poll()}")
+            try:
+                raw.sendall(payload)
+            except OSError:
+                pass  # the engine hung up on it
+            time.sleep(0.1)
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(fuzz_engine.address)
+    try:
+        client.send(pack({"id": 1, "op": "ws_open"}))
+        assert client.poll(10_000), f"no reply; engine exit code {fuzz_engine.proc.poll()}"
+        ws = unpack(client.recv())["ws"]
+        client.send(
+            pack({"id": 2, "op": "fire", "ws": ws, "tokens": [1, 2, 3], "readouts": [{"rows": [2], "kind": "argmax"}]})
+        )
+        assert client.poll(30_000)
+        reply = unpack(client.recv())
+        assert reply["ok"] and reply["committed"] == 3, reply
+    finally:
+        client.close(0)
+    assert fuzz_engine.proc.poll() is None

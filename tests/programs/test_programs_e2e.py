@@ -12,7 +12,7 @@ import inferlet
 from inferlet.client import Client
 from inferlet.programs import where
 from pie_runtime.protocol import ErrorCode, PieError, pack
-from tests.conftest import pages_free
+from tests.conftest import TINY, pages_free, start_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 
@@ -70,11 +70,9 @@ async def test_a_program_is_registered_by_hash_and_a_bad_one_refused(tiny):
     finally:
         raw.close()
     ws = tiny.working_set()
-    fp = inferlet.ForwardPass(ws).embed([1, 2])
-    fp._program, fp._bindings = prog, [out]
-    prog.hash, prog._registered = "0" * 32, True
-    await refused(ErrorCode.UNKNOWN_PROGRAM, fp.submit())
-    assert ws.committed == 0
+    unknown = {"ws": await ws.handle(), "tokens": [1, 2], "program": "0" * 32, "bindings": [out.handle]}
+    await refused(ErrorCode.UNKNOWN_PROGRAM, tiny.client.request("fire", **unknown))
+    assert (await inferlet.ForwardPass(ws).embed([1, 2]).submit()).committed == 2  # the refusal left nothing
 
 
 async def test_epilogue_writes_and_a_waiting_take(tiny):
@@ -176,3 +174,65 @@ async def test_concurrent_epilogues_of_one_step(tiny):
 
     for got, expected in await asyncio.gather(*(one(p) for p in prompts)):
         assert got == expected
+
+
+@pytest.fixture(scope="module")
+def capped_engine(pie_home):
+    """A tiny engine whose clients hold at most 2 programs."""
+    eng = start_engine(pie_home, [TINY], "--max-programs", "2")
+    yield eng
+    eng.stop()
+
+
+async def programs_held(client) -> int:
+    return (await client.request("stats"))["programs"]
+
+
+async def test_a_capped_engine_evicts_the_oldest_program_and_the_sdk_registers_it_again(capped_engine):
+    session = await inferlet.connect(capped_engine.address)
+    try:
+        model = inferlet.model(TINY)
+        out = await inferlet.Channel.open(model, (1,), "int32", 8)
+        progs = [
+            inferlet.trace(model, lambda p, out, k=k: p.put(out, p.logits([0]).argmax() + k), out) for k in range(3)
+        ]
+        ws = model.working_set()
+
+        async def fire(k: int) -> None:  # the epilogue puts the greedy token plus k
+            res = await inferlet.ForwardPass(ws).embed([1]).readout([0], inferlet.Argmax()).epilogue(progs[k]).submit()
+            assert res.tokens is not None
+            assert (await out.take()).tolist() == [[int(res.tokens[0]) + k]]
+
+        for k in range(3):
+            await fire(k)
+        assert await programs_held(model.client) == 2  # registering progs[2] evicted progs[0]
+        await fire(0)  # refused unknown_program, registered again (evicting progs[1]), fired
+        assert await programs_held(model.client) == 2
+        assert await progs[0].unregister() is True
+        assert await progs[0].unregister() is False
+        assert await programs_held(model.client) == 1
+        raw = {"ws": await ws.handle(), "tokens": [1], "program": progs[0].hash, "bindings": [out.handle]}
+        await refused(ErrorCode.UNKNOWN_PROGRAM, model.client.request("fire", **raw))
+        await fire(0)  # the SDK registers an unregistered program at its next fire
+    finally:
+        session.client.close()
+
+
+async def test_a_departed_clients_programs_are_dropped(capped_engine):
+    session = await inferlet.connect(capped_engine.address)
+    other = Client(capped_engine.address)
+    try:
+        model = inferlet.model(TINY)
+        before = await programs_held(model.client)
+        nodes = [{"op": "logits", "attrs": {"rows": [0]}}, {"op": "argmax", "inputs": [0]}]
+        await other.request("program_register", model=TINY, nodes=nodes)
+        assert await programs_held(model.client) == before + 1
+        other.close()
+        for _ in range(200):
+            if await programs_held(model.client) == before:
+                break
+            await asyncio.sleep(0.05)
+        assert await programs_held(model.client) == before
+    finally:
+        other.close()
+        session.client.close()

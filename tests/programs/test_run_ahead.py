@@ -36,8 +36,9 @@ async def host_greedy(model, ids, n) -> list[int]:
     return out
 
 
-async def start_run(model, ids, out_capacity=64, **budget):
-    """Prefill (its epilogue writes the first token) and a run-ahead behind it. Returns (ws, out, flag, task)."""
+async def start_run(model, ids, out_capacity=64, programs: list | None = None, **budget):
+    """Prefill (its epilogue writes the first token) and a run-ahead behind it. Returns (ws, out, flag, task);
+    the two traced programs go into ``programs`` when given."""
     inp = await inferlet.Channel.open(model, (1,), "int32", 1)
     out = await inferlet.Channel.open(model, (1,), "int32", out_capacity)
     flag = await inferlet.Channel.open(model, (), "int32", 1)
@@ -54,9 +55,12 @@ async def start_run(model, ids, out_capacity=64, **budget):
         p.put(out, t)
         p.fold(1)
 
+    traced = [inferlet.trace(model, first, inp, out), inferlet.trace(model, step, inp, out)]
+    if programs is not None:
+        programs += traced
     ws = model.working_set()
-    await inferlet.ForwardPass(ws).embed(ids).epilogue(inferlet.trace(model, first, inp, out)).launch()
-    fp = inferlet.ForwardPass(ws).embed_from(inp).epilogue(inferlet.trace(model, step, inp, out))
+    await inferlet.ForwardPass(ws).embed(ids).epilogue(traced[0]).launch()
+    fp = inferlet.ForwardPass(ws).embed_from(inp).epilogue(traced[1])
     task = await fp.run_ahead(out, stop_channel=flag, **budget).launch()
     return ws, out, flag, task
 
@@ -113,6 +117,20 @@ async def test_run_ahead_stops_at_its_round_budget_and_waits_for_room(tiny):
     got = []
     while len(got) < 9:
         await asyncio.sleep(0.05)  # a slow consumer: the run pauses while its output channel is full
+        got += (await out.take()).reshape(-1).tolist()
+    res = await task
+    assert got == ref and res.run["reason"] == "budget_rounds" and res.run["rounds"] == 8
+
+
+async def test_unregistering_the_programs_of_a_running_run_ahead_lets_it_finish(tiny):
+    ids = tiny.tokenizer.encode(PROMPT)
+    ref = await host_greedy(tiny, ids, 9)
+    programs: list = []
+    ws, out, _, task = await start_run(tiny, ids, out_capacity=2, budget_rounds=8, programs=programs)
+    got = (await out.take()).reshape(-1).tolist()  # the run is under way (and pauses while its output is full)
+    assert [await p.unregister() for p in programs] == [True, True]
+    while len(got) < 9:
+        await asyncio.sleep(0.02)
         got += (await out.take()).reshape(-1).tolist()
     res = await task
     assert got == ref and res.run["reason"] == "budget_rounds" and res.run["rounds"] == 8

@@ -1,6 +1,7 @@
-"""The requests of epilogue programs and device channels: ``program_register``,
+"""The requests of epilogue programs and device channels: ``program_register/unregister``,
 ``channel_open/put/set/take/read/close``, and the checks a fire with a program, a channel-fed window or a
-run-ahead passes before it is queued. Channels and programs belong to the client that made them."""
+run-ahead passes before it is queued. Channels and programs belong to the client that made them; a client's
+programs are a bounded cache (registry.py)."""
 
 from __future__ import annotations
 
@@ -15,25 +16,31 @@ from ..jobs import Handler, Reply
 from ..served import ServedModels
 from ..working_set import WorkingSet
 from .fire import RunState
+from .registry import MAX_PROGRAMS, ProgramTable
 from .validate import Program, validate
 
-MAX_PROGRAMS = 256  # per client
 MAX_CHANNELS = 256  # per client
 
 
 class ProgramRequests:
     def __init__(
-        self, models: ServedModels, channels: ChannelTable, outbox: list[Reply], program_memory: int = PROGRAM_MEMORY
+        self,
+        models: ServedModels,
+        channels: ChannelTable,
+        outbox: list[Reply],
+        program_memory: int = PROGRAM_MEMORY,
+        max_programs: int = MAX_PROGRAMS,
     ):
         self.models = models
         self.program_memory = program_memory  # bytes: a program whose values peak above it is refused
         self.channels = channels
         self.outbox = outbox  # replies owed to waiting takes that a host put or close answers
-        self.programs: dict[bytes, dict[str, Program]] = {}  # client → hash → program
+        self.programs = ProgramTable(max_programs)
 
     def ops(self) -> dict[str, Handler]:
         return {
             "program_register": self.register,
+            "program_unregister": self.unregister,
             "channel_open": self.open,
             "channel_put": self.put,
             "channel_set": self.set,
@@ -43,11 +50,11 @@ class ProgramRequests:
         }
 
     def count(self) -> int:
-        return sum(len(p) for p in self.programs.values())
+        return self.programs.count()
 
     def drop_client(self, client: bytes) -> None:
         self.channels.drop_client(client)
-        self.programs.pop(client, None)
+        self.programs.drop_client(client)
 
     # ---- a fire's program, bindings and input channel ---------------------------------------------
 
@@ -72,7 +79,7 @@ class ProgramRequests:
             if bindings:
                 raise PieError(ErrorCode.INVALID_ARGUMENT, "channel bindings need a program")
             return None, []
-        program = self.programs.get(client, {}).get(req.program)
+        program = self.programs.get(client, req.program)
         if program is None:
             raise PieError(ErrorCode.UNKNOWN_PROGRAM, f"no program {req.program} (register it first)")
         if program.model != ws.model or any(ch.model != ws.model for ch in bindings):
@@ -103,11 +110,15 @@ class ProgramRequests:
         served = self.models.get(req.model)
         dims = ModelDims(served.info.vocab_size, served.info.hidden_size, served.info.mtp_depth)
         program = validate(served.name, [n.model_dump() for n in req.nodes], dims, self.program_memory)
-        mine = self.programs.setdefault(client, {})
-        if program.hash not in mine and len(mine) >= MAX_PROGRAMS:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_PROGRAMS} programs")
-        mine.setdefault(program.hash, program)
+        program = self.programs.add(client, program, lambda: self._in_use(client))
         return {"program": program.hash, "slots": len(program.slots)}
+
+    def unregister(self, client: bytes, req: m.ProgramUnregister) -> dict:
+        return {"removed": self.programs.remove(client, req.program)}
+
+    def _in_use(self, client: bytes) -> set[str]:
+        """The hashes of the client's programs that its queued fires use."""
+        return {job.program.hash for job in self.models.jobs() if job.client == client and job.program is not None}
 
     def open(self, client: bytes, req: m.ChannelOpen) -> dict:
         served = self.models.get(req.model)
