@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .arrays import decode_array
 from .dtypes import ChannelDtype
 
-# 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree); 4: program_unregister
+# 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree); 4: program_unregister,
+# ws_evict (rows kept at their positions: a row index and its position part ways)
 PROTOCOL_VERSION = 4
 Deferred = Literal["deferred"]
 DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
