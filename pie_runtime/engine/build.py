@@ -5,6 +5,7 @@ a model with recurrent state, its state pool; or the ranks of a tensor-parallel 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -25,7 +26,7 @@ from ..models.state_cache import StateCache
 from ..models.weights import ACTIVATION_DTYPE, linear_bytes, load_dtype, prepare_for_serving
 from ..native_load import NATIVE_FORMATS, load_native
 from ..protocol.messages import ModelInfo
-from ..store import LoadedModel, ModelStore, load_model
+from ..store import LoadedModel, Manifest, ModelStore, load_model
 from .kv_pages import KVPages
 from .options import ServeOptions
 from .page_pool import PagePool
@@ -182,6 +183,8 @@ def _describe(
         eagle_acceptance=heldout_acceptance(eagle.module.config.training) if eagle is not None else [],
         prepacked_bytes=packed_bytes,
         weights=weights,
+        weights_digest=manifest_digest(manifest),
+        kv_dtype=str(ACTIVATION_DTYPE[weights]).removeprefix("torch.") if cfg.kv_layers else "",
         weight_bytes=loaded.model.weight_bytes if isinstance(loaded.model, NativeLlama) else linear_bytes(loaded.model),
         kernels=_kernels(loaded, weights, opts),
         family=cfg.family,
@@ -192,6 +195,15 @@ def _describe(
         per_row_states=rows if shapes else 0,
         state_granule=cfg.state_granule,
     )
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """The model's identity across engines and stores: sha256 over its manifest's file digests (weights and
+    tokenizer), whatever name it was imported under."""
+    h = hashlib.sha256(b"pie-model-files\n")
+    for name, digest in sorted(manifest.files.items()):
+        h.update(f"{name}\t{digest}\n".encode())
+    return h.hexdigest()
 
 
 def _time_passes(

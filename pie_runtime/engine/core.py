@@ -23,6 +23,7 @@ from ..protocol.programs import PROGRAM_MEMORY
 from .channels import ChannelTable
 from .fire_requests import FireRequests
 from .jobs import Handler, Reply, StepStats
+from .kv_transfer import KVTransferRequests
 from .programs.registry import MAX_PROGRAMS
 from .programs.requests import ProgramRequests
 from .served import ServedModel, ServedModels
@@ -61,7 +62,14 @@ class EngineCore:
             "stats": self._stats,
             "spec_report": self._spec_report,
         }
-        self.ops: dict[str, Handler] = {**own, **self.working_sets.ops(), **self.fires.ops(), **self.programs.ops()}
+        kv = KVTransferRequests(self.models, self.sets)
+        self.ops: dict[str, Handler] = {
+            **own,
+            **self.working_sets.ops(),
+            **kv.ops(),
+            **self.fires.ops(),
+            **self.programs.ops(),
+        }
         for served in self.models:
             if prefix_cache and not served.info.recurrent:  # a recurrent state is not addressable by page
                 served.pages.enable_prefix_cache(served.name)

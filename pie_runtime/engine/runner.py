@@ -57,6 +57,8 @@ class FeatureTail:
 
 
 class ModelRunner:
+    kv_transfer = True  # whether the pool's rows can be read and written whole here (a tensor-parallel rank: no)
+
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, state: StateCache | None = None):
         self.model = model
         self.kv = kv
@@ -156,6 +158,21 @@ class ModelRunner:
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_slots(src, dst)
 
+    def read_slots(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of ``slots``, every layer: two (layers, kv_heads, len(slots), head_dim) host arrays holding the
+        pool's bits (a bfloat16 pool's as uint16)."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.kv.k.device)
+        return _host_bits(self.kv.k[:, :, index]), _host_bits(self.kv.v[:, :, index])
+
+    def write_slots(self, slots: list[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Writes ``k`` and ``v`` (as :meth:`read_slots` gives them) into ``slots``, every layer."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.kv.k.device)
+        for pool, bits in ((self.kv.k, k), (self.kv.v, v)):
+            t = torch.from_numpy(np.array(bits, order="C"))  # a writable copy (wire arrays are read-only)
+            if pool.dtype == torch.bfloat16:
+                t = t.view(torch.int16).view(torch.bfloat16)
+            pool[:, :, index] = t.to(pool.device)
+
     @torch.inference_mode()
     def readouts(self, requests: list[ReadoutRequest]) -> tuple[list[dict[str, np.ndarray]], list[torch.Tensor | None]]:
         """Runs the lm head once over every row that needs logits (all but Hidden readouts), then each
@@ -223,6 +240,14 @@ class ModelRunner:
             return eagle.draft(feature, first, index[rows], r.pages, self.kv, r.spec.k, with_logits)
 
         return _chained(r, sampling.argmax(logits, mask), chain)
+
+
+def _host_bits(t: torch.Tensor) -> np.ndarray:
+    """A pool tensor's bits on the host in a numpy dtype (bfloat16, which numpy lacks, as uint16)."""
+    t = t.cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _chained(r: ReadoutRequest, first: torch.Tensor, draft) -> dict[str, np.ndarray]:

@@ -70,6 +70,8 @@ class TensorParallelBroken(RuntimeError):
 class TPRunner(ModelRunner):
     """Rank 0's runner: announces each forward and page copy to the workers before running its shard."""
 
+    kv_transfer = False  # each rank holds its heads' K/V: ws_read_kv and ws_append_kv are refused
+
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device, group: TPGroup) -> None:
         super().__init__(model, kv, device)
         self.group = group

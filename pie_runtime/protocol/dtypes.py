@@ -15,5 +15,6 @@ ChannelDtype = Literal["float32", "float16", "int32", "int64", "bool"]
 _KIND_OF = {"f": "float", "i": "int", "b": "bool"}  # numpy's dtype.kind → a program kind
 CHANNEL_DTYPES: dict[str, str] = {name: _KIND_OF[np.dtype(name).kind] for name in get_args(ChannelDtype)}
 
-# what an array may travel in: a channel's cells, and packed readout masks (uint32 words) and bytes
-ALLOWED_DTYPES = frozenset({*CHANNEL_DTYPES, "uint32", "uint8"})
+# what an array may travel in: a channel's cells, packed readout masks (uint32 words), bytes, and bfloat16 K/V's
+# raw bits (uint16: messages.KV_WIRE_DTYPES)
+ALLOWED_DTYPES = frozenset({*CHANNEL_DTYPES, "uint32", "uint8", "uint16"})

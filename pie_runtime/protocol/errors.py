@@ -34,6 +34,9 @@ class ErrorCode(str, Enum):
     LIMIT_EXCEEDED = "limit_exceeded"  # a request past one of the engine's limits; the message names the limit
     EMPTY_MASK = "empty_mask"  # a readout row whose allowed-token mask allows no token
     INVALID_TREE = "invalid_tree"  # a fire's parents that form no tree, or a fold path that is no path of it
+    # K/V that do not fit this engine's model: another model's weights, format or KV dtype, or K/V arrays whose
+    # shape or dtype differ from the pool's (ws_append_kv, the SDK's load of a saved working set)
+    KV_MISMATCH = "kv_mismatch"
     INTERNAL = "internal"
 
 

@@ -15,7 +15,8 @@ from .arrays import decode_array
 from .dtypes import ChannelDtype
 
 # 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree); 4: program_unregister,
-# ws_evict (rows kept at their positions: a row index and its position part ways)
+# ws_evict (rows kept at their positions: a row index and its position part ways), ws_read_kv and ws_append_kv
+# (a working set's K/V out to a client and into another engine: prompt caches)
 PROTOCOL_VERSION = 4
 Deferred = Literal["deferred"]
 DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
@@ -131,6 +132,47 @@ class WsEvict(_Req):
         if any(stop < start for start, stop in self.ranges):
             raise ValueError("a range is [start, stop) with stop >= start")
         return self
+
+
+# K/V that travel in one ws_read_kv reply or ws_append_kv request, K and V together: a long sequence goes in
+# several messages, each well under the codec's 16 MiB message limit
+MAX_KV_TRANSFER_BYTES = 8 * 1024 * 1024
+# a KV pool's dtype → the wire dtype its raw bits travel in (bfloat16 has no numpy dtype: its bits go as uint16)
+KV_WIRE_DTYPES: Final[dict[str, str]] = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+
+
+class WsReadKV(_Req):
+    """Reads the K/V of committed rows ``start ..`` of an idle working set: at most ``count`` rows, and no more
+    than fit in ``MAX_KV_TRANSFER_BYTES`` (a long sequence is read in several requests). Reply: ``{"k", "v"}``,
+    arrays (``protocol/arrays.py``) of shape ``(layers, kv_heads, rows, head_dim)`` holding the pool's bits in
+    its wire dtype (``KV_WIRE_DTYPES``), with ``"kv_dtype"`` (the pool's dtype), ``"committed"`` and
+    ``"dropped"`` (the next row's position is their sum). Refused ``row_out_of_range`` past the committed rows,
+    ``busy``/``fold_pending`` while a fire may write, ``unsupported`` for a model with recurrent state or an
+    EAGLE head's extra KV layer, or a tensor-parallel engine."""
+
+    op: Literal["ws_read_kv"]
+    ws: int
+    start: _Count = 0
+    count: int = Field(ge=1)
+
+
+class WsAppendKV(_Req):
+    """Appends rows to an idle working set from K/V a ``ws_read_kv`` gave (another engine's, as like as not):
+    ``k`` and ``v`` of shape ``(layers, kv_heads, rows, head_dim)`` in the pool's wire dtype, with ``kv_dtype``
+    the pool's dtype: anything else is refused ``kv_mismatch`` before any change. They become committed rows
+    ``committed ..``; their keys are already rotated at the positions they were written at, so ``dropped``
+    (optional) sets the working set's rows-ever-dropped, making the next row's position ``committed +
+    dropped`` what it was where the rows were read (never below its current value). Pages are reserved all or
+    nothing (``out_of_pages`` changes nothing). The prefix cache names none of these rows, nor any row after
+    them. Reply: ``{"committed", "dropped", "pages"}``. Refusals as ``ws_read_kv``'s, and ``capacity`` past
+    the model's positions."""
+
+    op: Literal["ws_append_kv"]
+    ws: int
+    k: WireArray
+    v: WireArray
+    kv_dtype: str
+    dropped: _Count | None = None
 
 
 class RunAhead(_Msg):
@@ -317,6 +359,8 @@ Request = Annotated[
     | WsFold
     | WsTruncate
     | WsEvict
+    | WsReadKV
+    | WsAppendKV
     | Fire
     | Stats
     | Ping
@@ -364,6 +408,10 @@ class ModelInfo(BaseModel):
     eagle_acceptance: list[float] = []  # the EAGLE head's, as mtp_acceptance
     prepacked_bytes: int = 0  # extra weight memory of oneDNN-prepacked copies (multi-row passes on CPU)
     weights: str = "fp32"  # the weight format the engine serves this model in (fp32, bf16, int8, int4)
+    # sha256 over the store manifest's file digests (weights and tokenizer): the model's identity across engines,
+    # which a saved working set's K/V must match ("" where the engine cannot vouch for one)
+    weights_digest: str = ""
+    kv_dtype: str = ""  # the KV pool's dtype (float32, bfloat16); "" for a model without a pool
     weight_bytes: int = 0  # bytes of the projections and lm head as served
     kernels: str = "torch"  # what runs the passes: "native <ISA variant>" (models/native_model.py) or "torch"
     kv_bytes: int = 0  # bytes of the KV pool, allocated at start

@@ -19,6 +19,7 @@ from pie_runtime.protocol import ErrorCode, PieError
 from .channels import Channel
 from .errors import UsageError
 from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
+from .kv_file import SavedKV, SavedKVMismatch
 from .model import Model
 from .programs import Program, trace
 from .readouts import MTP, Argmax, Distribution, Eagle, Hidden, Logits, Sample
@@ -43,6 +44,8 @@ __all__ = [
     "Program",
     "ReadoutResult",
     "Sample",
+    "SavedKV",
+    "SavedKVMismatch",
     "StreamDecoder",
     "Tokenizer",
     "UsageError",

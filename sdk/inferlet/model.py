@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pie_runtime.protocol.messages import ModelInfo
 
 from .client import Client
 from .errors import UsageError
+from .kv_file import SavedKV, read_saved
 from .tokenizer import Tokenizer
 from .working_set import WorkingSet
 
@@ -119,3 +121,24 @@ class Model:
     def working_set(self) -> WorkingSet:
         """A new, empty working set on this model (opened in the engine on first use)."""
         return WorkingSet(self)
+
+    async def load_working_set(self, path: str | Path) -> tuple[WorkingSet, SavedKV]:
+        """A new working set holding the rows a :meth:`WorkingSet.save` wrote to ``path`` (in this engine or
+        another one), at the positions they were written at, and what the file says of them (``tokens``,
+        ``pending``, ...). Refused :class:`inferlet.SavedKVMismatch` (code ``kv_mismatch``) unless this is the
+        same model (weights digest) in the same weight format and KV dtype; nothing is left in the engine when a
+        load fails (``out_of_pages`` included).
+
+            ws, saved = await model.load_working_set("prompt.kv")
+            fp = inferlet.ForwardPass(ws).embed(saved.pending)
+            res = await fp.readout([len(saved.pending) - 1], inferlet.Argmax()).submit()
+        """
+        saved = read_saved(path)
+        saved.check_fits(self.info)
+        ws = self.working_set()
+        try:
+            await ws.append_saved(saved)
+        except BaseException:
+            await ws.release()
+            raise
+        return ws, saved

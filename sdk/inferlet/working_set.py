@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pie_runtime.protocol import decode_array, encode_array
+from pie_runtime.protocol.messages import KV_WIRE_DTYPES, MAX_KV_TRANSFER_BYTES
+
+from .kv_file import SavedKV, write_saved
 
 if TYPE_CHECKING:
     from .model import Model
@@ -106,6 +115,76 @@ class WorkingSet:
         reply = await self.model.client.request("ws_truncate", ws=await self.handle(), n=n)
         self.committed = reply["committed"]
         return self.committed
+
+    async def save(
+        self,
+        path: str | Path,
+        tokens: Sequence[int],
+        pending: Sequence[int] = (),
+        positions: Sequence[int] | None = None,
+    ) -> SavedKV:
+        """Writes this working set's committed rows to ``path`` (safetensors, inferlet/kv_file.py): their K/V as
+        the engine's pool holds them, read a bounded range per message, with ``tokens`` (the token of each row),
+        ``pending`` (tokens still to embed to go on), the positions where known, and the model's digest, weight
+        format and KV dtype, so that only the same model in the same format loads it
+        (:meth:`Model.load_working_set`, in this engine or another one). Returns what was saved.
+
+            ws = model.working_set()
+            await inferlet.ForwardPass(ws).embed(prompt[:-1]).submit()
+            await ws.save("prompt.kv", tokens=prompt[:-1], pending=prompt[-1:])
+        """
+        await self._flush_settle()
+        if len(tokens) != self.committed:
+            raise ValueError(f"{len(tokens)} tokens for the {self.committed} committed rows of the working set")
+        if self.dropped and not self.committed:
+            raise ValueError("every row of the working set was evicted: there is nothing to save")
+        if positions is None and not self.dropped:
+            positions = range(self.committed)  # never evicted: each row sits at its index
+        ks, vs, start = [], [], 0
+        info = self.model.info
+        while start < self.committed:
+            reply = await self.model.client.request(
+                "ws_read_kv", ws=await self.handle(), start=start, count=self.committed - start
+            )
+            ks.append(decode_array(reply["k"]))
+            vs.append(decode_array(reply["v"]))
+            start += ks[-1].shape[2]
+        empty = np.zeros((0, 0, 0, 0), dtype=KV_WIRE_DTYPES.get(info.kv_dtype, "float32"))
+        meta = {
+            "model": info.name,
+            "model_digest": info.weights_digest,
+            "weights": info.weights,
+            "kv_dtype": info.kv_dtype,
+            "committed": str(self.committed),
+            "dropped": str(self.dropped),
+        }
+        saved = SavedKV(
+            k=np.concatenate(ks, axis=2) if ks else empty,
+            v=np.concatenate(vs, axis=2) if vs else empty,
+            tokens=[int(t) for t in tokens],
+            pending=[int(t) for t in pending],
+            positions=None if positions is None else [int(p) for p in positions],
+            dropped=self.dropped,
+            meta=meta,
+        )
+        write_saved(path, saved)
+        return saved
+
+    async def append_saved(self, saved: SavedKV) -> None:
+        """Appends ``saved``'s rows to this (idle) working set, a bounded number of rows per message, and takes
+        its dropped count, so the next row's position is where it was saved (Model.load_working_set)."""
+        step = max(1, MAX_KV_TRANSFER_BYTES // max(2 * saved.k[:, :, :1].nbytes, 1))
+        for start in range(0, saved.rows, step):
+            reply = await self.model.client.request(
+                "ws_append_kv",
+                ws=await self.handle(),
+                k=encode_array(saved.k[:, :, start : start + step]),
+                v=encode_array(saved.v[:, :, start : start + step]),
+                kv_dtype=saved.kv_dtype,
+                dropped=saved.dropped,
+            )
+            self.committed, self.dropped = reply["committed"], reply["dropped"]
+            self.held_pages(int(reply["pages"]))
 
     async def release(self) -> None:
         if self._handle is not None and not self.released:

@@ -1,0 +1,131 @@
+"""prompt-cache: a prompt's KV saved to a file by one engine and loaded by another, which goes on decoding as
+if it had run the prefill itself. The idea is llama-server's slot save/restore (``POST /slots/{id}?action=save``
+and ``restore``) and vLLM's LMCache (KV offloaded out of the engine and brought back); here it is a user program
+over two primitives, ``ws.save(path, ...)`` and ``model.load_working_set(path)`` (inferlet/kv_file.py).
+
+    pie run prompt-cache -- --prompt P --save FILE     prefill P but its last token, save those rows (their K/V,
+                                                      tokens and positions, the model's digest, weight format
+                                                      and KV dtype) and the held-back token; exit
+    pie run prompt-cache -- --load FILE [--max-tokens N ...]
+                                                      load the rows into a new working set (refused, code
+                                                      kv_mismatch, unless this is the same model in the same
+                                                      format), embed the held-back token, read its row for the
+                                                      first token, then decode as text-completion does
+
+The rule: rows keep the positions they were written at and the next row goes at the saved logical length, so a
+greedy continuation after a load is text-completion's on the same prompt, token for token. The last prompt token
+is held back (``pending`` in the file) because a prefill's last row is what picks the first new token: its
+readout must run in the loading engine, with the run's own sampling arguments.
+
+Stats: ``kv_pages`` (pages held at the end) and ``kv_pages_max`` (the most held at once), ``loaded_rows``
+(or ``saved_rows``), ``load_ms`` (or ``prefill_ms`` and ``save_ms``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import model_validator
+
+import inferlet
+from inferlet.args import CompletionArgs
+from inferlet.output import Output
+from inferlet.sampler import StepSampler
+
+
+class Args(CompletionArgs):
+    prompt: str = ""
+    save: str | None = None  # prefill --prompt and save it here, then exit
+    load: str | None = None  # continue from a file --save wrote
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> Args:
+        if (self.save is None) == (self.load is None):
+            raise ValueError("give exactly one of --save FILE (with --prompt) and --load FILE")
+        if self.save is not None and not self.prompt:
+            raise ValueError("--save needs the --prompt to prefill")
+        if self.n != 1:
+            raise ValueError("prompt-cache decodes one choice (n = 1)")
+        return self
+
+
+async def save(model: inferlet.Model, args: Args, path: str) -> dict:
+    """Prefills the prompt but its last token and saves those rows, the last token pending."""
+    prompt = args.prompt_ids(model.tokenizer)
+    ws = model.working_set()
+    try:
+        t0 = time.perf_counter()
+        if len(prompt) > 1:
+            await inferlet.ForwardPass(ws).embed(prompt[:-1]).submit()
+        t1 = time.perf_counter()
+        saved = await ws.save(path, tokens=prompt[:-1], pending=prompt[-1:])
+        t2 = time.perf_counter()
+    finally:
+        await ws.release()
+    return {
+        "saved": path,
+        "model": saved.meta["model"],
+        "weights": saved.meta["weights"],
+        "kv_dtype": saved.kv_dtype,
+        "stats": {
+            "prompt_tokens": len(prompt),
+            "saved_rows": saved.rows,
+            "pending_tokens": len(saved.pending),
+            "prefill_ms": round((t1 - t0) * 1e3, 2),
+            "save_ms": round((t2 - t1) * 1e3, 2),
+            "kv_pages": ws.pages,
+            "kv_pages_max": ws.pages_max,
+        },
+    }
+
+
+async def resume(model: inferlet.Model, args: Args, path: str) -> dict:
+    """Loads the saved rows, embeds the pending tokens and decodes as text-completion does."""
+    t0 = time.perf_counter()
+    ws, saved = await model.load_working_set(path)
+    load_ms = (time.perf_counter() - t0) * 1e3
+    prompt = saved.tokens + saved.pending
+    out = Output(model.tokenizer, args, ws.position + len(saved.pending), model.max_positions)
+    sampler = StepSampler(args, prompt)
+    try:
+        window = saved.pending or saved.tokens[-1:]  # a file with nothing pending: read the last row again
+        if not saved.pending and ws.committed:
+            await ws.truncate(ws.committed - 1)
+        fp = inferlet.ForwardPass(ws).embed(window)
+        for kind in sampler.readouts(0):
+            fp.readout([len(window) - 1], kind)
+        out.push([sampler.pick(await fp.submit(), out.ids)])
+        t_decode = time.perf_counter()
+        while not out.done:
+            fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
+            for kind in sampler.readouts(len(out.ids)):
+                fp.readout([0], kind)
+            out.push([sampler.pick(await fp.submit(), out.ids)])
+        decode_s = time.perf_counter() - t_decode
+    finally:
+        await ws.release()
+    decoded = max(len(out.ids) - 1, 0)
+    result = {
+        **out.result(),
+        "stats": {
+            "prompt_tokens": len(prompt),
+            "generated_tokens": len(out.ids),
+            "loaded_rows": saved.rows,
+            "load_ms": round(load_ms, 2),
+            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
+            "kv_pages": ws.pages,
+            "kv_pages_max": ws.pages_max,
+        },
+    }
+    if args.top_count is not None:
+        result["logprobs"] = sampler.logprobs
+    return result
+
+
+@inferlet.main
+async def main(args: Args) -> dict:
+    model = inferlet.model()
+    if args.save is not None:
+        return await save(model, args, args.save)
+    assert args.load is not None
+    return await resume(model, args, args.load)

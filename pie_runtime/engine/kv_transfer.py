@@ -1,0 +1,120 @@
+"""A working set's K/V out to a client and back into a working set, in this engine or another one
+(docs/architecture.md, "Saved working sets"): ``ws_read_kv`` reads committed rows' K/V in the pool's dtype, a
+bounded range per message; ``ws_append_kv`` appends rows to an idle working set from such arrays, which must
+match the pool exactly. Rows keep the positions they were written at (their keys are rotated there): the
+append may set the working set's ``dropped``, so that its next row's position is what it was where the rows
+were read. The prefix cache names no appended row, nor any after it: the engine cannot vouch for what they hold.
+
+Refused for a model with recurrent state (its state is no row of the pool), a model served with an EAGLE head
+(its draft layer's K/V, a drafter's and not the model's, live in the same pages; a saved working set carries the
+model's own layers only, so rather than leave that layer unwritten both ops refuse), and a tensor-parallel
+engine (each rank holds its own heads)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol import ErrorCode, PieError
+from ..protocol import messages as m
+from ..protocol.arrays import encode_array
+from .jobs import Handler
+from .served import ServedModel, ServedModels
+from .working_set import WorkingSet, WorkingSetTable
+
+
+class KVTransferRequests:
+    def __init__(self, models: ServedModels, sets: WorkingSetTable):
+        self.models = models
+        self.sets = sets
+
+    def ops(self) -> dict[str, Handler]:
+        return {"ws_read_kv": self.read, "ws_append_kv": self.append}
+
+    def _check(self, client: bytes, ws_id: int) -> tuple[WorkingSet, ServedModel]:
+        ws = self.sets.idle(client, ws_id)  # BUSY / FOLD_PENDING: a transfer never races a fire
+        served = self.models[ws.model]
+        why = _refusal(ws, served)
+        if why is not None:
+            raise PieError(ErrorCode.UNSUPPORTED, f"model {ws.model}: {why}; its K/V cannot be read or written")
+        return ws, served
+
+    def read(self, client: bytes, req: m.WsReadKV) -> dict:
+        ws, served = self._check(client, req.ws)
+        if req.start + req.count > ws.committed:
+            raise PieError(
+                ErrorCode.ROW_OUT_OF_RANGE,
+                f"rows {req.start}..{req.start + req.count - 1} past the {ws.committed} committed rows of working "
+                f"set {ws.id}",
+            )
+        kv = served.runner.kv
+        row_bytes = 2 * kv.k[:, :, 0].numel() * kv.k.element_size()
+        count = max(1, min(req.count, m.MAX_KV_TRANSFER_BYTES // row_bytes))
+        k, v = served.runner.read_slots(_slots(ws, served, req.start, count))
+        return {
+            "k": encode_array(k),
+            "v": encode_array(v),
+            "kv_dtype": _kv_dtype(served),
+            "committed": ws.committed,
+            "dropped": ws.dropped,
+        }
+
+    def append(self, client: bytes, req: m.WsAppendKV) -> dict:
+        ws, served = self._check(client, req.ws)
+        k, v = req.k.to_numpy(), req.v.to_numpy()
+        _check_arrays(served, req.kv_dtype, k, v)
+        rows = k.shape[2]
+        dropped = ws.dropped if req.dropped is None else req.dropped
+        if dropped < ws.dropped:
+            raise PieError(
+                ErrorCode.INVALID_ARGUMENT, f"dropped {dropped} below working set {ws.id}'s {ws.dropped} dropped rows"
+            )
+        limit = served.info.max_positions
+        if ws.committed + rows + dropped > limit:
+            raise PieError(
+                ErrorCode.CAPACITY,
+                f"{ws.committed + rows} rows with {dropped} dropped exceed the model's {limit} positions",
+            )
+        start = ws.committed
+        served.pages.reserve(ws, start, rows)  # OUT_OF_PAGES here leaves ws as it was
+        if rows:
+            served.runner.write_slots(_slots(ws, served, start, rows), k, v)
+        served.pages.wrote(ws, start, None)  # the prefix cache names none of these rows, nor any after them
+        ws.committed, ws.dropped = start + rows, dropped
+        return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages)}
+
+
+def _refusal(ws: WorkingSet, served: ServedModel) -> str | None:
+    if ws.state is not None or served.info.recurrent:
+        return "it carries recurrent state, which is no row of the KV pool"
+    if served.runner.eagle is not None:
+        return "an EAGLE head keeps its draft layer's K/V in the same pages, and only the model's own layers travel"
+    if not served.runner.kv_transfer:
+        return "a tensor-parallel engine holds each rank's heads apart"
+    if served.runner.kv.k.shape[0] == 0:
+        return "it has no attention layers"
+    return None
+
+
+def _kv_dtype(served: ServedModel) -> str:
+    return str(served.runner.kv.k.dtype).removeprefix("torch.")
+
+
+def _check_arrays(served: ServedModel, kv_dtype: str, k: np.ndarray, v: np.ndarray) -> None:
+    """Refuses (KV_MISMATCH) K/V that are not exactly this pool's dtype and per-row shape."""
+    pool = served.runner.kv.k
+    have = _kv_dtype(served)
+    want = (pool.shape[0], pool.shape[1], pool.shape[3])
+    wire = m.KV_WIRE_DTYPES.get(have)
+    for name, a in (("k", k), ("v", v)):
+        shape = (a.shape[0], a.shape[1], a.shape[3]) if a.ndim == 4 else None
+        if kv_dtype != have or a.dtype.name != wire or shape != want or a.shape != k.shape:
+            raise PieError(
+                ErrorCode.KV_MISMATCH,
+                f"{name} is {kv_dtype} ({a.dtype.name}) of shape {list(a.shape)}; this pool holds {have} ({wire}) "
+                f"of shape [{want[0]}, {want[1]}, rows, {want[2]}], k and v alike",
+            )
+
+
+def _slots(ws: WorkingSet, served: ServedModel, start: int, count: int) -> list[int]:
+    ps = served.pages.page_size
+    return [ws.pages[r // ps] * ps + r % ps for r in range(start, start + count)]
