@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pie_runtime.protocol.messages import ModelInfo
 
 from .client import Client
 from .errors import UsageError
 from .kv_file import SavedKV, read_saved
+from .shared import shared
 from .tokenizer import Tokenizer
 from .working_set import WorkingSet
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -117,6 +122,11 @@ class Model:
     @property
     def eos_token_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids
+
+    def shared(self, key: str, make: Callable[[], T]) -> T:
+        """An object the runs of this process share for this model, made by ``make()`` on first use
+        (inferlet.shared): a cross-request index, a table read once. Not shared with other processes."""
+        return shared(self.name, key, make)
 
     def working_set(self) -> WorkingSet:
         """A new, empty working set on this model (opened in the engine on first use)."""
