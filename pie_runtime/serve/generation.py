@@ -27,6 +27,8 @@ from .openai_api import (
 )
 from .policies import Capabilities, Policy, choose
 
+COUNT_PIECE = 1 << 14  # characters tokenized at a time when counting a long prompt
+
 
 @dataclass
 class Limits:
@@ -70,6 +72,21 @@ def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str:
     return tok.decode(ids)
 
 
+def count_tokens(tok: Tokenizer, text: str, most: int) -> int:
+    """``len(tok.encode(text))``; for a text that cannot fit in ``most`` tokens, a count past ``most`` found
+    from its first pieces, so a huge prompt costs the memory and time of tokenizing ``most`` tokens, not all
+    of it. Summed over pieces a count runs over the whole's by at most a token or two a cut (a cut splits a
+    word), hence the slack per piece."""
+    if len(text) <= COUNT_PIECE:
+        return len(tok.encode(text))
+    seen = 0
+    for cut, start in enumerate(range(0, len(text), COUNT_PIECE)):
+        seen += len(tok.encode(text[start : start + COUNT_PIECE]))
+        if seen > most + 2 * (cut + 1):
+            return seen - 2 * (cut + 1)
+    return len(tok.encode(text))
+
+
 def build_job(
     req: CompletionRequest | ChatRequest,
     prompt: str,
@@ -81,12 +98,15 @@ def build_job(
     """Checks the request against the limits and the context; picks the inferlet and its arguments."""
     if req.n > limits.max_n:
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
-    prompt_tokens = len(tok.encode(prompt))
+    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    prompt_tokens = count_tokens(tok, prompt, limits.max_model_len)
+    if prompt_tokens == 0:
+        raise invalid_request("the prompt is empty", param=prompt_param, code="empty_prompt")
     room = limits.max_model_len - prompt_tokens
     if room <= 0:
         raise invalid_request(
-            f"the prompt has {prompt_tokens} tokens; this model's context is {limits.max_model_len}",
-            param="messages" if isinstance(req, ChatRequest) else "prompt",
+            f"the prompt has {prompt_tokens} tokens or more; this model's context is {limits.max_model_len}",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     asked = req.token_limit()

@@ -251,7 +251,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refused or failed request's body, in OpenAI's shape (errors.py)."""
+
+    error: ErrorDetail
+
+
 # ---- pie's own routes -----------------------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["starting", "ready", "draining", "failed"]
+    error: str | None = None
 
 
 class TokenizeRequest(_Wire):
@@ -261,9 +279,19 @@ class TokenizeRequest(_Wire):
     add_generation_prompt: bool = True
 
 
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
 class DetokenizeRequest(_Wire):
     model: str | None = None
     tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class RunRequest(_Wire):
@@ -271,3 +299,34 @@ class RunRequest(_Wire):
 
     args: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+
+
+class RunResponse(BaseModel):
+    id: str
+    object: Literal["inferlet.run"] = "inferlet.run"
+    inferlet: str
+    result: Any = None
+
+
+class RunCancelled(BaseModel):
+    id: str
+    object: Literal["inferlet.run"] = "inferlet.run"
+    cancelled: bool
+
+
+class InferletCard(BaseModel):
+    id: str
+    object: Literal["inferlet"] = "inferlet"
+    source: Literal["shipped", "custom", "uploaded"]
+
+
+class InferletList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[InferletCard]
+
+
+def sse_or(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that answers ``model`` as JSON, or server-sent events with
+    ``stream: true``."""
+    events = {"schema": {"type": "string", "description": "data: {chunk} lines, then data: [DONE]"}}
+    return {200: {"model": model, "content": {"text/event-stream": events}}}

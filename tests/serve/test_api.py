@@ -185,6 +185,7 @@ BAD = [
         None,
         "max_tokens",
     ),
+    ("empty prompt", "/v1/completions", {"model": TINY, "prompt": ""}, 400, None, "prompt"),
     ("prompt past context", "/v1/completions", {"model": TINY, "prompt": "hello " * 2100}, 400, None, "prompt"),
     (
         "bad schema",
