@@ -17,13 +17,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
+from .disconnect import unless_disconnected
 from .errors import invalid_request, not_found, unavailable
 from .generation import Job, Limits, build_job, chat_prompt, completion_prompt, count_tokens
 from .inferlet_routes import add_inferlet_routes
@@ -216,6 +217,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         return ModelList(data=[ModelCard(id=server.model_id, created=server.created, max_model_len=limit)])
 
     async def generate(
+        request: Request,
         req: CompletionRequest | ChatRequest,
         key: str,
         prompt: Callable[..., Any],
@@ -236,22 +238,27 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
-            first = await prime(events)
+            first = await unless_disconnected(request, prime(events))
             return sse_response(stream(rid, model, req, tok, job, first, events))
-        result = await runs.collect(events)
+        result = await unless_disconnected(request, runs.collect(events))
         return JSONResponse(respond(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True))
 
     @v1.post("/completions", response_model=None, responses=sse_or(CompletionResponse))
     async def completions(
-        req: CompletionRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+        request: Request,
+        req: CompletionRequest,
+        key: str = Depends(api_key),
+        x_session_id: str | None = Header(default=None),
     ) -> Response:
-        return await generate(req, key, completion_prompt, "cmpl", completion_stream, completion_response, x_session_id)
+        return await generate(
+            request, req, key, completion_prompt, "cmpl", completion_stream, completion_response, x_session_id
+        )
 
     @v1.post("/chat/completions", response_model=None, responses=sse_or(ChatResponse))
     async def chat(
-        req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+        request: Request, req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
-        return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        return await generate(request, req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
 
 
 def _tokenizer(backend: Backend):

@@ -4,7 +4,8 @@ arguments, and the mapping of the run's result dict (text, token_ids, finish_rea
 choices, speculation) to OpenAI choices, logprobs and usage.
 
 The server renders the chat template itself and hands the inferlet the rendered text (``chat`` false), so the
-prompt it counts and checks is exactly the one the inferlet encodes. A token-id prompt is decoded to text."""
+prompt it counts and checks is exactly the one the inferlet encodes. A token-id prompt goes to the inferlet as
+its ids (``prompt_token_ids``), with its decoded text as ``prompt``."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Job:
     prompt_tokens: int
     max_tokens: int
     n: int
+    echo: str | None = None  # completions' ``echo``: the prompt text each choice's text starts with
 
 
 def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
@@ -60,16 +62,17 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
         raise invalid_request(str(e), param="messages") from e
 
 
-def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str:
+def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str | list[int]:
+    """The prompt's text, or its token ids as given (checked against the vocabulary)."""
     p = req.prompt
     if isinstance(p, str):
         return p
     if isinstance(p[0], str):
         return str(p[0])
-    ids = [int(i) for i in p]
+    ids = [int(i) for i in (p[0] if isinstance(p[0], list) else p)]  # type: ignore[union-attr]
     if any(i < 0 or i >= tok.vocab_size for i in ids):
         raise invalid_request("prompt token id out of the vocabulary", param="prompt")
-    return tok.decode(ids)
+    return ids
 
 
 def count_tokens(tok: Tokenizer, text: str, most: int) -> int:
@@ -89,7 +92,7 @@ def count_tokens(tok: Tokenizer, text: str, most: int) -> int:
 
 def build_job(
     req: CompletionRequest | ChatRequest,
-    prompt: str,
+    prompt: str | list[int],
     tok: Tokenizer,
     limits: Limits,
     policy: Policy | None,
@@ -99,7 +102,8 @@ def build_job(
     if req.n > limits.max_n:
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
-    prompt_tokens = count_tokens(tok, prompt, limits.max_model_len)
+    ids = prompt if isinstance(prompt, list) else None
+    prompt_tokens = len(ids) if ids is not None else count_tokens(tok, str(prompt), limits.max_model_len)
     if prompt_tokens == 0:
         raise invalid_request("the prompt is empty", param=prompt_param, code="empty_prompt")
     room = limits.max_model_len - prompt_tokens
@@ -119,12 +123,13 @@ def build_job(
             param=param,
             code="context_length_exceeded",
         )
+    check_unsupported(req)
     if asked is None:
         default = limits.default_completion_tokens if isinstance(req, CompletionRequest) else limits.max_tokens
         asked = min(default, room)
     inferlet, extra = choose(policy, caps, req.speculation, req.response_format)
     args: dict[str, Any] = {
-        "prompt": prompt,
+        "prompt": tok.decode(ids) if ids is not None else prompt,
         "max_tokens": asked,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -137,6 +142,7 @@ def build_job(
     # fields past text-completion's basics go only when set, so an inferlet that lacks one still runs
     # the requests that do not use it (its Args validation names any field it refuses)
     optional = {
+        "prompt_token_ids": ids,
         "seed": req.seed,
         "n": req.n if req.n > 1 else None,
         "stop_token_ids": req.stop_token_ids or None,
@@ -150,7 +156,18 @@ def build_job(
     elif isinstance(req, ChatRequest) and req.logprobs:
         optional["logprobs"] = req.top_logprobs or 0
     args.update({k: v for k, v in optional.items() if v is not None})
-    return Job(inferlet, args, prompt_tokens, asked, req.n)
+    echo = str(args["prompt"]) if isinstance(req, CompletionRequest) and req.echo else None
+    return Job(inferlet, args, prompt_tokens, asked, req.n, echo)
+
+
+def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    """A 400 for the OpenAI fields this server does not serve, rather than ignoring them."""
+    if not isinstance(req, CompletionRequest):
+        return
+    if req.suffix:
+        raise invalid_request("suffix is not supported (no fill-in-the-middle here)", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise invalid_request("echo with logprobs is not supported (no prompt logprobs here)", param="echo")
 
 
 # ---- results ------------------------------------------------------------------------------------------------

@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from ..launcher import shipped_inferlets
+from .disconnect import unless_disconnected
 from .errors import APIError, not_found
 from .openai_api import InferletCard, InferletList, RunCancelled, RunRequest, RunResponse, sse_or
 from .streams import prime, sse, sse_response
@@ -94,7 +95,7 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         return InferletCard(id=req.name, source="uploaded")
 
     @v1.post("/inferlets/{name}/runs", response_model=None, responses=sse_or(RunResponse))
-    async def run(name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
+    async def run(request: Request, name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
         arrival = time.monotonic()
         runs = runs_for(name)
         lease = server.quotas.admit(key, 0, 0)
@@ -102,9 +103,9 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         events = runs.events(name, req.args, lease, run_id=run_id, arrival=arrival)
         headers = {"x-pie-run-id": run_id}
         if req.stream:
-            first = await prime(events)
+            first = await unless_disconnected(request, prime(events))
             return sse_response(_run_stream(run_id, name, first, events), headers)
-        result = await runs.collect(events)
+        result = await unless_disconnected(request, runs.collect(events))
         body = RunResponse(id=run_id, inferlet=name, result=result)
         return JSONResponse(body.model_dump(), headers=headers)
 

@@ -92,17 +92,19 @@ class _Sampling(_Wire):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (send a list of strings as separate requests)")
-        if isinstance(v, list) and not v:
+    def _one_prompt(
+        cls, v: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) != 1:
+            raise ValueError("one prompt per request (send a list of prompts as separate requests)")
+        if isinstance(v, list) and (not v or (isinstance(v[0], list) and not v[0])):
             raise ValueError("the prompt is empty")
         return v
 

@@ -171,6 +171,86 @@ def test_logprobs(client):
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
 
 
+def test_chat_logprobs_and_top_logprobs(client):
+    out = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == out.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(
+            entry.logprob
+        )
+        assert bytes(entry.bytes or []).decode(errors="replace") == entry.token
+
+
+GREEDY = dict(model=TINY, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_stop_strings_cut_the_text(client):
+    full = client.completions.create(prompt="Once upon a time", **GREEDY).choices[0].text  # type: ignore[arg-type]
+    stop = full[6:9]
+    assert stop.strip() and len(full) > 9
+    cut = full[: full.index(stop)]
+    for stops in (stop, ["never-in-the-text", stop]):
+        out = client.completions.create(prompt="Once upon a time", stop=stops, **GREEDY).choices[0]  # type: ignore[arg-type]
+        assert (out.text, out.finish_reason) == (cut, "stop")
+    messages = [{"role": "user", "content": "Go on."}]
+    chat_full = client.chat.completions.create(messages=messages, **GREEDY).choices[0].message.content or ""  # type: ignore[arg-type]
+    chat_stop = chat_full[4:7]
+    chat = client.chat.completions.create(messages=messages, stop=["zzz-none", chat_stop], **GREEDY).choices[0]  # type: ignore[arg-type]
+    assert chat.message.content == chat_full[: chat_full.index(chat_stop)] and chat.finish_reason == "stop"
+
+
+def test_max_completion_tokens_bounds_the_output(client):
+    out = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Count."}],
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+def test_echo_prepends_the_prompt_whole_and_streamed(client):
+    plain = client.completions.create(prompt="Once upon", **GREEDY).choices[0].text  # type: ignore[arg-type]
+    echoed = client.completions.create(prompt="Once upon", echo=True, **GREEDY).choices[0].text  # type: ignore[arg-type]
+    assert echoed == "Once upon" + plain
+    chunks = client.completions.create(prompt="Once upon", echo=True, stream=True, **GREEDY)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed
+
+
+def test_unsupported_completion_fields_are_400s(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=TINY, prompt="def f(", suffix="return x", max_tokens=2)
+    assert e.value.param == "suffix"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=TINY, prompt="Hi", echo=True, logprobs=1, max_tokens=2)
+    assert e.value.param == "echo"  # type: ignore[attr-defined]
+
+
+def test_token_id_prompts_run_as_given(client, server):
+    ids = post(server, "/tokenize", {"model": TINY, "prompt": "Once upon a time"}).json()["tokens"]
+    as_text = client.completions.create(prompt="Once upon a time", **GREEDY)  # type: ignore[arg-type]
+    for prompt in (ids, [ids]):
+        as_ids = client.completions.create(prompt=prompt, **GREEDY)  # type: ignore[arg-type]
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
+    # spelled letter by letter: 5 tokens where "hello" encodes to fewer; they run as given, not re-encoded
+    letters = [post(server, "/tokenize", {"model": TINY, "prompt": c}).json()["tokens"][0] for c in "hello"]
+    spelled = client.completions.create(prompt=letters, **GREEDY)  # type: ignore[arg-type]
+    assert spelled.usage is not None and spelled.usage.prompt_tokens == 5
+    assert len(post(server, "/tokenize", {"model": TINY, "prompt": "hello"}).json()["tokens"]) < 5
+
+
 BAD = [
     ("malformed JSON", "/v1/completions", b'{"model": "tiny-smol", "prompt": ', 400, "invalid_request_error", None),
     ("wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": "many"}, 400, None, "max_tokens"),
