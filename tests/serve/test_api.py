@@ -4,9 +4,12 @@ loading; SIGTERM drain with no child left behind (the module's last test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +24,7 @@ from tests.serve.server_proc import alive, children, port_open, start_serve
 pytestmark = pytest.mark.e2e
 
 CUSTOM = Path(__file__).parent / "api_inferlets"
-MAX_N, MAX_TOKENS = 4, 64
+MAX_N, MAX_TOKENS, MAX_RUNNING = 4, 64, 4
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def server(pie_home, tmp_path_factory):
         str(MAX_TOKENS),
         "--max-body-bytes",
         "65536",
+        "--max-running",
+        str(MAX_RUNNING),
         "--drain-timeout",
         "60",
         "--allow-upload",
@@ -67,7 +72,7 @@ def client(server) -> openai.OpenAI:
 def post(server, path: str, body, **kw) -> httpx.Response:
     if isinstance(body, (bytes, str)):
         return httpx.post(f"{server.base}{path}", content=body, headers={"content-type": "application/json"}, **kw)
-    return httpx.post(f"{server.base}{path}", json=body, timeout=120, **kw)
+    return httpx.post(f"{server.base}{path}", json=body, **{"timeout": 120, **kw})
 
 
 def assert_error(r: httpx.Response, status: int, type_: str, param: str | None = None, code: str | None = None):
@@ -345,12 +350,72 @@ def test_uploaded_inferlet_runs_limited_and_without_the_servers_environment(serv
     assert_error(post(server, "/v1/inferlets", {"name": "bad", "source": "def ("}), 400, "invalid_request_error")
 
 
-def kv_pages_used(server) -> float:
+def metric(server, name: str, **labels: str) -> float:
+    """The sum of a /metrics family's samples whose labels include ``labels``."""
     page = httpx.get(f"{server.base}/metrics").text
     for family in text_string_to_metric_families(page):
-        if family.name == "pie_kv_pages_used":
-            return sum(s.value for s in family.samples)
-    raise AssertionError("no pie_kv_pages_used")
+        if family.name == name:  # a counter's samples: NAME_total (and NAME_created, left out)
+            samples = [s for s in family.samples if s.name in (name, f"{name}_total")]
+            return sum(s.value for s in samples if labels.items() <= s.labels.items())
+    return 0.0  # a labelled family with no sample yet is not on the page
+
+
+def kv_pages_used(server) -> float:
+    return metric(server, "pie_kv_pages_used")
+
+
+def wait_for(check, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def holding(server, count: int):
+    """``count`` runs of the holder inferlet, streamed, each holding its pages until its client leaves (the
+    end of the block closes the connections)."""
+    readers = []  # kept: a line iterator that is dropped closes its response
+    with contextlib.ExitStack() as stack:
+        for _ in range(count):
+            url = f"{server.base}/v1/inferlets/holder/runs"
+            s = stack.enter_context(
+                httpx.stream("POST", url, json={"args": {"tokens": 20}, "stream": True}, timeout=60)
+            )
+            readers.append(s.iter_lines())
+            while "holding" not in next(readers[-1]):
+                pass
+        assert metric(server, "pie_requests_running") == count
+        yield
+
+
+def test_a_client_that_leaves_cancels_its_request_streamed_or_not(server):
+    before = kv_pages_used(server)
+    cancelled = metric(server, "pie_requests", inferlet="holder", outcome="cancelled")
+    with holding(server, MAX_RUNNING):  # every run slot taken: a new request waits for one
+        assert kv_pages_used(server) > before
+        for stream in (False, True):
+            body = {"model": TINY, "prompt": "waits", "max_tokens": 4, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=1.0))
+            wait_for(lambda: metric(server, "pie_requests_waiting") == 0)  # the waiting request left the queue
+    # the holders' streams were closed mid-run: their runs are cancelled and their pages back
+    wait_for(lambda: kv_pages_used(server) == before)
+    # a whole (non-streamed) run whose client leaves while it runs
+    url = f"{server.base}/v1/inferlets/holder/runs"
+    leaving = threading.Thread(
+        target=lambda: pytest.raises(
+            httpx.ReadTimeout, httpx.post, url, json={"args": {}}, timeout=httpx.Timeout(30, read=2.0)
+        )
+    )
+    leaving.start()
+    wait_for(lambda: kv_pages_used(server) > before)
+    leaving.join()
+    wait_for(lambda: kv_pages_used(server) == before)
+    wait_for(
+        lambda: metric(server, "pie_requests", inferlet="holder", outcome="cancelled") == cancelled + MAX_RUNNING + 1
+    )
+    assert post(server, "/v1/completions", {"model": TINY, "prompt": "next", "max_tokens": 2}).status_code == 200
 
 
 def test_cancel_releases_the_runs_pages(server):
