@@ -26,7 +26,7 @@ from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
 from .disconnect import unless_disconnected
 from .errors import invalid_request, not_found, unavailable
-from .generation import Job, Limits, build_job, chat_prompt, completion_prompt, count_tokens
+from .generation import Job, Limits, build_job, chat_prompt, check_text, completion_prompt, count_tokens
 from .inferlet_routes import add_inferlet_routes
 from .metrics import Metrics
 from .openai_api import (
@@ -189,6 +189,7 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
         else:
             text = req.prompt or ""
         limit = server.limits().max_model_len
+        check_text(text, "messages" if req.messages is not None else "prompt")
         if count_tokens(tok, text, limit) > limit:  # past the context: not worth the memory of all its ids
             raise invalid_request(
                 f"the text has more than {limit} tokens, this model's context", "prompt", "context_length_exceeded"

@@ -103,6 +103,8 @@ def build_job(
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
     ids = prompt if isinstance(prompt, list) else None
+    if ids is None:
+        check_text(str(prompt), prompt_param)
     prompt_tokens = len(ids) if ids is not None else count_tokens(tok, str(prompt), limits.max_model_len)
     if prompt_tokens == 0:
         raise invalid_request("the prompt is empty", param=prompt_param, code="empty_prompt")
@@ -149,7 +151,7 @@ def build_job(
         "ignore_eos": req.ignore_eos or None,
         "presence_penalty": req.presence_penalty or None,
         "frequency_penalty": req.frequency_penalty or None,
-        "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        "logit_bias": check_bias(req.logit_bias, tok.vocab_size),
     }
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         optional["logprobs"] = req.logprobs
@@ -158,6 +160,25 @@ def build_job(
     args.update({k: v for k, v in optional.items() if v is not None})
     echo = str(args["prompt"]) if isinstance(req, CompletionRequest) and req.echo else None
     return Job(inferlet, args, prompt_tokens, asked, req.n, echo)
+
+
+def check_text(text: str, param: str) -> None:
+    """A 400 for text that is not Unicode a tokenizer takes (a lone surrogate, "\\ud800" in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid_request(f"the text is not valid Unicode: {e.reason} at {e.start}", param=param) from None
+
+
+def check_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[str, float] | None:
+    """The logit bias as the inferlet takes it (token ids as decimal strings: the host's messages carry only
+    string map keys); a 400 for a token id out of the vocabulary."""
+    if not bias:
+        return None
+    ids = {str(int(k)): v for k, v in bias.items()}
+    if any(not 0 <= int(k) < vocab_size for k in ids):
+        raise invalid_request("a logit_bias token id is out of the vocabulary", param="logit_bias")
+    return ids
 
 
 def check_unsupported(req: CompletionRequest | ChatRequest) -> None:

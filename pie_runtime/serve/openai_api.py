@@ -8,9 +8,11 @@ Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
 
 
 class _Wire(BaseModel):
@@ -47,10 +49,10 @@ class _Sampling(_Wire):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM: -1 or 0 is no top-k
+    top_k: int = Field(default=0, ge=-1, le=TOKEN_ID_MAX)  # vLLM: -1 or 0 is no top-k
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -196,6 +196,19 @@ def test_chat_logprobs_and_top_logprobs(client):
         assert bytes(entry.bytes or []).decode(errors="replace") == entry.token
 
 
+def test_logit_bias_steers_every_token(client, server):
+    token = post(server, "/tokenize", {"model": TINY, "prompt": " blue"}).json()["tokens"][0]
+    out = client.completions.create(
+        model=TINY,
+        prompt="Once",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert out.choices[0].token_ids == [token] * 4  # type: ignore[attr-defined]
+
+
 GREEDY = dict(model=TINY, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
 
 
@@ -271,6 +284,32 @@ BAD = [
         "max_tokens",
     ),
     ("empty prompt", "/v1/completions", {"model": TINY, "prompt": ""}, 400, None, "prompt"),
+    ("lone surrogate", "/v1/completions", b'{"model": "tiny-smol", "prompt": "a\\ud800"}', 400, None, "prompt"),
+    (
+        "lone surrogate in chat",
+        "/v1/chat/completions",
+        b'{"model": "tiny-smol", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        None,
+        "messages",
+    ),
+    (
+        "bias out of vocab",
+        "/v1/completions",
+        {"model": TINY, "prompt": "x", "logit_bias": {"99999": 1}},
+        400,
+        None,
+        "logit_bias",
+    ),
+    ("top_k past 64 bits", "/v1/completions", {"model": TINY, "prompt": "x", "top_k": 10**30}, 400, None, "top_k"),
+    (
+        "bad stop id",
+        "/v1/completions",
+        {"model": TINY, "prompt": "x", "stop_token_ids": [-1]},
+        400,
+        None,
+        "stop_token_ids.0",
+    ),
     ("prompt past context", "/v1/completions", {"model": TINY, "prompt": "hello " * 2100}, 400, None, "prompt"),
     (
         "bad schema",
@@ -286,6 +325,7 @@ BAD = [
     ),
     ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "not_found_error", "model"),
     ("unknown inferlet", "/v1/inferlets/no-such/runs", {"args": {}}, 404, "not_found_error", None),
+    ("run args past 64 bits", "/v1/inferlets/echo/runs", {"args": {"x": 10**30}}, 400, None, None),
     ("body too large", "/v1/completions", {"model": TINY, "prompt": "x" * 70000}, 413, None, None),
 ]
 
