@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
+TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 
 
 class _Wire(BaseModel):
@@ -57,7 +58,7 @@ class _Sampling(_Wire):
     n: int = Field(default=1, ge=1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,16 +72,6 @@ class _Sampling(_Wire):
         stops = [v] if isinstance(v, str) else v or []
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("at most 16 non-empty stop strings")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
         return v
 
     def stops(self) -> list[str]:

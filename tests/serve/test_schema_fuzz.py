@@ -24,7 +24,7 @@ from tests.serve.server_proc import alive, start_serve
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLES = 25  # per operation; the module runs in about a minute
+EXAMPLES = 20  # per operation and mode; the module runs in about a minute
 HEALTH_CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
