@@ -1,5 +1,6 @@
-"""The request → run mapping without a server: prompt token counting bounded for huge prompts, and the checks
-``build_job`` makes before a run starts (empty prompt, context, unsupported fields, token-id prompts)."""
+"""The request → run mapping without a server: prompt token counting bounded for huge prompts, the checks
+``build_job`` makes before a run starts (empty prompt, context, unsupported fields, token-id prompts), and run
+arguments that survive the control channel to a host."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from inferlet.args import CompletionArgs
 from inferlet.tokenizer import Tokenizer
+from pie_runtime.serve import control as c
 from pie_runtime.serve.errors import APIError
 from pie_runtime.serve.generation import COUNT_PIECE, Limits, build_job, completion_prompt, count_tokens
 from pie_runtime.serve.openai_api import CompletionRequest
@@ -71,3 +74,27 @@ def test_an_empty_prompt_is_the_clients_error(tok):
 def test_a_prompt_past_the_context_is_refused_before_tokenizing_all_of_it(tok):
     err = refusal(tok, prompt="hello " * 500_000)
     assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+
+
+def test_token_id_prompts_reach_the_inferlet_as_given(tok):
+    spelled = [tok.encode(c)[0] for c in "hello"]  # "hello" encodes to fewer tokens
+    for prompt in (spelled, [spelled]):
+        j = job(tok, prompt=prompt, max_tokens=2)
+        assert j.prompt_tokens == 5 and j.args["prompt"] == "hello"
+        assert CompletionArgs.model_validate(j.args).prompt_ids(tok) == spelled
+
+
+def test_the_runs_arguments_cross_the_control_channel(tok):
+    """A host drops a message that does not decode (the run then waits for ever): a logit bias's token ids
+    must travel as string keys and come out as the inferlet's ints."""
+    j = job(tok, prompt="x", max_tokens=2, logit_bias={"17": 5.0}, stop=["a", "b"], seed=3)
+    msg = c.decode_to_host(c.encode(c.StartRun(run="r", inferlet=j.inferlet, path="p.py", args=j.args)))
+    assert isinstance(msg, c.StartRun)
+    assert CompletionArgs.model_validate(msg.args).logit_bias == {17: 5.0}
+    assert refusal(tok, prompt="x", logit_bias={str(tok.vocab_size): 1.0}).param == "logit_bias"
+
+
+def test_echo_and_unsupported_fields(tok):
+    assert job(tok, prompt="Once", echo=True).echo == "Once"
+    assert refusal(tok, prompt="x", suffix="y").param == "suffix"
+    assert refusal(tok, prompt="x", echo=True, logprobs=1).param == "echo"
