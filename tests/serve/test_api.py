@@ -194,6 +194,18 @@ def test_chat_logprobs_and_top_logprobs(client):
             entry.logprob
         )
         assert bytes(entry.bytes or []).decode(errors="replace") == entry.token
+    # streamed, the same entries arrive over the chunks (with the finishing chunk)
+    chunks = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
 def test_logit_bias_steers_every_token(client, server):
