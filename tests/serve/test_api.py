@@ -470,6 +470,18 @@ def test_a_client_that_leaves_cancels_its_request_streamed_or_not(server):
     assert post(server, "/v1/completions", {"model": TINY, "prompt": "next", "max_tokens": 2}).status_code == 200
 
 
+def test_a_completion_stream_closed_mid_run_is_cancelled(server):
+    before = kv_pages_used(server)
+    labels = {"inferlet": "text-completion", "outcome": "cancelled"}
+    cancelled = metric(server, "pie_requests", **labels)
+    # long enough to be running when the client leaves: 4 choices of 64 tokens over a 1,500-token prompt
+    body = {"model": TINY, "prompt": "hello " * 1500, "max_tokens": MAX_TOKENS, "n": MAX_N, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: metric(server, "pie_requests", **labels) == cancelled + 1)
+    wait_for(lambda: kv_pages_used(server) == before)
+
+
 def test_cancel_releases_the_runs_pages(server):
     before = kv_pages_used(server)
     url = f"{server.base}/v1/inferlets/holder/runs"
