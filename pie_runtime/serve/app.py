@@ -17,30 +17,48 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
+from .disconnect import unless_disconnected
 from .errors import invalid_request, not_found, unavailable
-from .generation import Job, Limits, build_job, chat_prompt, completion_prompt
+from .generation import Job, Limits, build_job, chat_prompt, check_text, completion_prompt, count_tokens
 from .inferlet_routes import add_inferlet_routes
 from .metrics import Metrics
 from .openai_api import (
     ChatRequest,
+    ChatResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    Health,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    sse_or,
 )
 from .policies import Capabilities, Policy
 from .runs import Runs
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
 
 DEFAULT_MAX_BODY = 8 << 20
+# every route's refusals and failures, as published in the OpenAPI schema
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "a refused request"},
+    "5XX": {"model": ErrorResponse, "description": "a failed run, or the server is not serving (503)"},
+}
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+# the same for a route whose own answer is not JSON (errors are, whatever the route)
+JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": spec["description"], "content": _ERROR_REF} for code, spec in ERRORS.items()
+}
 
 
 class ServerConfig(BaseModel):
@@ -110,7 +128,14 @@ class Server:
 
 
 def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAPI:
-    app = FastAPI(title="pie serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pie serve",
+        description="An OpenAI-compatible API over inferlet runs, and runs of custom inferlets.",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        responses=ERRORS,
+    )
     server = Server(backend, config, quotas)
     app.state.server = server
     errors.install(app)
@@ -132,13 +157,13 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
     """/health (200 serving, 503 loading or draining) and /metrics (Prometheus text)."""
     backend = server.backend
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not serving"}})
     async def health() -> Response:
         state = backend.state
-        body = {"status": state, **({"error": backend.error} if backend.error else {})}
+        body = Health(status=state, error=backend.error).model_dump(exclude_none=True)
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
     async def metrics() -> Response:
         runs = server._runs
         model = backend.model
@@ -153,7 +178,7 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
     backend = server.backend
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
@@ -163,17 +188,23 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
             text = tok.chat([{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
         else:
             text = req.prompt or ""
+        limit = server.limits().max_model_len
+        check_text(text, "messages" if req.messages is not None else "prompt")
+        if count_tokens(tok, text, limit) > limit:  # past the context: not worth the memory of all its ids
+            raise invalid_request(
+                f"the text has more than {limit} tokens, this model's context", "prompt", "context_length_exceeded"
+            )
         ids = tok.encode(text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": server.limits().max_model_len}
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
         if any(i < 0 or i >= tok.vocab_size for i in req.tokens):
             raise invalid_request("token id out of the vocabulary", param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
 
 
 def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
@@ -187,6 +218,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         return ModelList(data=[ModelCard(id=server.model_id, created=server.created, max_model_len=limit)])
 
     async def generate(
+        request: Request,
         req: CompletionRequest | ChatRequest,
         key: str,
         prompt: Callable[..., Any],
@@ -207,22 +239,27 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
-            first = await prime(events)
+            first = await unless_disconnected(request, prime(events))
             return sse_response(stream(rid, model, req, tok, job, first, events))
-        result = await runs.collect(events)
+        result = await unless_disconnected(request, runs.collect(events))
         return JSONResponse(respond(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True))
 
-    @v1.post("/completions")
+    @v1.post("/completions", response_model=None, responses=sse_or(CompletionResponse))
     async def completions(
-        req: CompletionRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+        request: Request,
+        req: CompletionRequest,
+        key: str = Depends(api_key),
+        x_session_id: str | None = Header(default=None),
     ) -> Response:
-        return await generate(req, key, completion_prompt, "cmpl", completion_stream, completion_response, x_session_id)
+        return await generate(
+            request, req, key, completion_prompt, "cmpl", completion_stream, completion_response, x_session_id
+        )
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", response_model=None, responses=sse_or(ChatResponse))
     async def chat(
-        req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
+        request: Request, req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
-        return await generate(req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        return await generate(request, req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
 
 
 def _tokenizer(backend: Backend):

@@ -4,7 +4,8 @@ arguments, and the mapping of the run's result dict (text, token_ids, finish_rea
 choices, speculation) to OpenAI choices, logprobs and usage.
 
 The server renders the chat template itself and hands the inferlet the rendered text (``chat`` false), so the
-prompt it counts and checks is exactly the one the inferlet encodes. A token-id prompt is decoded to text."""
+prompt it counts and checks is exactly the one the inferlet encodes. A token-id prompt goes to the inferlet as
+its ids (``prompt_token_ids``), with its decoded text as ``prompt``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from .openai_api import (
 )
 from .policies import Capabilities, Policy, choose
 
+COUNT_PIECE = 1 << 14  # characters tokenized at a time when counting a long prompt
+
 
 @dataclass
 class Limits:
@@ -48,6 +51,7 @@ class Job:
     prompt_tokens: int
     max_tokens: int
     n: int
+    echo: str | None = None  # completions' ``echo``: the prompt text each choice's text starts with
 
 
 def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
@@ -58,21 +62,37 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
         raise invalid_request(str(e), param="messages") from e
 
 
-def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str:
+def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str | list[int]:
+    """The prompt's text, or its token ids as given (checked against the vocabulary)."""
     p = req.prompt
     if isinstance(p, str):
         return p
     if isinstance(p[0], str):
         return str(p[0])
-    ids = [int(i) for i in p]
+    ids = [int(i) for i in (p[0] if isinstance(p[0], list) else p)]  # type: ignore[union-attr]
     if any(i < 0 or i >= tok.vocab_size for i in ids):
         raise invalid_request("prompt token id out of the vocabulary", param="prompt")
-    return tok.decode(ids)
+    return ids
+
+
+def count_tokens(tok: Tokenizer, text: str, most: int) -> int:
+    """``len(tok.encode(text))``; for a text that cannot fit in ``most`` tokens, a count past ``most`` found
+    from its first pieces, so a huge prompt costs the memory and time of tokenizing ``most`` tokens, not all
+    of it. Summed over pieces a count runs over the whole's by at most a token or two a cut (a cut splits a
+    word), hence the slack per piece."""
+    if len(text) <= COUNT_PIECE:
+        return len(tok.encode(text))
+    seen = 0
+    for cut, start in enumerate(range(0, len(text), COUNT_PIECE)):
+        seen += len(tok.encode(text[start : start + COUNT_PIECE]))
+        if seen > most + 2 * (cut + 1):
+            return seen - 2 * (cut + 1)
+    return len(tok.encode(text))
 
 
 def build_job(
     req: CompletionRequest | ChatRequest,
-    prompt: str,
+    prompt: str | list[int],
     tok: Tokenizer,
     limits: Limits,
     policy: Policy | None,
@@ -81,12 +101,18 @@ def build_job(
     """Checks the request against the limits and the context; picks the inferlet and its arguments."""
     if req.n > limits.max_n:
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
-    prompt_tokens = len(tok.encode(prompt))
+    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    ids = prompt if isinstance(prompt, list) else None
+    if ids is None:
+        check_text(str(prompt), prompt_param)
+    prompt_tokens = len(ids) if ids is not None else count_tokens(tok, str(prompt), limits.max_model_len)
+    if prompt_tokens == 0:
+        raise invalid_request("the prompt is empty", param=prompt_param, code="empty_prompt")
     room = limits.max_model_len - prompt_tokens
     if room <= 0:
         raise invalid_request(
-            f"the prompt has {prompt_tokens} tokens; this model's context is {limits.max_model_len}",
-            param="messages" if isinstance(req, ChatRequest) else "prompt",
+            f"the prompt has {prompt_tokens} tokens or more; this model's context is {limits.max_model_len}",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     asked = req.token_limit()
@@ -99,12 +125,13 @@ def build_job(
             param=param,
             code="context_length_exceeded",
         )
+    check_unsupported(req)
     if asked is None:
         default = limits.default_completion_tokens if isinstance(req, CompletionRequest) else limits.max_tokens
         asked = min(default, room)
     inferlet, extra = choose(policy, caps, req.speculation, req.response_format)
     args: dict[str, Any] = {
-        "prompt": prompt,
+        "prompt": tok.decode(ids) if ids is not None else prompt,
         "max_tokens": asked,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -117,20 +144,51 @@ def build_job(
     # fields past text-completion's basics go only when set, so an inferlet that lacks one still runs
     # the requests that do not use it (its Args validation names any field it refuses)
     optional = {
+        "prompt_token_ids": ids,
         "seed": req.seed,
         "n": req.n if req.n > 1 else None,
         "stop_token_ids": req.stop_token_ids or None,
         "ignore_eos": req.ignore_eos or None,
         "presence_penalty": req.presence_penalty or None,
         "frequency_penalty": req.frequency_penalty or None,
-        "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        "logit_bias": check_bias(req.logit_bias, tok.vocab_size),
     }
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         optional["logprobs"] = req.logprobs
     elif isinstance(req, ChatRequest) and req.logprobs:
         optional["logprobs"] = req.top_logprobs or 0
     args.update({k: v for k, v in optional.items() if v is not None})
-    return Job(inferlet, args, prompt_tokens, asked, req.n)
+    echo = str(args["prompt"]) if isinstance(req, CompletionRequest) and req.echo else None
+    return Job(inferlet, args, prompt_tokens, asked, req.n, echo)
+
+
+def check_text(text: str, param: str) -> None:
+    """A 400 for text that is not Unicode a tokenizer takes (a lone surrogate, "\\ud800" in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid_request(f"the text is not valid Unicode: {e.reason} at {e.start}", param=param) from None
+
+
+def check_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[str, float] | None:
+    """The logit bias as the inferlet takes it (token ids as decimal strings: the host's messages carry only
+    string map keys); a 400 for a token id out of the vocabulary."""
+    if not bias:
+        return None
+    ids = {str(int(k)): v for k, v in bias.items()}
+    if any(not 0 <= int(k) < vocab_size for k in ids):
+        raise invalid_request("a logit_bias token id is out of the vocabulary", param="logit_bias")
+    return ids
+
+
+def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    """A 400 for the OpenAI fields this server does not serve, rather than ignoring them."""
+    if not isinstance(req, CompletionRequest):
+        return
+    if req.suffix:
+        raise invalid_request("suffix is not supported (no fill-in-the-middle here)", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise invalid_request("echo with logprobs is not supported (no prompt logprobs here)", param="echo")
 
 
 # ---- results ------------------------------------------------------------------------------------------------

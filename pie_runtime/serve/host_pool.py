@@ -203,6 +203,7 @@ class HostPool:
         run_id = run_id or uuid.uuid4().hex
         if run_id in self._runs:
             raise RunFailed("bad_arguments", f"run id {run_id!r} is in use")
+        _check_carried(run_id, inferlet, path, args)
         run = PooledRun(run_id, inferlet, path, dict(args))
         self._runs[run_id] = run
         self._idle.clear()
@@ -491,3 +492,12 @@ def _exit_reason(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
+
+
+def _check_carried(run_id: str, inferlet: str, path: Path, args: dict) -> None:
+    """Raises RunFailed when the arguments would not arrive: a message that does not encode, or that a host
+    drops because it does not decode (map keys that are not strings, say), would leave the run waiting."""
+    try:
+        c.decode_to_host(c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args)))
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int past 64 bits
+        raise RunFailed("bad_arguments", f"the run's arguments cannot be sent to a host: {e}") from None

@@ -21,13 +21,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from ..launcher import shipped_inferlets
+from .disconnect import unless_disconnected
 from .errors import APIError, not_found
-from .openai_api import RunRequest
+from .openai_api import InferletCard, InferletList, RunCancelled, RunRequest, RunResponse, sse_or
 from .streams import prime, sse, sse_response
 
 if TYPE_CHECKING:
@@ -59,18 +60,18 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         raise not_found(f"no inferlet {name!r}", "inferlet_not_found", "name")
 
     @v1.get("/inferlets")
-    async def inferlets() -> dict[str, Any]:
+    async def inferlets() -> InferletList:
         runs = server.runs()
         shipped = set(shipped_inferlets())
         data = [
-            {"id": name, "object": "inferlet", "source": "shipped" if name in shipped else "custom"}
+            InferletCard(id=name, source="shipped" if name in shipped else "custom")
             for name in sorted(runs.pool.inferlets())
         ]
-        data += [{"id": name, "object": "inferlet", "source": "uploaded"} for name in uploaded()]
-        return {"object": "list", "data": data}
+        data += [InferletCard(id=name, source="uploaded") for name in uploaded()]
+        return InferletList(data=data)
 
     @v1.post("/inferlets")
-    async def upload(req: UploadRequest) -> dict[str, Any]:
+    async def upload(req: UploadRequest) -> InferletCard:
         runs = server.runs()
         uploads = server.backend.uploads
         if uploads is None or server.upload_runs() is None:
@@ -91,10 +92,10 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         with os.fdopen(fd, "w") as f:
             f.write(req.source)
         os.replace(tmp, uploads.folder / f"{req.name}.py")  # atomic: a run never loads half a file
-        return {"id": req.name, "object": "inferlet", "source": "uploaded"}
+        return InferletCard(id=req.name, source="uploaded")
 
-    @v1.post("/inferlets/{name}/runs")
-    async def run(name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
+    @v1.post("/inferlets/{name}/runs", response_model=None, responses=sse_or(RunResponse))
+    async def run(request: Request, name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
         arrival = time.monotonic()
         runs = runs_for(name)
         lease = server.quotas.admit(key, 0, 0)
@@ -102,18 +103,18 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         events = runs.events(name, req.args, lease, run_id=run_id, arrival=arrival)
         headers = {"x-pie-run-id": run_id}
         if req.stream:
-            first = await prime(events)
+            first = await unless_disconnected(request, prime(events))
             return sse_response(_run_stream(run_id, name, first, events), headers)
-        result = await runs.collect(events)
-        body = {"id": run_id, "object": "inferlet.run", "inferlet": name, "result": result}
-        return JSONResponse(body, headers=headers)
+        result = await unless_disconnected(request, runs.collect(events))
+        body = RunResponse(id=run_id, inferlet=name, result=result)
+        return JSONResponse(body.model_dump(), headers=headers)
 
     @v1.delete("/inferlets/runs/{run_id}")
-    async def cancel(run_id: str) -> dict[str, Any]:
+    async def cancel(run_id: str) -> RunCancelled:
         pools = [server.runs().pool] + [r.pool for r in (server.upload_runs(),) if r is not None]
         for pool in pools:
             if await pool.cancel(run_id):
-                return {"id": run_id, "object": "inferlet.run", "cancelled": True}
+                return RunCancelled(id=run_id, cancelled=True)
         raise not_found(f"no running run {run_id!r}", "run_not_found", "run_id")
 
 

@@ -8,9 +8,12 @@ Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
+TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 
 
 class _Wire(BaseModel):
@@ -47,15 +50,15 @@ class _Sampling(_Wire):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM: -1 or 0 is no top-k
+    top_k: int = Field(default=0, ge=-1, le=TOKEN_ID_MAX)  # vLLM: -1 or 0 is no top-k
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,16 +74,6 @@ class _Sampling(_Wire):
             raise ValueError("at most 16 non-empty stop strings")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
-        return v
-
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -92,17 +85,19 @@ class _Sampling(_Wire):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (send a list of strings as separate requests)")
-        if isinstance(v, list) and not v:
+    def _one_prompt(
+        cls, v: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) != 1:
+            raise ValueError("one prompt per request (send a list of prompts as separate requests)")
+        if isinstance(v, list) and (not v or (isinstance(v[0], list) and not v[0])):
             raise ValueError("the prompt is empty")
         return v
 
@@ -251,7 +246,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refused or failed request's body, in OpenAI's shape (errors.py)."""
+
+    error: ErrorDetail
+
+
 # ---- pie's own routes -----------------------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["starting", "ready", "draining", "failed"]
+    error: str | None = None
 
 
 class TokenizeRequest(_Wire):
@@ -261,9 +274,19 @@ class TokenizeRequest(_Wire):
     add_generation_prompt: bool = True
 
 
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
 class DetokenizeRequest(_Wire):
     model: str | None = None
     tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class RunRequest(_Wire):
@@ -271,3 +294,34 @@ class RunRequest(_Wire):
 
     args: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+
+
+class RunResponse(BaseModel):
+    id: str
+    object: Literal["inferlet.run"] = "inferlet.run"
+    inferlet: str
+    result: Any = None
+
+
+class RunCancelled(BaseModel):
+    id: str
+    object: Literal["inferlet.run"] = "inferlet.run"
+    cancelled: bool
+
+
+class InferletCard(BaseModel):
+    id: str
+    object: Literal["inferlet"] = "inferlet"
+    source: Literal["shipped", "custom", "uploaded"]
+
+
+class InferletList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[InferletCard]
+
+
+def sse_or(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that answers ``model`` as JSON, or server-sent events with
+    ``stream: true``."""
+    events = {"schema": {"type": "string", "description": "data: {chunk} lines, then data: [DONE]"}}
+    return {200: {"model": model, "content": {"text/event-stream": events}}}

@@ -59,7 +59,7 @@ def completion_response(
     choices = [
         CompletionChoice(
             index=i,
-            text=c.get("text", ""),
+            text=(job.echo or "") + c.get("text", ""),
             logprobs=completion_logprobs(tok, c),
             finish_reason=finish(c),
             token_ids=_ids(c, token_ids),
@@ -149,8 +149,11 @@ async def completion_stream(
         return sse(CompletionChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
     def final(i: int, rest: str, c: dict) -> CompletionChoice:
-        return CompletionChoice(index=i, text=rest, logprobs=completion_logprobs(tok, c), finish_reason=finish(c))
+        text = (job.echo or "") + rest if i > 0 else rest  # choice 0's echo went first
+        return CompletionChoice(index=i, text=text, logprobs=completion_logprobs(tok, c), finish_reason=finish(c))
 
+    if job.echo:
+        yield chunk([CompletionChoice(index=0, text=job.echo)])
     async for line in _stream(
         chunk, lambda text: CompletionChoice(index=0, text=text), final, req.include_usage(), job, first, events
     ):

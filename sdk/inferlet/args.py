@@ -36,6 +36,7 @@ class CompletionArgs(BaseModel):
     Penalties and the logit bias make the run sample on the host from each step's logits (inferlet.sampler)."""
 
     prompt: str
+    prompt_token_ids: list[int] | None = None  # the prompt as token ids (OpenAI allows it): used as they are
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_k: int = Field(default=0, ge=0)
@@ -84,7 +85,10 @@ class CompletionArgs(BaseModel):
         return self
 
     def prompt_ids(self, tok: Tokenizer) -> list[int]:
-        """The prompt's token ids (rendered with the chat template first with ``--chat``)."""
+        """The prompt's token ids: ``prompt_token_ids`` when given, else ``prompt``'s (rendered with the chat
+        template first with ``--chat``)."""
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
         text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
         return tok.encode(text)
 

@@ -4,9 +4,12 @@ loading; SIGTERM drain with no child left behind (the module's last test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +24,7 @@ from tests.serve.server_proc import alive, children, port_open, start_serve
 pytestmark = pytest.mark.e2e
 
 CUSTOM = Path(__file__).parent / "api_inferlets"
-MAX_N, MAX_TOKENS = 4, 64
+MAX_N, MAX_TOKENS, MAX_RUNNING = 4, 64, 4
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def server(pie_home, tmp_path_factory):
         str(MAX_TOKENS),
         "--max-body-bytes",
         "65536",
+        "--max-running",
+        str(MAX_RUNNING),
         "--drain-timeout",
         "60",
         "--allow-upload",
@@ -67,7 +72,7 @@ def client(server) -> openai.OpenAI:
 def post(server, path: str, body, **kw) -> httpx.Response:
     if isinstance(body, (bytes, str)):
         return httpx.post(f"{server.base}{path}", content=body, headers={"content-type": "application/json"}, **kw)
-    return httpx.post(f"{server.base}{path}", json=body, timeout=120, **kw)
+    return httpx.post(f"{server.base}{path}", json=body, **{"timeout": 120, **kw})
 
 
 def assert_error(r: httpx.Response, status: int, type_: str, param: str | None = None, code: str | None = None):
@@ -171,6 +176,111 @@ def test_logprobs(client):
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
 
 
+def test_chat_logprobs_and_top_logprobs(client):
+    out = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == out.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(
+            entry.logprob
+        )
+        assert bytes(entry.bytes or []).decode(errors="replace") == entry.token
+    # streamed, the same entries arrive over the chunks (with the finishing chunk)
+    chunks = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_logit_bias_steers_every_token(client, server):
+    token = post(server, "/tokenize", {"model": TINY, "prompt": " blue"}).json()["tokens"][0]
+    out = client.completions.create(
+        model=TINY,
+        prompt="Once",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert out.choices[0].token_ids == [token] * 4  # type: ignore[attr-defined]
+
+
+GREEDY = dict(model=TINY, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_stop_strings_cut_the_text(client):
+    full = client.completions.create(prompt="Once upon a time", **GREEDY).choices[0].text  # type: ignore[arg-type]
+    stop = full[6:9]
+    assert stop.strip() and len(full) > 9
+    cut = full[: full.index(stop)]
+    for stops in (stop, ["never-in-the-text", stop]):
+        out = client.completions.create(prompt="Once upon a time", stop=stops, **GREEDY).choices[0]  # type: ignore[arg-type]
+        assert (out.text, out.finish_reason) == (cut, "stop")
+    messages = [{"role": "user", "content": "Go on."}]
+    chat_full = client.chat.completions.create(messages=messages, **GREEDY).choices[0].message.content or ""  # type: ignore[arg-type]
+    chat_stop = chat_full[4:7]
+    chat = client.chat.completions.create(messages=messages, stop=["zzz-none", chat_stop], **GREEDY).choices[0]  # type: ignore[arg-type]
+    assert chat.message.content == chat_full[: chat_full.index(chat_stop)] and chat.finish_reason == "stop"
+
+
+def test_max_completion_tokens_bounds_the_output(client):
+    out = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Count."}],
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+def test_echo_prepends_the_prompt_whole_and_streamed(client):
+    plain = client.completions.create(prompt="Once upon", **GREEDY).choices[0].text  # type: ignore[arg-type]
+    echoed = client.completions.create(prompt="Once upon", echo=True, **GREEDY).choices[0].text  # type: ignore[arg-type]
+    assert echoed == "Once upon" + plain
+    chunks = client.completions.create(prompt="Once upon", echo=True, stream=True, **GREEDY)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed
+
+
+def test_unsupported_completion_fields_are_400s(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=TINY, prompt="def f(", suffix="return x", max_tokens=2)
+    assert e.value.param == "suffix"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=TINY, prompt="Hi", echo=True, logprobs=1, max_tokens=2)
+    assert e.value.param == "echo"  # type: ignore[attr-defined]
+
+
+def test_token_id_prompts_run_as_given(client, server):
+    ids = post(server, "/tokenize", {"model": TINY, "prompt": "Once upon a time"}).json()["tokens"]
+    as_text = client.completions.create(prompt="Once upon a time", **GREEDY)  # type: ignore[arg-type]
+    for prompt in (ids, [ids]):
+        as_ids = client.completions.create(prompt=prompt, **GREEDY)  # type: ignore[arg-type]
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
+    # spelled letter by letter: 5 tokens where "hello" encodes to fewer; they run as given, not re-encoded
+    letters = [post(server, "/tokenize", {"model": TINY, "prompt": c}).json()["tokens"][0] for c in "hello"]
+    spelled = client.completions.create(prompt=letters, **GREEDY)  # type: ignore[arg-type]
+    assert spelled.usage is not None and spelled.usage.prompt_tokens == 5
+    assert len(post(server, "/tokenize", {"model": TINY, "prompt": "hello"}).json()["tokens"]) < 5
+
+
 BAD = [
     ("malformed JSON", "/v1/completions", b'{"model": "tiny-smol", "prompt": ', 400, "invalid_request_error", None),
     ("wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": "many"}, 400, None, "max_tokens"),
@@ -184,6 +294,33 @@ BAD = [
         400,
         None,
         "max_tokens",
+    ),
+    ("empty prompt", "/v1/completions", {"model": TINY, "prompt": ""}, 400, None, "prompt"),
+    ("lone surrogate", "/v1/completions", b'{"model": "tiny-smol", "prompt": "a\\ud800"}', 400, None, "prompt"),
+    (
+        "lone surrogate in chat",
+        "/v1/chat/completions",
+        b'{"model": "tiny-smol", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        None,
+        "messages",
+    ),
+    (
+        "bias out of vocab",
+        "/v1/completions",
+        {"model": TINY, "prompt": "x", "logit_bias": {"99999": 1}},
+        400,
+        None,
+        "logit_bias",
+    ),
+    ("top_k past 64 bits", "/v1/completions", {"model": TINY, "prompt": "x", "top_k": 10**30}, 400, None, "top_k"),
+    (
+        "bad stop id",
+        "/v1/completions",
+        {"model": TINY, "prompt": "x", "stop_token_ids": [-1]},
+        400,
+        None,
+        "stop_token_ids.0",
     ),
     ("prompt past context", "/v1/completions", {"model": TINY, "prompt": "hello " * 2100}, 400, None, "prompt"),
     (
@@ -200,6 +337,7 @@ BAD = [
     ),
     ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "not_found_error", "model"),
     ("unknown inferlet", "/v1/inferlets/no-such/runs", {"args": {}}, 404, "not_found_error", None),
+    ("run args past 64 bits", "/v1/inferlets/echo/runs", {"args": {"x": 10**30}}, 400, None, None),
     ("body too large", "/v1/completions", {"model": TINY, "prompt": "x" * 70000}, 413, None, None),
 ]
 
@@ -264,12 +402,84 @@ def test_uploaded_inferlet_runs_limited_and_without_the_servers_environment(serv
     assert_error(post(server, "/v1/inferlets", {"name": "bad", "source": "def ("}), 400, "invalid_request_error")
 
 
-def kv_pages_used(server) -> float:
+def metric(server, name: str, **labels: str) -> float:
+    """The sum of a /metrics family's samples whose labels include ``labels``."""
     page = httpx.get(f"{server.base}/metrics").text
     for family in text_string_to_metric_families(page):
-        if family.name == "pie_kv_pages_used":
-            return sum(s.value for s in family.samples)
-    raise AssertionError("no pie_kv_pages_used")
+        if family.name == name:  # a counter's samples: NAME_total (and NAME_created, left out)
+            samples = [s for s in family.samples if s.name in (name, f"{name}_total")]
+            return sum(s.value for s in samples if labels.items() <= s.labels.items())
+    return 0.0  # a labelled family with no sample yet is not on the page
+
+
+def kv_pages_used(server) -> float:
+    return metric(server, "pie_kv_pages_used")
+
+
+def wait_for(check, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def holding(server, count: int):
+    """``count`` runs of the holder inferlet, streamed, each holding its pages until its client leaves (the
+    end of the block closes the connections)."""
+    readers = []  # kept: a line iterator that is dropped closes its response
+    with contextlib.ExitStack() as stack:
+        for _ in range(count):
+            url = f"{server.base}/v1/inferlets/holder/runs"
+            s = stack.enter_context(
+                httpx.stream("POST", url, json={"args": {"tokens": 20}, "stream": True}, timeout=60)
+            )
+            readers.append(s.iter_lines())
+            while "holding" not in next(readers[-1]):
+                pass
+        assert metric(server, "pie_requests_running") == count
+        yield
+
+
+def test_a_client_that_leaves_cancels_its_request_streamed_or_not(server):
+    before = kv_pages_used(server)
+    cancelled = metric(server, "pie_requests", inferlet="holder", outcome="cancelled")
+    with holding(server, MAX_RUNNING):  # every run slot taken: a new request waits for one
+        assert kv_pages_used(server) > before
+        for stream in (False, True):
+            body = {"model": TINY, "prompt": "waits", "max_tokens": 4, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=1.0))
+            wait_for(lambda: metric(server, "pie_requests_waiting") == 0)  # the waiting request left the queue
+    # the holders' streams were closed mid-run: their runs are cancelled and their pages back
+    wait_for(lambda: kv_pages_used(server) == before)
+    # a whole (non-streamed) run whose client leaves while it runs
+    url = f"{server.base}/v1/inferlets/holder/runs"
+    leaving = threading.Thread(
+        target=lambda: pytest.raises(
+            httpx.ReadTimeout, httpx.post, url, json={"args": {}}, timeout=httpx.Timeout(30, read=2.0)
+        )
+    )
+    leaving.start()
+    wait_for(lambda: kv_pages_used(server) > before)
+    leaving.join()
+    wait_for(lambda: kv_pages_used(server) == before)
+    wait_for(
+        lambda: metric(server, "pie_requests", inferlet="holder", outcome="cancelled") == cancelled + MAX_RUNNING + 1
+    )
+    assert post(server, "/v1/completions", {"model": TINY, "prompt": "next", "max_tokens": 2}).status_code == 200
+
+
+def test_a_completion_stream_closed_mid_run_is_cancelled(server):
+    before = kv_pages_used(server)
+    labels = {"inferlet": "text-completion", "outcome": "cancelled"}
+    cancelled = metric(server, "pie_requests", **labels)
+    # long enough to be running when the client leaves: 4 choices of 64 tokens over a 1,500-token prompt
+    body = {"model": TINY, "prompt": "hello " * 1500, "max_tokens": MAX_TOKENS, "n": MAX_N, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: metric(server, "pie_requests", **labels) == cancelled + 1)
+    wait_for(lambda: kv_pages_used(server) == before)
 
 
 def test_cancel_releases_the_runs_pages(server):
