@@ -91,35 +91,14 @@ async def resume(model: inferlet.Model, args: Args, path: str) -> dict:
         window = saved.pending or saved.tokens[-1:]  # a file with nothing pending: read the last row again
         if not saved.pending and ws.committed:
             await ws.truncate(ws.committed - 1)
-        fp = inferlet.ForwardPass(ws).embed(window)
-        for kind in sampler.readouts(0):
-            fp.readout([len(window) - 1], kind)
-        out.push([sampler.pick(await fp.submit(), out.ids)])
+        await sampler.step(ws, window, out)
         t_decode = time.perf_counter()
         while not out.done:
-            fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
-            for kind in sampler.readouts(len(out.ids)):
-                fp.readout([0], kind)
-            out.push([sampler.pick(await fp.submit(), out.ids)])
+            await sampler.step(ws, out.ids[-1:], out)
         decode_s = time.perf_counter() - t_decode
     finally:
         await ws.release()
-    decoded = max(len(out.ids) - 1, 0)
-    result = {
-        **out.result(),
-        "stats": {
-            "prompt_tokens": len(prompt),
-            "generated_tokens": len(out.ids),
-            "loaded_rows": saved.rows,
-            "load_ms": round(load_ms, 2),
-            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
-            "kv_pages": ws.pages,
-            "kv_pages_max": ws.pages_max,
-        },
-    }
-    if args.top_count is not None:
-        result["logprobs"] = sampler.logprobs
-    return result
+    return sampler.result(out, ws, len(prompt), decode_s, loaded_rows=saved.rows, load_ms=round(load_ms, 2))
 
 
 @inferlet.main

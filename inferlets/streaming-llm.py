@@ -69,37 +69,23 @@ async def main(args: Args) -> dict:
     ws = model.working_set()
     try:
         t0 = time.perf_counter()
-        fp = inferlet.ForwardPass(ws).embed(prompt)
-        for kind in sampler.readouts(0):
-            fp.readout([len(prompt) - 1], kind)
-        out.push([sampler.pick(await fp.submit(), out.ids)])
+        await sampler.step(ws, prompt, out)
         await policy.trim(ws)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         t_decode = time.perf_counter()
         while not out.done:
-            fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
-            for kind in sampler.readouts(len(out.ids)):
-                fp.readout([0], kind)
-            out.push([sampler.pick(await fp.submit(), out.ids)])
+            await sampler.step(ws, out.ids[-1:], out)
             await policy.trim(ws)
         decode_s = time.perf_counter() - t_decode
     finally:
         await ws.release()
-    decoded = max(len(out.ids) - 1, 0)
-    result = {
-        **out.result(),
-        "stats": {
-            "prompt_tokens": len(prompt),
-            "generated_tokens": len(out.ids),
-            "prefill_ms": round(prefill_ms, 2),
-            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
-            "kv_pages": ws.pages,
-            "kv_pages_max": ws.pages_max,
-            "kv_rows": ws.committed,
-            "evictions": policy.evictions,
-            "evicted_rows": policy.evicted_rows,
-        },
-    }
-    if args.top_count is not None:
-        result["logprobs"] = sampler.logprobs
-    return result
+    return sampler.result(
+        out,
+        ws,
+        len(prompt),
+        decode_s,
+        prefill_ms=round(prefill_ms, 2),
+        kv_rows=ws.committed,
+        evictions=policy.evictions,
+        evicted_rows=policy.evicted_rows,
+    )

@@ -65,22 +65,8 @@ async def complete(model: inferlet.Model, args: Args, ws: inferlet.WorkingSet, r
             prefill_ms, decode_s = await host_loop(ws, prompt, sampler, out)
     finally:
         await ws.release()
-    decoded = max(len(out.ids) - 1, 0)  # the first token came with the prefill
-    result = {
-        **out.result(),
-        "stats": {
-            "prompt_tokens": len(prompt),
-            "generated_tokens": len(out.ids),
-            "cached_tokens": min(ws.cached_rows, len(prompt)),
-            "prefill_ms": round(prefill_ms, 2),
-            "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0,
-            "kv_pages": ws.pages,  # KV pages held at the end (the last fire's), and the most held at once
-            "kv_pages_max": ws.pages_max,
-        },
-    }
-    if args.top_count is not None:
-        result["logprobs"] = sampler.logprobs
-    return result
+    cached = min(ws.cached_rows, len(prompt))
+    return sampler.result(out, ws, len(prompt), decode_s, cached_tokens=cached, prefill_ms=round(prefill_ms, 2))
 
 
 async def host_loop(
@@ -88,18 +74,11 @@ async def host_loop(
 ) -> tuple[float, float]:
     """One fire a token until ``out`` is done; returns (prefill ms, decode s)."""
     t0 = time.perf_counter()
-    window = prompt[ws.committed :]
-    fp = inferlet.ForwardPass(ws).embed(window)
-    for kind in sampler.readouts(0):
-        fp.readout([len(window) - 1], kind)
-    out.push([sampler.pick(await fp.submit(), out.ids)])
+    await sampler.step(ws, prompt[ws.committed :], out)
     prefill_ms = (time.perf_counter() - t0) * 1e3
     t_decode = time.perf_counter()
     while not out.done:
-        fp = inferlet.ForwardPass(ws).embed(out.ids[-1:])
-        for kind in sampler.readouts(len(out.ids)):
-            fp.readout([0], kind)
-        out.push([sampler.pick(await fp.submit(), out.ids)])
+        await sampler.step(ws, out.ids[-1:], out)
     return prefill_ms, time.perf_counter() - t_decode
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from .args import CompletionArgs
-from .forward import PassResult, ReadoutResult
+from .forward import ForwardPass, PassResult, ReadoutResult
+from .output import Output
 from .readouts import Argmax, Distribution, Logits, ReadoutSpec, Sample
 from .speculative import VerifyResult, filter_distribution, verify_greedy, verify_sampled
 from .tree import TokenTree, TreeVerdict, verify_tree_greedy, verify_tree_sampled
+from .working_set import WorkingSet
 
 
 def logprob_entry(logits: np.ndarray, token: int, top: int) -> dict:
@@ -125,6 +127,34 @@ class StepSampler:
         else:
             kinds = [Sample(a.temperature, a.top_k, a.top_p, None if a.seed is None else a.seed + step)]
         return kinds + [Logits()] if a.top_count is not None else kinds
+
+    async def step(self, ws: WorkingSet, window: list[int], out: Output) -> None:
+        """One step of a plain decode: fires ``window`` on ``ws`` with this sampler's readouts on its last row,
+        and pushes the token picked to ``out`` (a prefill's window is the prompt, a decode step's the last token)."""
+        fp = ForwardPass(ws).embed(window)
+        for kind in self.readouts(len(out.ids)):
+            fp.readout([len(window) - 1], kind)
+        out.push([self.pick(await fp.submit(), out.ids)])
+
+    def result(self, out: Output, ws: WorkingSet, prompt_tokens: int, decode_s: float, **stats: object) -> dict:
+        """A plain decode's result: ``out``'s, with stats (the prompt's and output's tokens, then ``stats``, the
+        decode rate and the KV pages ``ws`` held at the end and at most) and the logprobs when asked for."""
+        decoded = max(len(out.ids) - 1, 0)  # the first token came with the prefill
+        rate = round(decoded / decode_s, 2) if decode_s > 0 and decoded else 0.0
+        result = {
+            **out.result(),
+            "stats": {
+                "prompt_tokens": prompt_tokens,
+                "generated_tokens": len(out.ids),
+                **stats,
+                "decode_tokens_per_s": rate,
+                "kv_pages": ws.pages,
+                "kv_pages_max": ws.pages_max,
+            },
+        }
+        if self.args.top_count is not None:
+            result["logprobs"] = self.logprobs
+        return result
 
     def pick(self, res: PassResult, generated: list[int]) -> int:
         """The token of a fire read with ``readouts`` (one row), recording its logprobs if asked."""
