@@ -93,8 +93,10 @@ def filter_distribution(
         np.where(top == -np.inf, np.where(allowed, 0.0, -np.inf), shifted),
     )
 
-    if not temperature >= MIN_TEMPERATURE:
-        return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
+    if not temperature >= MIN_TEMPERATURE:  # one-hot rows (not rows of an identity: V x V would be built)
+        one_hot = np.zeros(x.shape, dtype=np.float64)
+        np.put_along_axis(one_hot, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return one_hot
 
     with np.errstate(over="ignore"):  # a large negative logit may become -inf
         x = x / min(temperature, MAX_TEMPERATURE)  # still <= 0, the largest still 0

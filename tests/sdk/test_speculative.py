@@ -434,3 +434,20 @@ def test_stats_empty():
     d = SpecStats().as_dict(0.0, 0.0)
     assert d["acceptance"] == 0.0 and d["rejecting_round_share"] == 0.0
     assert d["acceptance_per_position"] == [] and d["skipped"] == {}
+
+
+def test_a_greedy_filter_builds_one_hot_rows_not_an_identity():
+    """Below MIN_TEMPERATURE the rows are one-hot at the argmax; building them must not allocate a V x V identity
+    (49,152^2 float64 is 19 GB: a schema fuzzer's temperature of 6e-8 once stalled a serving host for seconds)."""
+    import tracemalloc
+
+    x = np.random.default_rng(0).normal(size=(2, 49152))
+    tracemalloc.start()
+    try:
+        p = filter_distribution(x, 6e-8, top_k=25526, top_p=1e-120)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * x.nbytes
+    assert np.array_equal(p.argmax(-1), x.argmax(-1)) and np.array_equal(p.sum(-1), [1.0, 1.0])
+    assert np.count_nonzero(p) == 2
