@@ -323,5 +323,11 @@ class InferletList(BaseModel):
 def sse_or(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI ``responses`` of a route that answers ``model`` as JSON, or server-sent events with
     ``stream: true``."""
-    events = {"schema": {"type": "string", "description": "data: {chunk} lines, then data: [DONE]"}}
+    event = {  # one server-sent event, as SSE clients (and schemathesis) read the stream: a chunk, [DONE] last
+        "type": "object",
+        "description": "data: a JSON chunk of the response, then data: [DONE]",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+        "required": ["data"],
+    }
+    events = {"schema": event}
     return {200: {"model": model, "content": {"text/event-stream": events}}}
