@@ -84,6 +84,11 @@ class TPRunner(ModelRunner):
         with self.group.step(("copy", src, dst)):
             super().copy_pages(src, dst)
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Row moves (a tree fold's path, an eviction's compaction) on every rank's shard of the pool."""
+        with self.group.step(("copy_slots", src, dst)):
+            super().copy_slots(src, dst)
+
 
 class AnnouncedHead(torch.nn.Module):
     """Rank 0's lm head: announces the call and sends its hidden states before scoring its vocabulary slice."""
@@ -225,6 +230,8 @@ def worker_main(
                 runner.forward(*rest)
             elif op == "copy":
                 kv.copy_pages(*rest)
+            elif op == "copy_slots":
+                kv.copy_slots(*rest)
             elif op == "logits":
                 hidden = torch.empty(rest[0], model.config.hidden_size, dtype=torch.float32, device=dev)
                 dist.broadcast(hidden, src=0)

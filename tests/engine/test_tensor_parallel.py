@@ -1,6 +1,6 @@
 """``--tensor-parallel 2`` over gloo (two ranks, one thread each) against one rank: the same greedy tokens over
-64 steps, and float32 logits within 1e-4, on the tiny model; fp32 only, other formats refused. A worker
-rank does not outlive a rank 0 that failed mid-step (it leaves by itself) or that was killed."""
+64 steps with an eviction halfway, and float32 logits within 1e-4, on the tiny model; fp32 only, other formats
+refused. A worker rank does not outlive a rank 0 that failed mid-step (it leaves by itself) or that was killed."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ from tests.serve.server_proc import alive, children
 PROMPT = [1, 420, 77, 3141, 5926, 535, 8979, 3238, 4626, 4338]
 
 
-async def greedy_logits(address: str, steps: int = 64) -> tuple[list[int], np.ndarray]:
+async def greedy_logits(address: str, steps: int = 64, evict_at: int = 32) -> tuple[list[int], np.ndarray]:
+    """Greedy steps with their logits; after ``evict_at`` steps rows 3..19 are evicted (pages rebuilt from
+    moved rows: every rank's shard must move them)."""
     session = await inferlet.connect(address)
     try:
         ws = inferlet.model(TINY).working_set()
         window, tokens, rows = list(PROMPT), [], []
-        for _ in range(steps):
+        for step in range(steps):
+            if step == evict_at:
+                await ws.evict(ranges=[(3, 20)])
             fp = inferlet.ForwardPass(ws)
             fp.embed(window).readout([len(window) - 1], inferlet.Logits())
             logits = (await fp.submit()).logits
