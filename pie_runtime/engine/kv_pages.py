@@ -10,7 +10,7 @@ it is shared or named. This module knows page handles and row counts, never tens
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .page_pool import PagePool
 from .prefix_cache import PageChain, PrefixCache
@@ -69,13 +69,17 @@ class KVPages:
                 ws.pages[i] = p
         ws.pages.extend(fresh[:grow])
 
+    def slots(self, pages: Sequence[int], rows: Iterable[int]) -> list[int]:
+        """The pool slots of ``rows`` of a sequence whose page table is ``pages``."""
+        ps = self.page_size
+        return [pages[r // ps] * ps + r % ps for r in rows]
+
     def move_rows(self, ws: WorkingSet, src: list[int], dst: list[int]) -> None:
         """Copies the K/V of rows ``src`` of ``ws`` onto rows ``dst`` (a tree fold's path, engine/fold.py). Every
         destination lies past the committed rows, in pages the fire that wrote them reserved (private)."""
         if self.copy_slots is None:
             raise RuntimeError("this KVPages was built without a copy_slots callback")
-        ps = self.page_size
-        self.copy_slots([ws.pages[r // ps] * ps + r % ps for r in src], [ws.pages[r // ps] * ps + r % ps for r in dst])
+        self.copy_slots(self.slots(ws.pages, src), self.slots(ws.pages, dst))
 
     def map_prefix(self, ws: WorkingSet, tokens: Sequence[int], max_rows: int) -> int:
         """Maps the longest cached chain over ``tokens`` (at most ``max_rows`` rows) into the empty page table of
@@ -143,9 +147,9 @@ class KVPages:
         dst: list[int] = []
         for j, page in zip(assemble, fresh):
             table[j] = page
-            for t, r in enumerate(keep[j * ps : (j + 1) * ps]):
-                src.append(old[r // ps] * ps + r % ps)
-                dst.append(page * ps + t)
+            rows = keep[j * ps : (j + 1) * ps]
+            src += self.slots(old, rows)
+            dst += range(page * ps, page * ps + len(rows))
         if src:
             if self.copy_slots is None:
                 raise RuntimeError("this KVPages was built without a copy_slots callback")

@@ -49,7 +49,7 @@ class KVTransferRequests:
         kv = served.runner.kv
         row_bytes = 2 * kv.k[:, :, 0].numel() * kv.k.element_size()
         count = max(1, min(req.count, m.MAX_KV_TRANSFER_BYTES // row_bytes))
-        k, v = served.runner.read_slots(_slots(ws, served, req.start, count))
+        k, v = served.runner.read_slots(served.pages.slots(ws.pages, range(req.start, req.start + count)))
         return {
             "k": encode_array(k),
             "v": encode_array(v),
@@ -77,7 +77,7 @@ class KVTransferRequests:
         start = ws.committed
         served.pages.reserve(ws, start, rows)  # OUT_OF_PAGES here leaves ws as it was
         if rows:
-            served.runner.write_slots(_slots(ws, served, start, rows), k, v)
+            served.runner.write_slots(served.pages.slots(ws.pages, range(start, start + rows)), k, v)
         served.pages.wrote(ws, start, None)  # the prefix cache names none of these rows, nor any after them
         ws.committed, ws.dropped = start + rows, dropped
         return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages)}
@@ -113,8 +113,3 @@ def _check_arrays(served: ServedModel, kv_dtype: str, k: np.ndarray, v: np.ndarr
                 f"{name} is {kv_dtype} ({a.dtype.name}) of shape {list(a.shape)}; this pool holds {have} ({wire}) "
                 f"of shape [{want[0]}, {want[1]}, rows, {want[2]}], k and v alike",
             )
-
-
-def _slots(ws: WorkingSet, served: ServedModel, start: int, count: int) -> list[int]:
-    ps = served.pages.page_size
-    return [ws.pages[r // ps] * ps + r % ps for r in range(start, start + count)]

@@ -108,17 +108,13 @@ class WorkingSetRequests:
                 ErrorCode.UNSUPPORTED,
                 f"model {ws.model} carries recurrent state, which cannot forget a row: evict needs attention layers",
             )
-        drop = set(req.rows)
-        for start, stop in req.ranges:
-            if stop > ws.committed:
-                break  # refused below, before building a huge set
-            drop.update(range(start, stop))
-        past = [r for r in req.rows if r >= ws.committed] + [stop for _, stop in req.ranges if stop > ws.committed]
-        if past:
+        last = max([r + 1 for r in req.rows] + [stop for _, stop in req.ranges], default=0)
+        if last > ws.committed:  # checked before the set is built: a range may be huge
             raise PieError(
                 ErrorCode.ROW_OUT_OF_RANGE,
-                f"evict names rows up to {max(past)}, past the {ws.committed} committed rows of working set {ws.id}",
+                f"evict names rows up to {last - 1}, past the {ws.committed} committed rows of working set {ws.id}",
             )
+        drop = set(req.rows).union(*(range(start, stop) for start, stop in req.ranges))
         freed = self.models[ws.model].pages.evict(ws, drop) if drop else 0
         return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages), "freed": freed}
 
