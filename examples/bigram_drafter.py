@@ -67,8 +67,9 @@ async def by_hand(model: inferlet.Model, args: Args) -> dict:
         window = [last, *drafts]  # row i's argmax judges drafts[i]; the last row gives one more token
         fp = inferlet.ForwardPass(ws).embed(window)
         fp.readout(range(len(window)), inferlet.Argmax()).fold(inferlet.DEFERRED)
-        res = await fp.submit()
-        verdict = verify_greedy(drafts, res.tokens)  # the kept drafts, then the target's own next token
+        target = (await fp.submit()).tokens  # the target's argmax at each row of the window
+        assert target is not None  # (the Argmax readout asked for it)
+        verdict = verify_greedy(drafts, target)  # the kept drafts, then the target's own next token
         await ws.fold(1 + verdict.accepted)  # commit `last` and the kept drafts; later rows are overwritten
         table.extend(last, verdict.tokens)
         out += verdict.tokens

@@ -120,7 +120,7 @@ async def _hello(client: Client, address: str, token: str | None) -> dict:
         )
     except TimeoutError:
         raise EngineUnreachable(
-            f"no engine answered at {address} within {HELLO_TIMEOUT_S:.0f} s: start one with `pie engine --listen"
+            f"no engine answered at {address} within {HELLO_TIMEOUT_S:g} s: start one with `pie engine --listen"
             f" {address}`{' (and pass its --token)' if address.startswith('tcp://') else ''}, or leave out --engine"
             " and pie run starts one for this run"
         ) from None
