@@ -73,3 +73,11 @@ def test_tutorial_drafter_samples_as_seeded(engine):
     a = run(str(REPO / "examples/bigram_drafter.py"), engine.address, *args)
     b = run(str(REPO / "examples/bigram_drafter.py"), engine.address, *args)
     assert a["token_ids"] == b["token_ids"] and a["stats"]["proposed"] > 0
+
+
+def test_readme_links_reach_files_and_every_docs_page_is_linked():
+    """mkdocs build --strict checks the links inside docs/; the README's into it are checked here."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    assert links and all((REPO / link).is_file() for link in links), [lk for lk in links if not (REPO / lk).is_file()]
+    pages = {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")} - {"docs/index.md"}
+    assert pages <= set(links), pages - set(links)
