@@ -29,9 +29,10 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         if rate and n > 1:
             decode_tokens += n - 1
             seconds += (n - 1) / rate
-        if "rounds" in s:
-            counters.merge(SpecCounters(**{k: s[k] for k in SpecCounters.names() if k in s}))
-            forwards += s["rounds"] + sum(s.get("skipped", {}).values())
+        spec = r.get("speculation")
+        if spec:  # a speculative run's counters (SpecStats.summary)
+            counters.merge(SpecCounters(**{k: spec[k] for k in SpecCounters.names() if k in spec}))
+            forwards += spec["rounds"] + sum(spec.get("skipped", {}).values())
         else:
             forwards += max(n - 1, 0)
     figures = counters.figures()

@@ -262,7 +262,7 @@ def _speculation(args: argparse.Namespace) -> int:
     if args.workload:
         from .bench_workload import workload_command
 
-        return workload_command(args)
+        return workload_command(args, served_setup)
     if not args.inferlet:
         print("error: --inferlet is needed (or --workload)", file=sys.stderr)
         return 2

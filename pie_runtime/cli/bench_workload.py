@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from ..bench.workload_report import compare, store_bytes_per_1000
 from ..bench.workloads import prompts, run_workload
@@ -28,10 +29,9 @@ RUNS = (
 )
 
 
-def measure_workload(args: argparse.Namespace) -> dict:
-    """Runs the workload on a new embedded engine; returns the comparison (``workload_report.compare``)."""
-    from .bench import served_setup
-
+def measure_workload(args: argparse.Namespace, served_setup: Callable[[list[str], list[str]], dict]) -> dict:
+    """Runs the workload on a new embedded engine; returns the comparison (``workload_report.compare``) and
+    ``served_setup(models, engine flags)`` (the weight formats and threads, bench.py's)."""
     texts = prompts(args.workload, args.requests, args.seed)
     common = ["--chat", "--max-tokens", str(args.max_tokens)]
     runs = [
@@ -72,12 +72,12 @@ def print_workload(m: dict) -> None:
     print(f"weights {m['weights']}, threads {m['threads']}; suffix store: {json.dumps(m['suffix_store'])}")
 
 
-def workload_command(args: argparse.Namespace) -> int:
+def workload_command(args: argparse.Namespace, served_setup: Callable[[list[str], list[str]], dict]) -> int:
     if args.requests < 1:
         print("error: --requests must be at least 1", file=sys.stderr)
         return 2
     try:
-        m = measure_workload(args)
+        m = measure_workload(args, served_setup)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -90,10 +90,8 @@ def refusals(tmp: Path) -> list[tuple[list[str], str]]:
         (["--draft-suffix", "8", "--suffix-index", str(tmp / "missing.npz")], "no such file"),
         (["--draft-suffix", "8", "--suffix-index", str(not_index)], "not a suffix index"),
         (["--draft-suffix", "8", "--suffix-index", str(other)], "not a suffix index"),
-        (["--draft-suffix", "8", "--suffix-index", str(past_vocab)], "past the model's vocabulary"),
-        (["--suffix-index", str(past_vocab)], "needs --draft-suffix"),
-        (["--draft-suffix", "99"], "out of range"),
-    ]
+        (["--draft-suffix", "8:16", "--suffix-index", str(past_vocab)], "past the model's vocabulary"),
+    ]  # the flags' own refusals (K out of range, --suffix-index alone) go the same way: test_parse_the_suffix_policy
 
 
 @pytest.mark.e2e
