@@ -1,11 +1,11 @@
 """The figures of a multi-request workload (``workloads.run_workload``): per inferlet, summed over its requests.
 
-    decode tok/s        tokens after the first / decode seconds, both summed over requests (each run's decode
-                        seconds: its tokens over its decode rate)
-    tokens per forward  decode tokens over forwards (verify rounds + plain steps): 1 for text-completion
-    acceptance          drafts kept over drafts proposed, overall and per draft position (summed counters)
-    ratios              decode tok/s of each over the reference's (text-completion) and suffix over cacheback
-    store bytes / 1,000 requests: a SuffixIndex holding the suffix runs' outputs, measured with tracemalloc
+decode tok/s        tokens after the first / decode seconds, both summed over requests (each run's decode
+                    seconds: its tokens over its decode rate)
+tokens per forward  decode tokens over forwards (verify rounds + plain steps): 1 for text-completion
+acceptance          drafts kept over drafts proposed, overall and per draft position (summed counters)
+ratios              decode tok/s of each over the reference's (text-completion) and suffix over cacheback
+store bytes / 1,000 requests: a SuffixIndex holding the suffix runs' outputs, measured with tracemalloc
 """
 
 from __future__ import annotations

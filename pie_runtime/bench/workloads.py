@@ -21,13 +21,61 @@ from typing import Any
 WORKLOADS = ("json-facts", "mixed-text")
 
 ITEMS = (
-    "apple banana cherry mango pineapple lemon strawberry watermelon coconut avocado "
-    "lion tiger elephant giraffe penguin dolphin eagle wolf koala octopus "
-    "Paris Tokyo Cairo Sydney Toronto Lima Oslo Nairobi Mumbai Rome "
-    "copper gold iron silver oxygen helium carbon neon "
-    "oak maple cactus bamboo rose tulip sunflower fern "
-    "violin piano guitar drum flute trumpet harp cello"
-).split()
+    "apple",
+    "banana",
+    "cherry",
+    "mango",
+    "pineapple",
+    "lemon",
+    "strawberry",
+    "watermelon",
+    "coconut",
+    "avocado",
+    "lion",
+    "tiger",
+    "elephant",
+    "giraffe",
+    "penguin",
+    "dolphin",
+    "eagle",
+    "wolf",
+    "koala",
+    "octopus",
+    "Paris",
+    "Tokyo",
+    "Cairo",
+    "Sydney",
+    "Toronto",
+    "Lima",
+    "Oslo",
+    "Nairobi",
+    "Mumbai",
+    "Rome",
+    "copper",
+    "gold",
+    "iron",
+    "silver",
+    "oxygen",
+    "helium",
+    "carbon",
+    "neon",
+    "oak",
+    "maple",
+    "cactus",
+    "bamboo",
+    "rose",
+    "tulip",
+    "sunflower",
+    "fern",
+    "violin",
+    "piano",
+    "guitar",
+    "drum",
+    "flute",
+    "trumpet",
+    "harp",
+    "cello",
+)
 
 JSON_FACTS = (
     "Describe {item} as one JSON object with exactly these fields: "

@@ -1,6 +1,6 @@
 """Serving-level speculation: the server's policy (``--draft-lookup NGRAM:K``, ``--draft-model NAME:K``,
-``--draft-mtp K``, ``--draft-suffix K[:ROWS]`` with ``--suffix-index FILE``), the checks that refuse a policy that cannot run before the HTTP listener binds, and the
-choice of inferlet and arguments for each request.
+``--draft-mtp K``, ``--draft-suffix K[:ROWS]`` with ``--suffix-index FILE``), the checks that refuse a policy
+that cannot run before the HTTP listener binds, and the choice of inferlet and arguments for each request.
 
     no policy, no per-request speculation     → text-completion
     lookup / draft / mtp (policy or request)  → cacheback- / draft-model- / mtp-speculative-decoding
@@ -11,8 +11,8 @@ choice of inferlet and arguments for each request.
                                                 and lookup; draft length 0 when speculation is off)
 
 A request's ``speculation: false`` turns speculation off; ``{"method", "k"}`` asks for a method the server
-can run (lookup and suffix always; draft only with ``--draft-model``; mtp only when the model has an MTP head) with ``k``
-at most the server's limit for it.
+can run (lookup and suffix always; draft only with ``--draft-model``; mtp only when the model has an MTP head)
+with ``k`` at most the server's limit for it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ..drafters import DrafterRefused, check_draft, check_mtp
-from .suffix_policy import check_suffix_index, suffix_args
 from ..store import ModelStore, StoreError, import_model
 from .errors import invalid_request
+from .suffix_policy import check_suffix_index, suffix_args
 
 MAX_K = 16  # the most drafts a round may verify, for any method
 MAX_NGRAM = 8
@@ -102,7 +102,8 @@ def _suffix_policy(value: str, suffix_index: str | None) -> Policy:
     if not k or (sep and not rows):
         raise PolicyRefused(f"--draft-suffix K[:ROWS] expected, got {value!r}")
     tree_rows = _in_range(rows, "ROWS", MAX_ROWS) if sep else 0
-    return Policy(method="suffix", k=_in_range(k, "--draft-suffix K", MAX_K), tree_rows=tree_rows, suffix_index=suffix_index)
+    k_max = _in_range(k, "--draft-suffix K", MAX_K)
+    return Policy(method="suffix", k=k_max, tree_rows=tree_rows, suffix_index=suffix_index)
 
 
 def _in_range(text: str, what: str, most: int) -> int:

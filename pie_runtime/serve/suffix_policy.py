@@ -1,5 +1,5 @@
-"""The suffix policy's pieces (``--draft-suffix K[:ROWS]``, ``--suffix-index FILE``): its static index checked before the listener binds, and the arguments each request's run of suffix-speculative-decoding
-gets.
+"""The suffix policy's pieces (``--draft-suffix K[:ROWS]``, ``--suffix-index FILE``): its static index checked
+before the listener binds, and the arguments each request's run of suffix-speculative-decoding gets.
 
 Every run a server starts under the policy sends the same store arguments (bound, min match, index file), so the
 inferlet's ``Model.shared`` key is the same in every run of a host: one cross-request store per host and model,

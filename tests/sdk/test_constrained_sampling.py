@@ -25,7 +25,7 @@ import math
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +85,7 @@ class World:
         self._constraint.matcher.reset()
         return self._constraint
 
-    @lru_cache(maxsize=None)  # noqa: B019 - the world lives for the module
+    @cache  # noqa: B019 - the world lives for the module
     def logits(self, prefix: tuple[int, ...], seed: int) -> np.ndarray:
         rng = np.random.default_rng([seed, zlib.crc32(np.asarray(prefix, dtype=np.int64).tobytes())])
         return rng.normal(0.0, 1.5, self.vocab) + self.boost
@@ -96,7 +96,7 @@ class World:
         zeroed and NOT renormalized (the broken variant)."""
         return self._row(prefix, mask_row.tobytes(), renormalize, seed)
 
-    @lru_cache(maxsize=None)  # noqa: B019 - a pure function of its arguments, memoized for speed
+    @cache  # noqa: B019 - a pure function of its arguments, memoized for speed
     def _row(self, prefix: tuple[int, ...], mask: bytes, renormalize: bool, seed: int) -> np.ndarray:
         allowed = allowed_of(np.frombuffer(mask, dtype=np.int32), self.vocab)
         x = self.logits(prefix, seed)
