@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +128,18 @@ def prompts(workload: str, n: int, seed: int = 0) -> list[str]:
     raise ValueError(f"no workload {workload!r}; one of {', '.join(WORKLOADS)}")
 
 
-def run_workload(address: str, runs: list[tuple[str, Path, list[str]]], texts: list[str]) -> dict[str, list[dict]]:
+def run_workload(
+    address: str, runs: list[tuple[str, Path, list[str]]], texts: list[str], progress: bool = False
+) -> dict[str, list[dict]]:
     """Runs every (label, inferlet file, argument words) on every prompt, in turns, in this process and on one
-    connection to the engine at ``address``; returns each label's results in prompt order."""
-    return asyncio.run(_run_all(address, runs, texts))
+    connection to the engine at ``address``; returns each label's results in prompt order. ``progress``: a line
+    on stderr after each run."""
+    return asyncio.run(_run_all(address, runs, texts, progress))
 
 
-async def _run_all(address: str, runs: list[tuple[str, Path, list[str]]], texts: list[str]) -> dict[str, list[dict]]:
+async def _run_all(
+    address: str, runs: list[tuple[str, Path, list[str]]], texts: list[str], progress: bool
+) -> dict[str, list[dict]]:
     from inferlet.args import parse_args
     from inferlet.runtime import connect, jsonable, load_module, run_in_context
 
@@ -141,12 +147,15 @@ async def _run_all(address: str, runs: list[tuple[str, Path, list[str]]], texts:
     session = await connect(address)
     out: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     try:
-        for text in texts:
+        for i, text in enumerate(texts):
             for label, path, words in runs:
                 fn = entries[label]
                 args = parse_args(["--prompt", text, "--stream", "false", *words], fn)
                 result: Any = await run_in_context(fn, args, session=session, inferlet=path.stem, sink=_drop)
                 out[label].append(jsonable(result))
+                if progress:
+                    rate = result["stats"].get("decode_tokens_per_s", 0.0)
+                    print(f"[{i + 1}/{len(texts)}] {label}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
         session.close()
     return out

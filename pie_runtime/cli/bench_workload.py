@@ -41,7 +41,7 @@ def measure_workload(args: argparse.Namespace, served_setup: Callable[[list[str]
     models = args.model or [DEFAULT_MODEL]
     with EmbeddedEngine(models, args.engine_arg, die_with_parent=True) as eng:
         run_workload(eng.address, runs[:1], texts[:1])  # warm-up: first-call costs, not a request
-        by_label = run_workload(eng.address, runs, texts)
+        by_label = run_workload(eng.address, runs, texts, progress=True)
         setup = served_setup(models, args.engine_arg)
     out = compare(by_label)
     return {
