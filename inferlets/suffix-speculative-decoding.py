@@ -131,4 +131,6 @@ async def main(args: Args) -> dict:
         "store_documents": len(store) if store is not None else 0,
         "store_tokens": store.tokens if store is not None else 0,
     }
+    if isinstance(res.get("speculation"), dict):  # `pie serve` answers it as the response's speculation object
+        res["speculation"]["drafted_from"] = dict(counts)
     return res

@@ -3,6 +3,7 @@
     pie bench speculation --inferlet cacheback-speculative-decoding --prompt repetitive [--timing] -- --draft-length 4
     pie bench speculation --inferlet cacheback-speculative-decoding --prompt mixed --tree 4,2,1,1,1,1
     pie bench speculation --inferlet mtp-speculative-decoding --prompt mixed --prompt repetitive --repeats 3
+    pie bench speculation --workload json-facts [--requests 64] [-- --tree-rows 16]     (bench_workload.py)
 
 With ``--repeats N`` the inferlet and its control take turns N times (spec, control, control, spec, ...: a
 machine that slows down during the run slows both alike), and the ratio printed is the median of the N
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 from ..bench.prompts import prompt_text
+from ..bench.workloads import WORKLOADS
 from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
 from ..store import DEFAULT_MODEL, ModelStore
 from .bench_decode import add_decode_parser
@@ -36,7 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks")
     sub = parser.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("speculation", help="a speculative inferlet against text-completion (args after --)")
-    p.add_argument("--inferlet", required=True, help="a shipped inferlet name or a .py file")
+    p.add_argument("--inferlet", default=None, help="a shipped inferlet name or a .py file (needed without --workload)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=None,
+        help="many requests in one process: text-completion, cacheback and suffix decoding compared",
+    )
+    p.add_argument("--requests", type=int, default=64, help="--workload: how many requests")
+    p.add_argument("--seed", type=int, default=0, help="--workload: the seed that draws its prompts")
     p.add_argument(
         "--prompt",
         action="append",
@@ -249,6 +259,13 @@ def print_table(rows: list[dict]) -> None:
 
 
 def _speculation(args: argparse.Namespace) -> int:
+    if args.workload:
+        from .bench_workload import workload_command
+
+        return workload_command(args, served_setup)
+    if not args.inferlet:
+        print("error: --inferlet is needed (or --workload)", file=sys.stderr)
+        return 2
     names = args.prompt or ["repetitive"]
     try:
         ms = measure_prompts(

@@ -2,7 +2,8 @@
 
     pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token T] [--api-key KEY ...]
               [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
-              [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K]
+              [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K |
+                                     --draft-suffix K[:ROWS] [--suffix-index FILE]]
               [--drain-timeout S] [engine options]
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
@@ -60,6 +61,13 @@ def register(sub) -> None:
     policy.add_argument("--draft-lookup", metavar="NGRAM:K", default=None, help="prompt-lookup speculation")
     policy.add_argument("--draft-model", metavar="NAME:K", default=None, help="draft-model speculation")
     policy.add_argument("--draft-mtp", metavar="K", default=None, help="MTP-head speculation")
+    policy.add_argument(
+        "--draft-suffix",
+        metavar="K[:ROWS]",
+        default=None,
+        help="suffix decoding: drafts from this request and a per-host store of earlier outputs (ROWS: token trees)",
+    )
+    p.add_argument("--suffix-index", metavar="FILE", default=None, help="a static index the suffix store starts from")
     p.add_argument("--allow-upload", action="store_true", help="accept inferlet source on POST /v1/inferlets")
     p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
     p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
@@ -167,7 +175,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     template = args.chat_template.read_text() if args.chat_template else None
-    policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp)
+    policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp, args.draft_suffix, args.suffix_index)
     caps = check_policy(store, model, policy)
     keys = {k: KeyQuota() for k in args.api_key}
     if args.keys:

@@ -2,8 +2,8 @@
 400 ``invalid_request_error`` naming the field) and the response and stream-chunk objects.
 
 Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``) and pie's own extension
-``speculation``: ``false`` turns speculation off for the request, ``{"method": "lookup" | "draft" | "mtp",
-"k": K}`` asks for it. Responses under speculation carry a ``speculation`` object.
+``speculation``: ``false`` turns speculation off for the request, ``{"method": "lookup" | "draft" | "mtp" |
+"suffix", "k": K}`` asks for it. Responses under speculation carry a ``speculation`` object.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class StreamOptions(_Wire):
 
 
 class SpeculationRequest(_Wire):
-    method: Literal["lookup", "draft", "mtp"]
+    method: Literal["lookup", "draft", "mtp", "suffix"]
     k: int = Field(ge=1, le=64)
 
 

@@ -1,15 +1,18 @@
 """Serving-level speculation: the server's policy (``--draft-lookup NGRAM:K``, ``--draft-model NAME:K``,
-``--draft-mtp K``), the checks that refuse a policy that cannot run before the HTTP listener binds, and the
-choice of inferlet and arguments for each request.
+``--draft-mtp K``, ``--draft-suffix K[:ROWS]`` with ``--suffix-index FILE``), the checks that refuse a policy
+that cannot run before the HTTP listener binds, and the choice of inferlet and arguments for each request.
 
     no policy, no per-request speculation     → text-completion
     lookup / draft / mtp (policy or request)  → cacheback- / draft-model- / mtp-speculative-decoding
+    suffix (policy or request)                → suffix-speculative-decoding: one cross-request store per
+                                                host and model (``Model.shared``: every run of a host sends
+                                                the same store arguments), started from --suffix-index
     response_format json_object / json_schema → constrained-speculative-decoding (its drafts: forced tokens
                                                 and lookup; draft length 0 when speculation is off)
 
 A request's ``speculation: false`` turns speculation off; ``{"method", "k"}`` asks for a method the server
-can run (lookup always; draft only with ``--draft-model``; mtp only when the model has an MTP head) with ``k``
-at most the server's limit for it.
+can run (lookup and suffix always; draft only with ``--draft-model``; mtp only when the model has an MTP head)
+with ``k`` at most the server's limit for it.
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ from pydantic import BaseModel, Field
 from ..drafters import DrafterRefused, check_draft, check_mtp
 from ..store import ModelStore, StoreError, import_model
 from .errors import invalid_request
+from .suffix_policy import check_suffix_index, suffix_args
 
 MAX_K = 16  # the most drafts a round may verify, for any method
 MAX_NGRAM = 8
+MAX_ROWS = 64  # suffix: the most nodes a draft tree may have
 TEXT_COMPLETION = "text-completion"
 INFERLETS = {
     "lookup": "cacheback-speculative-decoding",
     "draft": "draft-model-speculative-decoding",
     "mtp": "mtp-speculative-decoding",
+    "suffix": "suffix-speculative-decoding",
 }
 CONSTRAINED = "constrained-speculative-decoding"
 
@@ -40,10 +46,12 @@ class PolicyRefused(Exception):
 
 
 class Policy(BaseModel):
-    method: Literal["lookup", "draft", "mtp"]
+    method: Literal["lookup", "draft", "mtp", "suffix"]
     k: int = Field(ge=1, le=MAX_K)
     ngram: int = Field(default=3, ge=1, le=MAX_NGRAM)  # lookup: the longest n-gram matched
     draft_model: str | None = None  # draft: a model in the store
+    tree_rows: int = Field(default=0, ge=0, le=MAX_ROWS)  # suffix: > 0 drafts token trees of up to this many nodes
+    suffix_index: str | None = None  # suffix: the static index the hosts' stores start from (an absolute path)
 
 
 class Capabilities(BaseModel):
@@ -54,15 +62,27 @@ class Capabilities(BaseModel):
     draft_k: int = MAX_K
 
 
-def parse_policy(lookup: str | None, draft_model: str | None, mtp: str | None) -> Policy | None:
-    """The policy of the command line (the three flags exclude each other); raises PolicyRefused."""
-    given = [(n, v) for n, v in (("lookup", lookup), ("draft", draft_model), ("mtp", mtp)) if v is not None]
+def parse_policy(
+    lookup: str | None,
+    draft_model: str | None,
+    mtp: str | None,
+    suffix: str | None = None,
+    suffix_index: str | None = None,
+) -> Policy | None:
+    """The policy of the command line (the four flags exclude each other; --suffix-index goes with
+    --draft-suffix); raises PolicyRefused."""
+    named = (("lookup", lookup), ("draft", draft_model), ("mtp", mtp), ("suffix", suffix))
+    given = [(n, v) for n, v in named if v is not None]
     if len(given) > 1:
-        raise PolicyRefused("--draft-lookup, --draft-model and --draft-mtp exclude each other")
+        raise PolicyRefused("--draft-lookup, --draft-model, --draft-mtp and --draft-suffix exclude each other")
+    if suffix_index is not None and suffix is None:
+        raise PolicyRefused("--suffix-index FILE needs --draft-suffix K (the index starts the suffix drafter's store)")
     if not given:
         return None
     method, value = given[0]
     try:
+        if method == "suffix":
+            return _suffix_policy(value, suffix_index)
         if method == "mtp":
             return Policy(method="mtp", k=_in_range(value, "--draft-mtp K", MAX_K))
         head, sep, k = value.rpartition(":")
@@ -74,6 +94,16 @@ def parse_policy(lookup: str | None, draft_model: str | None, mtp: str | None) -
         return Policy(method="draft", draft_model=head, k=_in_range(k, "K", MAX_K))
     except ValueError as e:  # pydantic's range errors
         raise PolicyRefused(f"speculation policy out of range: {_first_line(e)}") from e
+
+
+def _suffix_policy(value: str, suffix_index: str | None) -> Policy:
+    """``--draft-suffix K`` (chains of up to K drafts) or ``K:ROWS`` (token trees of up to ROWS nodes)."""
+    k, sep, rows = value.partition(":")
+    if not k or (sep and not rows):
+        raise PolicyRefused(f"--draft-suffix K[:ROWS] expected, got {value!r}")
+    tree_rows = _in_range(rows, "ROWS", MAX_ROWS) if sep else 0
+    k_max = _in_range(k, "--draft-suffix K", MAX_K)
+    return Policy(method="suffix", k=k_max, tree_rows=tree_rows, suffix_index=suffix_index)
 
 
 def _in_range(text: str, what: str, most: int) -> int:
@@ -115,6 +145,11 @@ def check_policy(store: ModelStore, model: str, policy: Policy | None) -> Capabi
             check_draft(store, target, name)
             store.verify(name, use_cache=True)  # a draft that does not load: missing or corrupt files
             caps.draft_model, caps.draft_k = name, policy.k
+        elif policy.method == "suffix" and policy.suffix_index is not None:
+            try:
+                policy.suffix_index = check_suffix_index(policy.suffix_index, target.config.vocab_size)
+            except ValueError as e:
+                raise PolicyRefused(str(e)) from e
     except PolicyRefused:
         raise
     except DrafterRefused as e:
@@ -136,7 +171,7 @@ def _max_k(method: str, policy: Policy | None, caps: Capabilities) -> int:
         return caps.mtp_depth
     if method == "draft":
         return caps.draft_k if caps.draft_model else 0
-    return policy.k if policy is not None and policy.method == "lookup" else MAX_K
+    return policy.k if policy is not None and policy.method == method else MAX_K
 
 
 def choose(
@@ -170,7 +205,15 @@ def choose(
             raise invalid_request(f"speculation method {method!r} is not served here ({why})", param="speculation")
         if k > limit:
             raise invalid_request(f"speculation k={k} is past this server's limit {limit}", param="speculation.k")
-        chosen = Policy(method=method, k=k, ngram=policy.ngram if policy else 3, draft_model=caps.draft_model)
+        same = policy if policy is not None and policy.method == method else None
+        chosen = Policy(
+            method=method,
+            k=k,
+            ngram=policy.ngram if policy else 3,
+            draft_model=caps.draft_model,
+            tree_rows=same.tree_rows if same else 0,
+            suffix_index=same.suffix_index if same else None,
+        )
     elif policy is not None:
         chosen = policy
     else:
@@ -197,4 +240,6 @@ def policy_args(policy: Policy) -> dict[str, Any]:
         return {"draft_length": policy.k, "max_ngram": policy.ngram}
     if policy.method == "draft":
         return {"draft": policy.draft_model, "draft_length": policy.k}
+    if policy.method == "suffix":
+        return suffix_args(policy.k, policy.tree_rows, policy.suffix_index)
     return {"draft_length": policy.k}

@@ -10,6 +10,11 @@ A `Constraint` holds one matcher whose state is "every emitted token consumed". 
 
     masks[0] = mask(state);  for i in 1..k: consume d_i; masks[i] = mask(state)
     rollback k
+
+and for a token tree's window [last, n_0..n_{m-1}] one mask per row: row 0 the state's, row n+1 the state after
+the path root → n (``tree_masks``). Sampled verification (``speculative.verify_sampled``,
+``tree.verify_tree_sampled``) then judges each draft by the target's distribution under its row's mask,
+renormalized over the allowed tokens (``filter_distribution``'s step 1): what plain masked sampling draws from.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from .tokenizer import Tokenizer
+from .tree import ROOT, TokenTree
 
 
 @lru_cache(maxsize=4)
@@ -94,6 +100,25 @@ class Constraint:
             fill_next_token_bitmask(self.matcher, out, i + 1)
         if drafts:
             self.matcher.rollback(len(drafts))
+        return out
+
+    def tree_masks(self, tree: TokenTree) -> np.ndarray:
+        """(len(tree)+1, words) int32: row 0's mask, then each node's (the state after its path); the matcher is
+        left as it was. Raises ValueError for a node the grammar refuses after its path."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        out = np.zeros((len(tree) + 1, self.words), dtype=np.int32)
+        fill_next_token_bitmask(self.matcher, out, 0)
+        for node in range(len(tree)):
+            path = [node]
+            while tree.parents[path[-1]] != ROOT:
+                path.append(tree.parents[path[-1]])
+            tokens = [tree.tokens[n] for n in reversed(path)]
+            if self.matcher.validate_tokens(tokens) != len(tokens):
+                raise ValueError(f"tree node {node} ({tokens}) is not legal here")
+            self.matcher.consume_tokens(tokens)
+            fill_next_token_bitmask(self.matcher, out, node + 1)
+            self.matcher.rollback(len(tokens))
         return out
 
     def consume(self, tokens: list[int]) -> None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,3 +134,29 @@ def start_serve(
             break
     proc.kill()
     pytest.fail(f"pie serve did not get ready: {served.stderr()[-3000:]}")
+
+
+def assert_refused_before_bind(pie_home: Path, model: str, flags: list[str], says: str) -> None:
+    """`pie serve` with ``flags`` ends with an error naming ``says`` on stderr, and its port never accepts a
+    connection while the command runs."""
+    port = free_port()
+    env = {**os.environ, "PIE_HOME": str(pie_home)}
+    proc = subprocess.Popen(
+        pie_serve_cmd(port, model, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+    bound: list[bool] = []
+    watching = threading.Event()
+
+    def watch() -> None:  # the port must never accept a connection while the command runs
+        while proc.poll() is None:
+            bound.append(port_open(port))
+            watching.set()
+        watching.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    out, err = proc.communicate(timeout=300)
+    assert watching.wait(10)
+    assert proc.returncode != 0
+    assert not any(bound) and not port_open(port)
+    assert says in err, err
+    assert "ready" not in out

@@ -5,10 +5,6 @@ token for token, on the default model."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import threading
-
 import httpx
 import pytest
 
@@ -25,9 +21,9 @@ from pie_runtime.serve.policies import (
     parse_policy,
 )
 from pie_runtime.store import DEFAULT_MODEL
-from tests.conftest import REPO, TINY
+from tests.conftest import TINY
 from tests.inferlets.conftest import SLICE, spec_home  # noqa: F401 - the fixture, shared with the inferlet tests
-from tests.serve.server_proc import free_port, pie_serve_cmd, port_open, start_serve
+from tests.serve.server_proc import assert_refused_before_bind, start_serve
 
 # ---- the command line's policy and the request's ---------------------------------------------------------------
 
@@ -84,27 +80,7 @@ REFUSALS = [
 @pytest.mark.e2e
 @pytest.mark.parametrize(("model", "flags", "says"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_a_policy_that_cannot_run_stops_startup_before_binding(pie_home, model, flags, says):
-    port = free_port()
-    env = {**os.environ, "PIE_HOME": str(pie_home)}
-    proc = subprocess.Popen(
-        pie_serve_cmd(port, model, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
-    )
-    bound: list[bool] = []
-    watching = threading.Event()
-
-    def watch() -> None:  # the port must never accept a connection while the command runs
-        while proc.poll() is None:
-            bound.append(port_open(port))
-            watching.set()
-        watching.set()
-
-    threading.Thread(target=watch, daemon=True).start()
-    out, err = proc.communicate(timeout=300)
-    assert watching.wait(10)
-    assert proc.returncode != 0
-    assert not any(bound) and not port_open(port)
-    assert says in err, err
-    assert "ready" not in out
+    assert_refused_before_bind(pie_home, model, flags, says)
 
 
 # ---- greedy output is the same under every method -----------------------------------------------------------
