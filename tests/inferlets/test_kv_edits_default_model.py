@@ -77,7 +77,7 @@ def test_a_long_streaming_llm_generation_holds_a_constant_number_of_pages(engine
         assert s["kv_rows"] + s["evicted_rows"] == s["prompt_tokens"] + s["generated_tokens"] - 1
         assert s["kv_pages_max"] == budget and s["kv_pages"] in (budget - 1, budget)
     assert long["evictions"] > 2 * short["evictions"] >= 8
-    assert long["prompt_tokens"] + 260 > 6 * budget * PAGE  # without evictions it would hold 6x the pages
+    assert long["prompt_tokens"] + 260 > 4 * budget * PAGE  # without evictions it would hold 4x the pages
 
 
 def test_an_eviction_gives_the_pool_the_pages_it_reports(engines):
