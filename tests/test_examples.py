@@ -84,3 +84,21 @@ def test_replay_planner_replays_schedules_on_a_traced_greedy_decode(engine):
     speedup, rows = rp.replay(right, 2, adaptive=False)
     assert rows == 3 and speedup == pytest.approx(60 * 22.0 / (20 * (22.0 + 2 * 0.5 + 2.0)))
     assert rp.replay(right, 2, adaptive=True)[1] > 2.5  # the planner widens to what keeps being kept
+
+
+def test_bench_prompt_cache_loads_and_recomputes_the_same_first_token(engine, tmp_path):
+    """examples/bench_prompt_cache.py's two paths, on a short prompt from a corpus written here: the saved rows
+    loaded and the prefill computed again reach the same greedy first token, once timed each after a warm-up."""
+    import asyncio
+
+    from examples import bench_prompt_cache as bench
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("It is a truth universally acknowledged, that a single man in possession of a fortune " * 8)
+    path = tmp_path / "prompt.kv"
+    ids = asyncio.run(bench.save(engine.address, corpus, 48, path))
+    timings = asyncio.run(bench.measure(engine.address, engine.proc.pid, ids, path, 1))
+    assert len(ids) == 48 and path.stat().st_size > 47 * 30 * 2 * 3 * 64 * 4  # 47 rows of fp32 K and V
+    load, recompute = timings["load"], timings["recompute"]
+    assert load.tokens == recompute.tokens and len(load.tokens) == 1
+    assert len(load.wall) == len(recompute.cpu) == 1 and min(load.cpu + recompute.cpu) >= 0

@@ -4,6 +4,7 @@
               [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
               [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K |
                                      --draft-suffix K[:ROWS] [--suffix-index FILE]]
+              [--prompt-cache-dir DIR]
               [--drain-timeout S] [engine options]
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
@@ -79,6 +80,12 @@ def register(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=512, help="waiting requests past which new ones get 503")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument(
+        "--prompt-cache-dir",
+        type=Path,
+        default=None,
+        help="a folder of saved prompt caches: requests save and start from them by name (off without it)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: NAME)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_options(p)
@@ -192,8 +199,18 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         served_name=args.served_model_name,
+        prompt_cache_dir=_prompt_cache_dir(args.prompt_cache_dir),
     )
     return config, Quotas(keys, default), template
+
+
+def _prompt_cache_dir(folder: Path | None) -> Path | None:
+    """``--prompt-cache-dir``, made if missing and resolved (the hosts get absolute paths)."""
+    if folder is None:
+        return None
+    folder = folder.expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:

@@ -6,7 +6,8 @@ Two sources:
   a stream, which may carry several tokens under speculation; end-to-end; queue time: from arrival until the
   run is handed to a host), labelled by model and inferlet;
 - what only the engine knows, read from its ``stats`` op when the page is scraped: KV pages used and their
-  ratio, the speculation totals the runs reported (``spec_report``) per model and inferlet, and the prefix
+  ratio, the KV edits (rows evicted and the pages that gave back, working sets and rows restored from saved K/V),
+  the speculation totals the runs reported (``spec_report``) per model and inferlet, and the prefix
   cache's queries and hits. They are exposed as the engine's own running totals (a custom collector), so the
   counters are exactly the engine's. Under ``pie serve --engines N`` every engine's, each with an ``engine``
   label, and the router's counts (``ClusterCounts``): placements by engine and reason, cache-aware hits,
@@ -44,6 +45,7 @@ class EngineCollector(Collector):
         queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
         hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
         spec = _Speculation(by)
+        edits = _KVEdits(by)
         for engine, s in self.stats.items():
             key = [engine] if by else []
             models: dict[str, dict] = s.get("models") or {}
@@ -55,9 +57,34 @@ class EngineCollector(Collector):
                 cache = m.get("prefix_cache") or (s.get("prefix_cache") if len(models) == 1 else None) or {}
                 queries.add_metric([*key, name], float(cache.get("queries", 0)))
                 hits.add_metric([*key, name], float(cache.get("hits", 0)))
+                edits.add([*key, name], m.get("kv") or {})
             spec.add(key, s.get("speculation") or {})
         yield from (used, ratio, queries, hits)
+        yield from edits.families()
         yield from spec.families()
+
+
+class _KVEdits:
+    """The KV edits the engine counted (its ``stats``' ``kv``, engine/kv_pages.py ``KVEdits``), per model."""
+
+    NAMES = {  # stats field → (metric, help)
+        "evicted_rows": ("pie_kv_evicted_rows", "committed KV rows dropped by evictions (ws_evict)"),
+        "evicted_pages": ("pie_kv_evicted_pages", "KV pages evictions gave back to the pool"),
+        "restored_working_sets": ("pie_kv_restored_working_sets", "working sets restored from saved K/V"),
+        "restored_rows": ("pie_kv_restored_rows", "KV rows restored from saved K/V"),
+    }
+
+    def __init__(self, by: list[str]) -> None:
+        self.counters = {
+            field: CounterMetricFamily(name, text, labels=[*by, "model"]) for field, (name, text) in self.NAMES.items()
+        }
+
+    def add(self, key: list[str], kv: dict[str, Any]) -> None:
+        for field, counter in self.counters.items():
+            counter.add_metric(key, float(kv.get(field, 0)))
+
+    def families(self):
+        return tuple(self.counters.values())
 
 
 class _Speculation:
