@@ -1,0 +1,57 @@
+"""A ``llama-server`` child (``llama_server_env`` builds it) on the packaged GGUF and a free port, up until
+``stop()``: the other side of `pie bench serve --against llama-server`."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_words(parallel: int, threads: int, context_per_slot: int = 1024) -> list[str]:
+    """llama-server's load options: ``parallel`` slots sharing a context of ``context_per_slot`` tokens each
+    (``--parallel 32 -c 32768`` at 32), ``threads`` threads for generation and for a batch (``-tb`` follows
+    ``-t``)."""
+    return ["--parallel", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads)]
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, gguf: Path, words: list[str], timeout: float = 300) -> None:
+        import httpx
+
+        self.base = f"http://127.0.0.1:{free_port()}"
+        port = self.base.rsplit(":", 1)[1]
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", port, "--no-webui", *words]
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open for the child's life, closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {self.log.read()[-1500:]}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("llama-server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
