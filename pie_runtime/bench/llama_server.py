@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
 import tempfile
@@ -14,6 +16,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def term_with_parent() -> None:
+    """A ``preexec_fn``: the kernel sends the child SIGTERM when the bench dies (a killed bench leaves no
+    server, nor through the server's clean exit its engine, behind)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def server_words(parallel: int, threads: int, context_per_slot: int = 1024) -> list[str]:
@@ -31,7 +39,7 @@ class LlamaServer:
         port = self.base.rsplit(":", 1)[1]
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", port, "--no-webui", *words]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open for the child's life, closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=term_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

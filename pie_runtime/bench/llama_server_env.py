@@ -64,7 +64,7 @@ def fetch_source(work: Path, log: Path) -> Path:
         return src
     sdist = work / SDIST
     if not sdist.is_file():
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work)]
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(work)]
         _run([*pip, f"llama-cpp-python=={VERSION}"], log, f"downloading the llama-cpp-python {VERSION} sdist")
     if not sdist.is_file():
         raise LlamaCppUnavailable(f"pip did not leave {SDIST} in {work} (log {log})")

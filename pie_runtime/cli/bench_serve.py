@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from ..bench.llama_server import LlamaServer, free_port, server_words
+from ..bench.llama_server import LlamaServer, free_port, server_words, term_with_parent
 from ..bench.prompts import NAMED, prompt_text
 from ..bench.rss import TreePeak
 from ..bench.serve_load import Row, chat_prompts, chat_wave, percentile, row_of
@@ -69,7 +69,7 @@ class ServeProcess:
         cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model]
         cmd += ["--http", self.base.removeprefix("http://"), *engine_words, *extra]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open for the child's life, closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=term_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -102,7 +102,7 @@ def bench_server(label: str, server, waves: dict[int, list[str]], model: str, ma
     peak = TreePeak(server.proc.pid).start()
     try:
         asyncio.run(chat_wave(server.base, model, ["Warm up: say hello."], 8))  # first-call costs
-        for c, prompts in waves.items():
+        for prompts in waves.values():
             samples, wall = asyncio.run(chat_wave(server.base, model, prompts, max_tokens))
             rows.append(row_of(label, samples, wall))
             print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
