@@ -1,5 +1,6 @@
-"""A ``llama-server`` child (``llama_server_env`` builds it) on the packaged GGUF and a free port, up until
-``stop()``: the other side of `pie bench serve --against llama-server`."""
+"""The servers `pie bench serve` starts, as children on free ports: ``ServerChild`` (any HTTP server with a
+``/health``), and llama-server (``llama_server_env`` builds it) on the packaged GGUF, the other side of
+`pie bench serve --against llama-server`."""
 
 from __future__ import annotations
 
@@ -31,20 +32,21 @@ def server_words(parallel: int, threads: int, context_per_slot: int = 1024) -> l
     return ["--parallel", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads)]
 
 
-class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, words: list[str], timeout: float = 300) -> None:
+class ServerChild:
+    """An HTTP server child (its output in a temporary file) on ``base``, ready once its ``/health`` answers
+    200, up until ``stop()``: `pie serve` or llama-server, for the bench."""
+
+    def __init__(self, name: str, base: str, cmd: list[str], timeout: float = 900) -> None:
         import httpx
 
-        self.base = f"http://127.0.0.1:{free_port()}"
-        port = self.base.rsplit(":", 1)[1]
-        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", port, "--no-webui", *words]
+        self.name, self.base = name, base
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open for the child's life, closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=term_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {self.log.read()[-1500:]}")
+                raise RuntimeError(f"{name} exited {self.proc.returncode}: {self.log.read()[-1500:]}")
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
                     return
@@ -52,14 +54,21 @@ class LlamaServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError("llama-server did not become ready")
+        raise RuntimeError(f"{name} did not become ready in {timeout:g} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def llama_server(binary: Path, gguf: Path, words: list[str]) -> ServerChild:
+    """llama-server on ``gguf`` with ``words`` (:func:`server_words`) on a free port, started and ready."""
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--no-webui", *words]
+    return ServerChild("llama-server", f"http://127.0.0.1:{port}", cmd, timeout=300)

@@ -28,13 +28,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from ..bench.llama_server import LlamaServer, free_port, server_words, term_with_parent
+from ..bench.llama_server import ServerChild, free_port, llama_server, server_words
 from ..bench.prompts import NAMED, prompt_text
 from ..bench.rss import TreePeak
 from ..bench.serve_load import Row, chat_prompts, chat_wave, percentile, row_of
@@ -59,45 +58,19 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=_bench_serve)
 
 
-class ServeProcess:
-    """A `pie serve` child on a free port, up until ``stop()``."""
-
-    def __init__(self, model: str, engine_words: list[str], extra: list[str], timeout: float = 900) -> None:
-        import httpx
-
-        self.base = f"http://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model]
-        cmd += ["--http", self.base.removeprefix("http://"), *engine_words, *extra]
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open for the child's life, closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=term_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"pie serve exited {self.proc.returncode}: {self.log.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("pie serve did not become ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def serve_process(model: str, engine_words: list[str], extra: list[str]) -> ServerChild:
+    """A `pie serve` child on a free port, started and ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model]
+    cmd += ["--http", f"127.0.0.1:{port}", *engine_words, *extra]
+    return ServerChild(PIE, f"http://127.0.0.1:{port}", cmd)
 
 
-def bench_server(label: str, server, waves: dict[int, list[str]], model: str, max_tokens: int) -> list[Row]:
-    """Runs each wave (concurrency → its prompts) on a started ``server`` (``.base``, ``.proc``, ``.stop()``),
-    then stops it; every row carries the peak RSS of the server's process tree over the whole run."""
+def bench_server(
+    label: str, server: ServerChild, waves: dict[int, list[str]], model: str, max_tokens: int
+) -> list[Row]:
+    """Runs each wave (concurrency → its prompts) on a started ``server``, then stops it; every row carries
+    the peak RSS of the server's process tree over the whole run."""
     rows = []
     peak = TreePeak(server.proc.pid).start()
     try:
@@ -116,7 +89,8 @@ def bench_server(label: str, server, waves: dict[int, list[str]], model: str, ma
 
 def bench_pie_run(model: str, engine_words: list[str], prompts: list[str], max_tokens: int) -> Row:
     """One concurrent `pie run text-completion --chat` process per prompt on one engine (the pre-`pie serve`
-    way); its decode rate is the inferlets' own (after the prefill), as the HTTP rows' is the client's."""
+    way); its decode rate is the inferlets' own (after the prefill), as the HTTP rows' is the client's; its
+    tok/s counts the processes' start, its peak RSS is the engine's."""
     from ..launcher import EmbeddedEngine, resolve_inferlet, run_inferlet
 
     n = len(prompts)
@@ -157,8 +131,8 @@ def print_rows(rows: list[Row], note: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"pie bench serve ({note})")
-    cols = ("conc.", "server", "tok/s", "pie÷this", "req/s", "TTFT p50", "pie÷this", "TTFT p99", "ITL p50",
-            "ITL p99", "decode tok/s", "pie÷this", "peak RSS MiB")  # fmt: skip
+    cols = ("conc.", "server", "tok/s", "pie÷this", "req/s", "TTFT p50 ms", "pie÷this", "TTFT p99 ms",
+            "ITL p50 ms", "ITL p99 ms", "decode tok/s", "pie÷this", "peak RSS MiB")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col == "server" else "right")
 
@@ -178,14 +152,14 @@ def print_rows(rows: list[Row], note: str) -> None:
     Console(width=200).print(table)
 
 
-def _llama_server(model: str, parallel: int, threads: int, progress: Callable[[str], None]) -> LlamaServer | None:
+def _llama_server(model: str, parallel: int, threads: int, progress: Callable[[str], None]) -> ServerChild | None:
     """A started llama-server on the packaged GGUF, or None after saying in one line why there is none."""
     from ..bench import llama_cpp_env, llama_server_env
 
     try:
         gguf = llama_cpp_env.packaged_gguf(model)
         binary = llama_server_env.ensure_llama_server(progress)
-        return LlamaServer(binary, gguf, server_words(max(parallel, 32), threads))
+        return llama_server(binary, gguf, server_words(max(parallel, 32), threads))
     except (llama_cpp_env.LlamaCppUnavailable, RuntimeError) as e:
         progress(f"llama-server skipped: {e}")
         return None
@@ -222,9 +196,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     waves = _waves(model, levels, args.prompt_tokens)
-    rows = bench_server(PIE, ServeProcess(model, words, []), waves, model, args.max_tokens)
+    rows = bench_server(PIE, serve_process(model, words, []), waves, model, args.max_tokens)
     if args.policy:
-        server = ServeProcess(model, words, ["--draft-lookup", args.policy])
+        server = serve_process(model, words, ["--draft-lookup", args.policy])
         rows += bench_server(f"{PIE} --draft-lookup {args.policy}", server, waves, model, args.max_tokens)
     if args.against == LLAMA:
         threads = int(getattr(args, "threads", None) or 2)
