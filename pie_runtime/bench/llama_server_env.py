@@ -89,7 +89,11 @@ def ensure_llama_server(progress: Callable[[str], None] = print, root: Path | No
         raise LlamaCppUnavailable(f"cannot make the build folder {work}: {e.strerror}") from None
     log = work.parent / "server-build.log"
     with open(work / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another bench may be building it now: wait for that one
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another bench is building it now: wait for that one
+            progress(f"waiting for the llama-server build in progress (log {log})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if binary.is_file():
             return binary
         log.write_text("")

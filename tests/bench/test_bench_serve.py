@@ -43,6 +43,33 @@ def test_a_built_binary_is_used_without_building(tmp_path, monkeypatch):
     assert llama_server_env.ensure_llama_server(root=tmp_path) == binary
 
 
+def test_a_second_bench_waits_for_the_build_in_progress_and_says_so(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(llama_server_env.shutil, "which", lambda name: "/usr/bin/cmake")
+    work = llama_server_env.server_dir(tmp_path)
+    work.mkdir(parents=True)
+    said: list[str] = []
+    got: list[object] = []
+    with open(work / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the build in progress
+        waiter = threading.Thread(
+            target=lambda: got.append(llama_server_env.ensure_llama_server(said.append, tmp_path))
+        )
+        waiter.start()
+        for _ in range(200):
+            if said:
+                break
+            time.sleep(0.05)
+        assert said and said[0].startswith("waiting for the llama-server build in progress")
+        binary = llama_server_env.server_binary(tmp_path)
+        binary.parent.mkdir(parents=True)
+        binary.write_text("")  # what the other build leaves
+    waiter.join(30)
+    assert got == [binary] and len(said) == 1  # it did not build again
+
+
 def test_every_request_has_its_own_prompt_of_the_stated_length(tok):  # noqa: F811
     first = chat_prompts(tok, "One two three four five six seven.", 4, 24)
     later = chat_prompts(tok, "One two three four five six seven.", 4, 24, first=4)
