@@ -49,6 +49,16 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def spliced(render: Callable[[str], str]) -> Callable[[str], str]:
+    """A function equal to ``render`` (text → the SSE frame of a chunk carrying it) that renders the chunk
+    once, then splices each text's JSON string into it: a streamed token costs one ``json.dumps`` of its
+    text, not a pydantic model built and dumped."""
+    probe = "\x00pie\x00"
+    head, found, tail = render(probe).partition(json.dumps(probe))
+    assert found, "the chunk does not carry its text as one JSON string"
+    return lambda text: head + json.dumps(text) + tail
+
+
 def _ids(choice: dict, wanted: bool) -> list[int] | None:
     return [int(i) for i in choice.get("token_ids") or []] if wanted else None
 
@@ -115,14 +125,16 @@ async def _stream(
     """The SSE lines of a run in either dialect: ``chunk(choices, **extra)`` renders one chunk, ``delta(text)``
     is choice 0's streamed text, ``final(index, rest, choice)`` a choice's finishing piece (``rest``: its text
     not yet streamed)."""
-    streamed = ""
+    pieces: list[str] = []
+    text_frame = spliced(lambda text: chunk([delta(text)]))
     try:
         async for ev in _events(first, events):
             if ev.kind == "text" and ev.text:
-                streamed += ev.text
-                yield chunk([delta(ev.text)])
+                pieces.append(ev.text)
+                yield text_frame(ev.text)
             elif ev.kind == "result":
                 result = ev.result or {}
+                streamed = "".join(pieces)
                 for i, c in enumerate(choices_of(result)):
                     text = c.get("text", "")
                     rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text

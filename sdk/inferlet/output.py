@@ -50,10 +50,10 @@ class Output:
                 return n
             self.ids.append(t)
             delta = self.stream.push([t])
-            matched = [s for s in self.args.stop if s in self.stream.text]
-            if matched:
+            stop = self._stop_in(delta)
+            if stop is not None:
                 self.finish = "stop"
-                self.stop_reason = min(matched, key=self.stream.text.find)
+                self.stop_reason = stop
                 return n
             if self.args.stream and delta:
                 emit(delta)
@@ -61,6 +61,16 @@ class Output:
                 self.finish = "length"
                 return n
         return len(tokens)
+
+    def _stop_in(self, delta: str) -> str | None:
+        """The stop string that starts first in the text, looked for only where ``delta`` could complete one (an
+        earlier push found none), so a step costs the delta, not the whole output."""
+        if not delta or not self.args.stop:
+            return None
+        text = self.stream.text
+        start = len(text) - len(delta)
+        found = [(i, s) for s in self.args.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        return min(found, key=lambda f: f[0])[1] if found else None
 
     def text(self) -> str:
         text = self.stream.tokenizer.decode(self.ids)
