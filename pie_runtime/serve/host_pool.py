@@ -69,6 +69,7 @@ class RunEvent:
     kind: Literal["text", "result"]
     text: str = ""
     result: dict | None = None
+    logprobs: list[dict] | None = None  # a text event's tokens' logprobs entries, when the run records them
 
 
 @dataclass
@@ -253,13 +254,14 @@ class HostPool:
             self._abandon(run)
         await self._idle.wait()
 
-    async def close(self, kill: bool = False) -> None:
+    async def close(self, kill: bool = False, failure: RunFailed | None = None) -> None:
         """Stops every host (asked, then killed; ``kill``: killed at once, as when their engine is gone and
-        they could not release anything) and waits for each to exit: no child outlives this."""
+        they could not release anything) and waits for each to exit: no child outlives this. ``failure``: every
+        run waiting or running ends with it at once (its engine died), else "cancelled" as each host stops."""
         self._draining = True
         self._closed = True
-        for run in list(self._waiting):
-            self._finish(run, RunFailed("cancelled", "the server closed"))
+        for run in list(self._runs.values()) if failure is not None else list(self._waiting):
+            self._finish(run, failure or RunFailed("cancelled", "the server closed"))
         for host in list(self._hosts.values()):
             if host.is_ready and not kill:
                 self._post(host, c.Stop())
@@ -350,7 +352,7 @@ class HostPool:
             if run is None:
                 return  # a run already failed or abandoned on our side
             if isinstance(msg, c.Text):
-                run.events.put_nowait(RunEvent("text", text=msg.text))
+                run.events.put_nowait(RunEvent("text", text=msg.text, logprobs=msg.logprobs))
             elif isinstance(msg, c.Result):
                 result = msg.result if isinstance(msg.result, dict) else {"value": msg.result}
                 self._finish(run, RunEvent("result", result=result))
