@@ -110,12 +110,13 @@ class Backend:
         """A new engine, the server's connection to it (the model's facts, its tokenizer) and the host pools."""
         starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine))
         try:
-            self.engine = await asyncio.shield(starting)
+            engine = await asyncio.shield(starting)
         except asyncio.CancelledError:  # the server closes mid-start: the engine the thread brings up is stopped
             starting.add_done_callback(_stop_when_up)
             raise
-        self._set_engine("up", pid=self.engine.proc.pid)
-        address = self.engine.address
+        self.engine = engine
+        self._set_engine("up", pid=engine.proc.pid)
+        address = engine.address
         self._client = Client(address)
         hello = await self._client.request("hello", version=PROTOCOL_VERSION, client="pie-serve", token=self.spec.token)
         infos = [ModelInfo.model_validate(m) for m in hello["models"]]

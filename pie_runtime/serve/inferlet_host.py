@@ -161,7 +161,9 @@ def _coalesce(batch: list[Any]) -> list[Any]:
     for msg in batch:
         prev = out[-1] if out else None
         if isinstance(msg, c.Text) and isinstance(prev, c.Text) and prev.run == msg.run:
-            lps = None if prev.logprobs is None and msg.logprobs is None else (prev.logprobs or []) + (msg.logprobs or [])
+            lps = (
+                None if prev.logprobs is None and msg.logprobs is None else (prev.logprobs or []) + (msg.logprobs or [])
+            )
             out[-1] = c.Text(run=msg.run, text=prev.text + msg.text, logprobs=lps)
         else:
             out.append(msg)
