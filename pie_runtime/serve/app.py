@@ -174,7 +174,7 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
         model = backend.model
         server.metrics.running.labels(model=model).set(runs.running if runs else 0)
         server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
-        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts())
+        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts(), backend.engine_health())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -21,7 +21,7 @@ from tests.conftest import TINY
 from tests.serve.server_proc import Served, alive, children, start_serve
 
 FLAGS = ("--kv-pages", "128", "--pass-cost-rows", "0", "--simulate-step-ms", "40", "--max-running", "8")
-BODY = {"model": TINY, "prompt": "Count:", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+BODY = {"model": TINY, "prompt": "Count:", "max_tokens": 256, "temperature": 0, "ignore_eos": True}
 
 
 def test_restart_budget_backs_off_and_caps():
@@ -48,32 +48,41 @@ def engine_pid(server: Served) -> int:
     return pid
 
 
-def in_flight(server: Served) -> tuple[list[threading.Thread], dict[str, object]]:
-    """Two non-streaming requests and two streams, started; their outcomes land in the dict."""
+def in_flight(server: Served) -> tuple[list[threading.Thread], dict[str, object], list[threading.Event]]:
+    """Two non-streaming requests and two streams, started; their outcomes land in the dict, and each stream
+    sets its event once its first chunk has arrived."""
     out: dict[str, object] = {}
+    begun = [threading.Event(), threading.Event()]
 
-    def whole(name: str) -> None:
+    def whole(i: int) -> None:
         r = httpx.post(f"{server.base}/v1/completions", json=BODY, timeout=300)
-        out[name] = (r.status_code, r.json())
+        out[f"whole{i}"] = (r.status_code, r.json())
 
-    def stream(name: str) -> None:
+    def stream(i: int) -> None:
+        lines = []
         with httpx.stream("POST", f"{server.base}/v1/completions", json={**BODY, "stream": True}, timeout=300) as r:
-            out[name] = (r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")])
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    begun[i].set()
+        out[f"stream{i}"] = (r.status_code, lines)
+        begun[i].set()
 
-    threads = [threading.Thread(target=f, args=(f"{f.__name__}{i}",)) for i in range(2) for f in (whole, stream)]
+    threads = [threading.Thread(target=f, args=(i,)) for i in range(2) for f in (whole, stream)]
     for t in threads:
         t.start()
-    return threads, out
+    return threads, out, begun
 
 
-def wait_streaming(server: Served) -> None:
-    """Until the four requests run (each stream has had a token, the runs are in hosts)."""
+def wait_running(server: Served, begun: list[threading.Event]) -> None:
+    """Until the four requests run in hosts and each stream has had its first chunk."""
+    for event in begun:
+        assert event.wait(300), "a stream did not begin"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         page = httpx.get(f"{server.base}/metrics", timeout=30).text
         running = [ln for ln in page.splitlines() if ln.startswith("pie_requests_running{")]
         if running and float(running[0].split()[-1]) >= 4:
-            time.sleep(0.5)  # a few tokens in
             return
         time.sleep(0.1)
     pytest.fail("the requests did not start")
@@ -100,8 +109,8 @@ def test_sigkill_of_the_engine_under_load_fails_in_flight_and_restarts(pie_home)
         first = health(server).json()["engine"]
         assert first["state"] == "up" and first["restarts"] == 0
         pid = engine_pid(server)
-        threads, out = in_flight(server)
-        wait_streaming(server)
+        threads, out, begun = in_flight(server)
+        wait_running(server, begun)
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=300)
@@ -114,6 +123,8 @@ def test_sigkill_of_the_engine_under_load_fails_in_flight_and_restarts(pie_home)
         assert h["engine"]["state"] == "up" and h["engine"]["restarts"] == 1
         assert h["engine"]["last_exit"]["signal"] == "SIGKILL" and h["engine"]["pid"] != pid
         assert not alive(pid) and engine_pid(server) == h["engine"]["pid"]
+        page = httpx.get(f"{server.base}/metrics", timeout=30).text
+        assert "pie_engine_up 1.0" in page and "pie_engine_restarts_total 1.0" in page
         r = httpx.post(f"{server.base}/v1/completions", json={**BODY, "max_tokens": 4}, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
@@ -136,6 +147,7 @@ def test_no_engine_restart_leaves_the_server_unhealthy(pie_home):
         assert h["status"] == "failed" and "--no-engine-restart" in h["error"]
         assert h["engine"]["state"] == "down" and h["engine"]["restarts"] == 0
         assert h["engine"]["last_exit"]["signal"] == "SIGKILL"
+        assert "pie_engine_up 0.0" in httpx.get(f"{server.base}/metrics", timeout=30).text
         refused = httpx.post(f"{server.base}/v1/completions", json=BODY, timeout=60)
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable_error"
         assert [p for p in children(server.proc.pid) if alive(p) and p != pid] == []  # no engine, no host
