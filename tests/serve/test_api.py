@@ -233,6 +233,15 @@ def test_streamed_logprobs_ride_with_their_chunks(client):
     content = whole_chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content or []]
     assert all(len(e.top_logprobs) == 2 for e in streamed)
+    # a speculative inferlet decodes logprobs runs plainly (sdk/inferlet/decode.py) and streams them the same way
+    lookup = {"ignore_eos": True, "speculation": {"method": "lookup", "k": 2}}
+    spec = [
+        c for c in client.completions.create(**{**kw, "extra_body": lookup}, prompt="Hello", logprobs=2, stream=True)
+    ]
+    spec_texts = [c for c in spec if c.choices and c.choices[0].text and c.choices[0].finish_reason is None]
+    assert len(spec_texts) >= 2 and all(c.choices[0].logprobs and c.choices[0].logprobs.tokens for c in spec_texts)
+    spec_lps = [c.choices[0].logprobs for c in spec if c.choices and c.choices[0].logprobs]
+    assert [v for lp in spec_lps for v in lp.token_logprobs or []] == want.token_logprobs
 
 
 def test_logit_bias_steers_every_token(client, server):
