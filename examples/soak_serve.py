@@ -16,6 +16,11 @@ server, the engine (its pid from /health) and the inferlet hosts (the server's o
 both, every outcome by kind, status and error code, and a verdict: FLAT when the pages are back to their start
 value, the descriptors grew by at most 4 a process, RSS by at most 10% + 32 MiB a process, and no request got
 an answer it should not have (a 5xx, a refused good request, an accepted bad one, a dropped connection).
+
+``--kill-engine-after S`` SIGKILLs the engine S seconds in: the 503s that follow (``engine_lost`` for the
+requests in flight, ``engine_restarting`` until a new engine serves) are deliberate, and the report says how
+soon the first came back and when /health said the server serves again. The end's "engine" is then the new
+engine, compared with the old one's start.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import random
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +45,7 @@ import httpx
 
 FD_SLACK, RSS_SLACK, RSS_SLACK_BYTES = 4, 0.10, 32 << 20
 WEIGHTS = {"stream": 30, "whole": 25, "cancel": 20, "oversized": 5, "malformed": 20}
+DELIBERATE = {"engine_lost", "engine_restarting"}  # 503s expected after --kill-engine-after
 
 
 @dataclass
@@ -53,7 +60,7 @@ class Proc:
 @dataclass
 class Snapshot:
     pages_used: float
-    procs: dict[str, Proc]  # "server", "engine", "host-<pid>"
+    procs: dict[str, Proc]  # "server", "engine", "hosts" (summed; pid: the first's)
 
 
 @dataclass
@@ -61,10 +68,17 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)  # "kind status code" -> count
     unexpected: Counter[str] = field(default_factory=Counter)
     sent: Counter[str] = field(default_factory=Counter)
+    killed_at: float | None = None  # when --kill-engine-after killed the engine (monotonic)
+    first_lost: float | None = None  # when the first answer saying so came back
+    last_status: str = ""
 
     def add(self, kind: str, status: str, code: str | None, expected: bool) -> None:
         key = f"{kind} {status} {code or '-'}"
         self.outcomes[key] += 1
+        self.last_status = status
+        if self.killed_at is not None and code in DELIBERATE:  # the deliberate kill's answers
+            expected = True
+            self.first_lost = self.first_lost or time.monotonic()
         if not expected:
             self.unexpected[key] += 1
 
@@ -136,21 +150,26 @@ def children(pid: int) -> list[int]:
 
 
 async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapshot:
-    """Waits until no request runs or waits (60 s at most), then reads pages, RSS and descriptors."""
+    """Waits until no request runs or waits and the pages in use held still for a second (a cancelled run
+    releases its pages just after its request ends; 60 s at most), then reads pages, RSS and descriptors."""
     deadline = time.monotonic() + 60
+    held: tuple[float, float] | None = None  # (pages, since when)
     while True:
         page = (await client.get("/metrics")).text
         busy = sum(_sum(page, n) for n in ("pie_requests_running", "pie_requests_waiting"))
-        if busy == 0 or time.monotonic() > deadline:
+        pages, now = _sum(page, "pie_kv_pages_used"), time.monotonic()
+        held = held if busy == 0 and held is not None and held[0] == pages else (pages, now)
+        if (busy == 0 and now - held[1] >= 1.0) or now > deadline:
             break
         await asyncio.sleep(0.25)
-    engine = (await client.get("/health")).json().get("engine") or {}
-    pids = {"engine": engine.get("pid")}
+    engine_pid = ((await client.get("/health")).json().get("engine") or {}).get("pid")
+    procs = {"engine": footprint(engine_pid) if engine_pid else None}
     if server_pid is not None:
-        pids["server"] = server_pid
-        pids |= {f"host-{p}": p for p in children(server_pid) if p != pids["engine"]}
-    procs = {name: fp for name, pid in pids.items() if pid and (fp := footprint(pid)) is not None}
-    return Snapshot(_sum(page, "pie_kv_pages_used"), procs)
+        procs["server"] = footprint(server_pid)
+        hosts = [fp for p in children(server_pid) if p != engine_pid and (fp := footprint(p)) is not None]
+        if hosts:  # summed: a restarted engine comes with new hosts
+            procs["hosts"] = Proc(hosts[0].pid, sum(h.rss_bytes for h in hosts), sum(h.open_fds for h in hosts))
+    return Snapshot(_sum(page, "pie_kv_pages_used"), {k: v for k, v in procs.items() if v is not None})
 
 
 def _sum(page: str, name: str) -> float:
@@ -217,10 +236,11 @@ async def one(client: httpx.AsyncClient, t: Target, kind: str, rng: random.Rando
 
 async def _stream(client: httpx.AsyncClient, path: str, body: dict, tally: Tally) -> None:
     async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            _record(tally, "stream", r, False)
+            return
         lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-    if r.status_code != 200:
-        tally.add("stream", str(r.status_code), None, expected=False)
-        return
     errors = [json.loads(x[6:])["error"] for x in lines[:-1] if '"error"' in x]
     ok = lines[-1:] == ["data: [DONE]"] and not errors
     tally.add("stream", "200" if ok else "200+error", errors[0].get("code") if errors else None, ok)
@@ -230,10 +250,14 @@ async def _cancel(client: httpx.AsyncClient, path: str, body: dict, rng: random.
     """A stream dropped after its first chunk, or a whole request abandoned after 0.2 s."""
     if rng.random() < 0.5:
         async with client.stream("POST", path, json={**body, "max_tokens": 64, "stream": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _record(tally, "cancel", r, False)
+                return
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break  # leaving the block closes the connection mid-stream
-        tally.add("cancel", "dropped-stream", None, r.status_code == 200)
+        tally.add("cancel", "dropped-stream", None, True)
         return
     try:
         r = await asyncio.wait_for(client.post(path, json={**body, "max_tokens": 64}), 0.2)
@@ -264,18 +288,46 @@ def _record(tally: Tally, kind: str, r: httpx.Response, expected: bool) -> None:
     tally.add(kind, str(r.status_code), code, expected)
 
 
-async def traffic(client: httpx.AsyncClient, t: Target, seconds: float, concurrency: int, seed: int) -> Tally:
+async def traffic(
+    client: httpx.AsyncClient, t: Target, a: argparse.Namespace, seconds: float
+) -> tuple[Tally, dict | None]:
+    """The mix for ``seconds`` from ``a.concurrency`` clients; with ``a.kill_engine_after``, the engine is
+    SIGKILLed then and the second item says what followed (None otherwise)."""
     tally = Tally()
     stop = time.monotonic() + seconds
     kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
 
     async def worker(i: int) -> None:
-        rng = random.Random(seed * 1000 + i)
+        rng = random.Random(a.seed * 1000 + i)
         while time.monotonic() < stop:
             await one(client, t, rng.choices(kinds, weights)[0], rng, tally)
+            if tally.last_status == "503":
+                await asyncio.sleep(0.25)  # as a client backs off: not a busy loop while the engine restarts
 
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return tally
+    kill = asyncio.create_task(kill_engine(client, a.kill_engine_after, tally)) if a.kill_engine_after else None
+    await asyncio.gather(*(worker(i) for i in range(a.concurrency)))
+    return tally, (await kill if kill is not None else None)
+
+
+async def kill_engine(client: httpx.AsyncClient, after: float, tally: Tally) -> dict:
+    """SIGKILLs the engine ``after`` seconds in, then waits for /health to say a new one serves."""
+    await asyncio.sleep(after)
+    pid = (await client.get("/health")).json()["engine"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    tally.killed_at = killed = time.monotonic()
+    print(f"killed the engine (pid {pid}) with SIGKILL at {after:g} s", flush=True)
+    while (h := await client.get("/health")).status_code != 200 or h.json()["engine"]["pid"] == pid:
+        if h.json().get("status") == "failed":  # the old pid may still show until the server sees the death
+            return {"pid": pid, "restarted": False, "health": h.json()}
+        await asyncio.sleep(0.05)
+    engine = h.json()["engine"]
+    return {
+        "pid": pid,
+        "restarted": True,
+        "new_pid": engine["pid"],
+        "serving_again_s": round(time.monotonic() - killed, 2),
+        "health": h.json(),
+    }
 
 
 # ---- the report ----------------------------------------------------------------------------------------------
@@ -288,7 +340,7 @@ def verdict(start: Snapshot, end: Snapshot, tally: Tally) -> tuple[bool, list[st
     for name, a in start.procs.items():
         b = end.procs.get(name)
         if b is None:
-            why.append(f"{name} (pid {a.pid}) is gone")
+            why.append(f"no {name} (pid {a.pid} was)")
             continue
         if b.open_fds > a.open_fds + FD_SLACK:
             why.append(f"{name} open fds {a.open_fds} -> {b.open_fds}")
@@ -339,11 +391,17 @@ async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
         start = await snapshot(client, server_pid)
         print(show("start", start), flush=True)
         began = time.monotonic()
-        tally = await traffic(client, t, seconds, a.concurrency, a.seed)
+        tally, killed = await traffic(client, t, a, seconds)
         elapsed = time.monotonic() - began
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:  # fresh: the soak's connections are closed
         end = await snapshot(client, server_pid)
-    return report(start, end, tally, elapsed)
+    if killed is not None:
+        first = tally.first_lost
+        killed["first_503_ms"] = (
+            None if first is None or tally.killed_at is None else round((first - tally.killed_at) * 1e3)
+        )
+        print(f"engine kill: {json.dumps({k: v for k, v in killed.items() if k != 'health'})}")
+    return {**report(start, end, tally, elapsed), "engine_kill": killed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--oversize-bytes", type=int, default=9 << 20, help="a body past the server's --max-body-bytes")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    p.add_argument(
+        "--kill-engine-after",
+        type=float,
+        default=None,
+        help="SIGKILL the engine this many seconds in: its 503s (engine_lost, engine_restarting) are deliberate",
+    )
     a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     proc = None
     if a.url is None:

@@ -144,6 +144,7 @@ class HostPool:
         self._idle.set()
         self._draining = False
         self._closed = False
+        self._failure: RunFailed | None = None
         self._restarts = 0
         self._spawns = itertools.count()
 
@@ -195,7 +196,7 @@ class HostPool:
         early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
         with one engine; ``cluster.pool.ClusterPool`` routes by it."""
         if self._draining:
-            raise RunFailed("overloaded", "the server is shutting down")
+            raise self._failure or RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
         if path is None:
             raise RunFailed("not_found", f"no inferlet named {inferlet!r}")
@@ -260,6 +261,7 @@ class HostPool:
         run waiting or running ends with it at once (its engine died), else "cancelled" as each host stops."""
         self._draining = True
         self._closed = True
+        self._failure = failure  # what a run asked of this pool from now on fails with
         for run in list(self._runs.values()) if failure is not None else list(self._waiting):
             self._finish(run, failure or RunFailed("cancelled", "the server closed"))
         for host in list(self._hosts.values()):
