@@ -32,7 +32,7 @@ from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
 from .client import Client, Holdings, holding, release_holding
-from .errors import UsageError
+from .errors import EngineUnreachable, UsageError
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ class Session:
         """Says hello and fetches each model's tokenizer."""
         client = Client(address)
         try:
-            hello = await client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token)
+            hello = await _hello(client, address, token)
             models = {}
             for fields in hello["models"]:
                 info = ModelInfo.model_validate(fields)
@@ -106,6 +106,24 @@ _current: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("in
 def current_run() -> RunContext | None:
     """The run this code belongs to, or None outside a run context."""
     return _current.get()
+
+
+# An engine answers hello between two steps, well within this even on a loaded machine; a socket with no engine
+# behind it (a tcp:// address, or an ipc:// file a dead engine left) would otherwise be waited on forever.
+HELLO_TIMEOUT_S = 30.0
+
+
+async def _hello(client: Client, address: str, token: str | None) -> dict:
+    try:
+        return await asyncio.wait_for(
+            client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token), HELLO_TIMEOUT_S
+        )
+    except TimeoutError:
+        raise EngineUnreachable(
+            f"no engine answered at {address} within {HELLO_TIMEOUT_S:g} s: start one with `pie engine --listen"
+            f" {address}`{' (and pass its --token)' if address.startswith('tcp://') else ''}, or leave out --engine"
+            " and pie run starts one for this run"
+        ) from None
 
 
 async def connect(address: str, token: str | None = None) -> Session:
