@@ -102,3 +102,37 @@ def test_bench_prompt_cache_loads_and_recomputes_the_same_first_token(engine, tm
     load, recompute = timings["load"], timings["recompute"]
     assert load.tokens == recompute.tokens and len(load.tokens) == 1
     assert len(load.wall) == len(recompute.cpu) == 1 and min(load.cpu + recompute.cpu) >= 0
+
+
+@pytest.mark.e2e
+def test_soak_serve_quick_leaks_nothing(pie_home, tmp_path):
+    """examples/soak_serve.py for 20 s against a `pie serve` it starts (tiny model, the default model's chat
+    template), its engine SIGKILLed 8 s in: every kind of request went out, nothing answered that should not
+    have (no 5xx but the kill's engine_lost and engine_restarting, no dropped connection, no bad request
+    accepted), a new engine served, the KV pages are back to their start value and it says FLAT or why not."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pie_runtime.store import DEFAULT_MODEL, ModelStore
+    from tests.conftest import TINY
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(ModelStore(pie_home / "models").get(DEFAULT_MODEL).tokenizer.chat_template or "")
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, str(REPO / "examples/soak_serve.py"), "--seconds", "20", "--model", TINY]
+    cmd += ["--oversize-bytes", "70000", "--kill-engine-after", "8", "--json", str(out), "--"]
+    cmd += ["--chat-template", str(template), "--kv-pages", "256", "--pass-cost-rows", "0", "--max-body-bytes", "65536"]
+    done = subprocess.run(cmd, env={**os.environ, "PIE_HOME": str(pie_home)}, capture_output=True, text=True, cwd=REPO)
+    rep = json.loads(out.read_text())
+    assert set(rep["sent"]) == {"stream", "whole", "cancel", "oversized", "malformed"}, done.stdout
+    assert rep["unexpected"] == {}, done.stdout
+    fives = {k.split()[2] for k in rep["outcomes"] if k.split()[1].startswith("5") or "+error" in k.split()[1]}
+    assert fives <= {"engine_lost", "engine_restarting"}
+    kill = rep["engine_kill"]
+    assert kill["restarted"] and kill["new_pid"] != kill["pid"] and kill["health"]["engine"]["restarts"] == 1
+    assert rep["end"]["procs"]["engine"]["pid"] == kill["new_pid"]
+    assert rep["end"]["pages_used"] == rep["start"]["pages_used"]
+    assert {"server", "engine", "hosts"} <= set(rep["start"]["procs"])
+    assert "verdict: " in done.stdout and (done.returncode == 0) == rep["flat"]

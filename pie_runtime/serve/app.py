@@ -2,7 +2,7 @@
 inferlet runs. ``create_app`` builds the app over a ``Backend`` that starts in the background; every route
 that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an API key when keys are set.
 
-    GET  /health                      200 serving, 503 loading or draining
+    GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /v1/models
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
@@ -101,6 +101,8 @@ class Server:
         b = self.backend
         if b.state == "draining":
             raise unavailable("the server is shutting down", "draining")
+        if b.state == "restarting":
+            raise unavailable(f"{b.error}; it is being restarted, try again shortly", "engine_restarting")
         if b.state != "ready" or b.pool is None:
             raise unavailable(
                 "the model is loading" if b.state == "starting" else f"not serving: {b.error}", "starting"
@@ -108,6 +110,7 @@ class Server:
         if self._runs is None:
             c = self.config
             self._runs = Runs(b.pool, self.metrics, b.model, c.max_running, c.max_waiting)
+        self._runs.pool = b.pool  # a restarted engine's
         return self._runs
 
     def upload_runs(self) -> Runs | None:
@@ -118,6 +121,7 @@ class Server:
         if self._upload_runs is None:
             c = self.config
             self._upload_runs = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
+        self._upload_runs.pool = pool
         return self._upload_runs
 
     def prompt_cache(self, name: str) -> Path:
@@ -169,14 +173,15 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
 
 
 def _add_probe_routes(app: FastAPI, server: Server) -> None:
-    """/health (200 serving, 503 loading or draining) and /metrics (Prometheus text)."""
+    """/health (200 serving; 503 loading, restarting the engine, failed or draining; the engine's life in
+    ``engine``) and /metrics (Prometheus text)."""
     backend = server.backend
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not serving"}})
     async def health() -> Response:
         state = backend.state
-        body = Health(status=state, error=backend.error).model_dump(exclude_none=True)
-        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+        body = Health(status=state, error=backend.error, engine=backend.engine_health())
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if state == "ready" else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
     async def metrics() -> Response:
@@ -184,7 +189,7 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
         model = backend.model
         server.metrics.running.labels(model=model).set(runs.running if runs else 0)
         server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
-        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts())
+        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts(), backend.engine_health())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -69,6 +69,7 @@ class RunEvent:
     kind: Literal["text", "result"]
     text: str = ""
     result: dict | None = None
+    logprobs: list[dict] | None = None  # a text event's tokens' logprobs entries, when the run records them
 
 
 @dataclass
@@ -144,6 +145,7 @@ class HostPool:
         self._idle.set()
         self._draining = False
         self._closed = False
+        self._failure: RunFailed | None = None
         self._restarts = 0
         self._spawns = itertools.count()
 
@@ -195,7 +197,7 @@ class HostPool:
         early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
         with one engine; ``cluster.pool.ClusterPool`` routes by it."""
         if self._draining:
-            raise RunFailed("overloaded", "the server is shutting down")
+            raise self._failure or RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
         if path is None:
             raise RunFailed("not_found", f"no inferlet named {inferlet!r}")
@@ -254,13 +256,15 @@ class HostPool:
             self._abandon(run)
         await self._idle.wait()
 
-    async def close(self, kill: bool = False) -> None:
+    async def close(self, kill: bool = False, failure: RunFailed | None = None) -> None:
         """Stops every host (asked, then killed; ``kill``: killed at once, as when their engine is gone and
-        they could not release anything) and waits for each to exit: no child outlives this."""
+        they could not release anything) and waits for each to exit: no child outlives this. ``failure``: every
+        run waiting or running ends with it at once (its engine died), else "cancelled" as each host stops."""
         self._draining = True
         self._closed = True
-        for run in list(self._waiting):
-            self._finish(run, RunFailed("cancelled", "the server closed"))
+        self._failure = failure  # what a run asked of this pool from now on fails with
+        for run in list(self._runs.values()) if failure is not None else list(self._waiting):
+            self._finish(run, failure or RunFailed("cancelled", "the server closed"))
         for host in list(self._hosts.values()):
             if host.is_ready and not kill:
                 self._post(host, c.Stop())
@@ -350,7 +354,7 @@ class HostPool:
             if run is None:
                 return  # a run already failed or abandoned on our side
             if isinstance(msg, c.Text):
-                run.events.put_nowait(RunEvent("text", text=msg.text))
+                run.events.put_nowait(RunEvent("text", text=msg.text, logprobs=msg.logprobs))
             elif isinstance(msg, c.Result):
                 result = msg.result if isinstance(msg.result, dict) else {"value": msg.result}
                 self._finish(run, RunEvent("result", result=result))

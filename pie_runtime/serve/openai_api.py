@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from .engine_life import EngineStatus
+
 TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
 TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 
@@ -274,8 +276,9 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["starting", "ready", "draining", "failed"]
+    status: Literal["starting", "ready", "restarting", "draining", "failed"]
     error: str | None = None
+    engine: EngineStatus | None = None  # the engine's state, pid, restarts and last exit (engine_life.py)
 
 
 class TokenizeRequest(_Wire):

@@ -95,7 +95,7 @@ class RunContext:
 
     session: Session
     inferlet: str
-    sink: Callable[[str], None]
+    sink: Callable[[str, list[dict] | None], None]  # (text, its tokens' logprobs entries or None)
     run_id: str = ""
     holdings: Holdings = field(default_factory=Holdings)
 
@@ -155,11 +155,12 @@ def model(name: str | None = None) -> Model:
     return _current_session().model(name)
 
 
-def emit(text: str) -> None:
-    """Streams text to the user as it is generated."""
+def emit(text: str, logprobs: list[dict] | None = None) -> None:
+    """Streams text to the user as it is generated; ``logprobs``: the logprobs entries of the tokens it came
+    from (``sampler.logprob_entry``), for a server that streams them (stdout shows only the text)."""
     ctx = _current.get()
     if ctx is not None:
-        ctx.sink(text)
+        ctx.sink(text, logprobs)
         return
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -171,7 +172,7 @@ async def run_in_context(
     *,
     session: Session,
     inferlet: str,
-    sink: Callable[[str], None],
+    sink: Callable[[str, list[dict] | None], None],
     run_id: str = "",
 ) -> Any:
     """Awaits ``fn(args)`` as one run: ``inferlet.model()``, ``emit()`` and ``inferlet_name()`` resolve to this
