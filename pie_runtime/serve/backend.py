@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +87,7 @@ class Backend:
         self._restarts = Restarts(self.restart)
         self.engine_status = EngineStatus()
         self._watcher: asyncio.Task | None = None
+        self._starting: asyncio.Future[EmbeddedEngine] | None = None
 
     @property
     def model(self) -> str:
@@ -108,12 +108,9 @@ class Backend:
 
     async def _bring_up(self) -> None:
         """A new engine, the server's connection to it (the model's facts, its tokenizer) and the host pools."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine))
-        try:
-            engine = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # the server closes mid-start: the engine the thread brings up is stopped
-            starting.add_done_callback(_stop_when_up)
-            raise
+        # shielded: a close() that cancels a restart mid-start waits for this engine and stops it (close())
+        self._starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine))
+        engine = await asyncio.shield(self._starting)
         self.engine = engine
         self._set_engine("up", pid=engine.proc.pid)
         address = engine.address
@@ -239,6 +236,10 @@ class Backend:
         if self._watcher is not None:
             self._watcher.cancel()  # a restart under way stops; what it brought up is closed below
             await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._starting is not None:  # an engine a cancelled restart was starting: stopped once it is up
+            started = (await asyncio.gather(self._starting, return_exceptions=True))[0]
+            if isinstance(started, EmbeddedEngine) and started is not self.engine:
+                await asyncio.to_thread(started.stop)
         pools = [p for p in (self.pool, self.upload_pool) if p is not None]
         try:
             await asyncio.gather(*(p.drain(drain_timeout) for p in pools))
@@ -250,9 +251,3 @@ class Backend:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         self._set_engine("stopped", pid=None)
-
-
-def _stop_when_up(started: asyncio.Future[EmbeddedEngine]) -> None:
-    """Stops the engine a cancelled start brought up anyway (on a thread: stopping waits for its exit)."""
-    if not started.cancelled() and started.exception() is None:
-        threading.Thread(target=started.result().stop).start()

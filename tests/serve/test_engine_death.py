@@ -153,3 +153,32 @@ def test_no_engine_restart_leaves_the_server_unhealthy(pie_home):
         assert [p for p in children(server.proc.pid) if alive(p) and p != pid] == []  # no engine, no host
     finally:
         server.stop()
+
+
+def engines_of(server_pid: int) -> list[int]:
+    """Live `pie engine` processes a server started (its engines listen on ipc://.../pie-<server pid>-...)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"engine" in cmd and any(f"/pie-{server_pid}-".encode() in c for c in cmd):
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.e2e
+def test_sigterm_during_a_restart_leaves_no_engine(pie_home):
+    """SIGTERM while a new engine is starting: the server waits for it and stops it, none outlives the server."""
+    server = start_serve(pie_home, TINY, *FLAGS)
+    try:
+        os.kill(engine_pid(server), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while health(server).json()["engine"]["state"] != "starting" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert health(server).json()["engine"]["state"] == "starting"
+    finally:
+        assert server.stop() == 0
+    assert engines_of(server.proc.pid) == []
