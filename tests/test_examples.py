@@ -84,3 +84,55 @@ def test_replay_planner_replays_schedules_on_a_traced_greedy_decode(engine):
     speedup, rows = rp.replay(right, 2, adaptive=False)
     assert rows == 3 and speedup == pytest.approx(60 * 22.0 / (20 * (22.0 + 2 * 0.5 + 2.0)))
     assert rp.replay(right, 2, adaptive=True)[1] > 2.5  # the planner widens to what keeps being kept
+
+
+def test_bench_prompt_cache_loads_and_recomputes_the_same_first_token(engine, tmp_path):
+    """examples/bench_prompt_cache.py's two paths, on a short prompt from a corpus written here: the saved rows
+    loaded and the prefill computed again reach the same greedy first token, once timed each after a warm-up."""
+    import asyncio
+
+    from examples import bench_prompt_cache as bench
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("It is a truth universally acknowledged, that a single man in possession of a fortune " * 8)
+    path = tmp_path / "prompt.kv"
+    ids = asyncio.run(bench.save(engine.address, corpus, 48, path))
+    timings = asyncio.run(bench.measure(engine.address, engine.proc.pid, ids, path, 1))
+    assert len(ids) == 48 and path.stat().st_size > 47 * 30 * 2 * 3 * 64 * 4  # 47 rows of fp32 K and V
+    load, recompute = timings["load"], timings["recompute"]
+    assert load.tokens == recompute.tokens and len(load.tokens) == 1
+    assert len(load.wall) == len(recompute.cpu) == 1 and min(load.cpu + recompute.cpu) >= 0
+
+
+@pytest.mark.e2e
+def test_soak_serve_quick_leaks_nothing(pie_home, tmp_path):
+    """examples/soak_serve.py for 20 s against a `pie serve` it starts (tiny model, the default model's chat
+    template), its engine SIGKILLed 8 s in: every kind of request went out, nothing answered that should not
+    have (no 5xx but the kill's engine_lost and engine_restarting, no dropped connection, no bad request
+    accepted), a new engine served, the KV pages are back to their start value and it says FLAT or why not."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pie_runtime.store import DEFAULT_MODEL, ModelStore
+    from tests.conftest import TINY
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(ModelStore(pie_home / "models").get(DEFAULT_MODEL).tokenizer.chat_template or "")
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, str(REPO / "examples/soak_serve.py"), "--seconds", "20", "--model", TINY]
+    cmd += ["--oversize-bytes", "70000", "--kill-engine-after", "8", "--json", str(out), "--"]
+    cmd += ["--chat-template", str(template), "--kv-pages", "256", "--pass-cost-rows", "0", "--max-body-bytes", "65536"]
+    done = subprocess.run(cmd, env={**os.environ, "PIE_HOME": str(pie_home)}, capture_output=True, text=True, cwd=REPO)
+    rep = json.loads(out.read_text())
+    assert set(rep["sent"]) == {"stream", "whole", "cancel", "oversized", "malformed"}, done.stdout
+    assert rep["unexpected"] == {}, done.stdout
+    fives = {k.split()[2] for k in rep["outcomes"] if k.split()[1].startswith("5") or "+error" in k.split()[1]}
+    assert fives <= {"engine_lost", "engine_restarting"}
+    kill = rep["engine_kill"]
+    assert kill["restarted"] and kill["new_pid"] != kill["pid"] and kill["health"]["engine"]["restarts"] == 1
+    assert rep["end"]["procs"]["engine"]["pid"] == kill["new_pid"]
+    assert rep["end"]["pages_used"] == rep["start"]["pages_used"]
+    assert {"server", "engine", "hosts"} <= set(rep["start"]["procs"])
+    assert "verdict: " in done.stdout and (done.returncode == 0) == rep["flat"]

@@ -25,3 +25,54 @@ def _status_mib(pid: int | str, field: str) -> float | None:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024  # kB
     return None
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every process below it (children, their children, ...), read from /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+class TreePeak:
+    """The peak of a process tree's summed RSS, sampled every ``interval`` seconds on a thread from ``start()``
+    to ``stop()`` (a sum of each process's VmHWM would overstate it: the processes peak at different times)."""
+
+    def __init__(self, root: int, interval: float = 0.2):
+        import threading
+
+        self.root = root
+        self.interval = interval
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def sample(self) -> float:
+        now = sum(rss_mib(pid) or 0.0 for pid in tree_pids(self.root))
+        self.peak_mib = max(self.peak_mib, now)
+        return now
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> TreePeak:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.peak_mib

@@ -161,5 +161,5 @@ async def _run_all(
     return out
 
 
-def _drop(_text: str) -> None:
+def _drop(_text: str, _logprobs: list[dict] | None = None) -> None:
     """Streamed text goes nowhere: the results carry it."""

@@ -4,13 +4,20 @@
               [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
               [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K |
                                      --draft-suffix K[:ROWS] [--suffix-index FILE]]
-              [--drain-timeout S] [engine options]
+              [--prompt-cache-dir DIR]
+              [--drain-timeout S] [--no-engine-restart | --engine-max-restarts N --engine-restart-window S]
+              [engine options]
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
 ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
 the engine and hosts start in the background (``/health`` is 503 until they are up; "pie serve ready on URL"
 is printed when they are). SIGTERM stops accepting, lets running requests finish for ``--drain-timeout``
 seconds, cancels the rest, and stops the hosts and the engine.
+
+When the engine process dies, the runs in flight fail at once with 503 ``engine_lost`` and a new engine is
+started (with a backoff; at most ``--engine-max-restarts`` within ``--engine-restart-window`` seconds), without
+restarting `pie serve`; ``/health`` reports the engine's state, restarts and last exit (``serve/engine_life.py``).
+Single engine only: under ``--engines N`` Ray restarts engine actors and the router fails a lost one's runs.
 
 ``--engines N`` (or ``--ray-address``) serves N engine replicas as Ray actors behind the cache-aware router
 (``pie_runtime/cluster/``); Ray is imported only then.
@@ -72,6 +79,15 @@ def register(sub) -> None:
     p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
     p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
     p.add_argument("--upload-open-files", type=int, default=256, help="open files an upload host gets")
+    p.add_argument(
+        "--no-engine-restart",
+        action="store_true",
+        help="when the engine dies, stay unhealthy (503) instead of starting a new one",
+    )
+    p.add_argument(
+        "--engine-max-restarts", type=int, default=5, help="engine restarts allowed within --engine-restart-window"
+    )
+    p.add_argument("--engine-restart-window", type=float, default=300.0, help="seconds (see --engine-max-restarts)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask for")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens a request may generate")
@@ -79,6 +95,12 @@ def register(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=512, help="waiting requests past which new ones get 503")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument(
+        "--prompt-cache-dir",
+        type=Path,
+        default=None,
+        help="a folder of saved prompt caches: requests save and start from them by name (off without it)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: NAME)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_options(p)
@@ -192,8 +214,18 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         served_name=args.served_model_name,
+        prompt_cache_dir=_prompt_cache_dir(args.prompt_cache_dir),
     )
     return config, Quotas(keys, default), template
+
+
+def _prompt_cache_dir(folder: Path | None) -> Path | None:
+    """``--prompt-cache-dir``, made if missing and resolved (the hosts get absolute paths)."""
+    if folder is None:
+        return None
+    folder = folder.expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:
@@ -218,10 +250,16 @@ def _backend(args: argparse.Namespace, spec: EngineSpec, template: str | None, u
     """One engine and its hosts, or with --engines N (or --ray-address) N engines as Ray actors behind the
     cache-aware router; ValueError when Ray is missing or --listen asks for what replicas cannot do."""
     from ..serve.backend import Backend
+    from ..serve.engine_life import RestartPolicy
 
     common = dict(workers=args.workers, inferlet_dirs=list(args.inferlets), chat_template=template, uploads=uploads)
     if not (args.engines > 1 or args.ray_address):
-        return Backend(spec, **common)
+        restart = RestartPolicy(
+            enabled=not args.no_engine_restart,
+            max_restarts=args.engine_max_restarts,
+            window_s=args.engine_restart_window,
+        )
+        return Backend(spec, **common, restart=restart)
     try:
         from ..cluster.backend import ClusterBackend, init_ray  # imports Ray: only here
     except ImportError as e:

@@ -124,6 +124,11 @@ class ClusterBackend(Backend):
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("startup failed: %s", self.error)
 
+    def engine_health(self) -> None:
+        """None: Ray restarts the engine actors (``max_restarts``), the pool fails a lost engine's runs with
+        ``engine_lost`` (503) and /metrics shows each engine's ``pie_engine_up``."""
+        return None
+
     async def engine_stats(self) -> dict[str, dict[str, Any]] | None:
         """Every live engine's ``stats``, by engine name, asked on its own wire (not through its actor, whose
         calls are its health checks'); one that does not answer now shows its last reply. A lost engine's are

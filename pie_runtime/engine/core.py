@@ -15,6 +15,7 @@ there is work; a request is answered at once, except a fire, answered by the ste
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from ..protocol import ErrorCode, PieError
@@ -144,7 +145,7 @@ class EngineCore:
                     "pages_free": served.pages.free,
                     "queued": len(served.queue),
                     "prefix_cache": self._prefix_stats(served).model_dump(),
-                    "kv": m.KVStats(pages_used=served.pages.used, pages_total=served.pages.total).model_dump(),
+                    "kv": self._kv_stats([served]).model_dump(),
                     "state_slots": {
                         "used": served.states.used if served.states is not None else 0,
                         "total": served.states.total if served.states is not None else 0,
@@ -153,15 +154,22 @@ class EngineCore:
                 for served in self.models
             },
             "prefix_cache": self._prefix_totals().model_dump(),
-            "kv": m.KVStats(
-                pages_used=sum(served.pages.used for served in self.models),
-                pages_total=sum(served.pages.total for served in self.models),
-            ).model_dump(),
+            "kv": self._kv_stats(list(self.models)).model_dump(),
             "speculation": {
                 name: {inferlet: t.as_dict() for inferlet, t in by_inferlet.items()}
                 for name, by_inferlet in self.spec_totals.items()
             },
         }
+
+    @staticmethod
+    def _kv_stats(models: list[ServedModel]) -> m.KVStats:
+        """The KV pools of ``models``, summed: pages and the edit totals (kv_pages.KVEdits)."""
+        edits = [asdict(served.pages.edits) for served in models]
+        return m.KVStats(
+            pages_used=sum(served.pages.used for served in models),
+            pages_total=sum(served.pages.total for served in models),
+            **{f: sum(e[f] for e in edits) for f in edits[0]} if edits else {},
+        )
 
     @staticmethod
     def _prefix_stats(served: ServedModel) -> m.PrefixCacheStats:

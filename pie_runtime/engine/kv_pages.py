@@ -11,6 +11,7 @@ it is shared or named. This module knows page handles and row counts, never tens
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from .page_pool import PagePool
 from .prefix_cache import PageChain, PrefixCache
@@ -20,6 +21,21 @@ CopyPages = Callable[[list[int], list[int]], None]  # (source pages, destination
 CopySlots = Callable[[list[int], list[int]], None]  # (source slots, destination slots): page * page_size + offset
 
 
+@dataclass
+class KVEdits:
+    """Running totals of the edits of this pool's working sets (the engine's ``stats``, ``/metrics``)."""
+
+    evicted_rows: int = 0
+    evicted_pages: int = 0  # pages evictions gave back to the pool (net of the fresh pages they assembled)
+    restored_working_sets: int = 0
+    restored_rows: int = 0
+
+    def restored(self, start: int, rows: int) -> None:
+        """``rows`` saved rows appended at row ``start``: a restore when they are the working set's first."""
+        self.restored_working_sets += start == 0 and rows > 0
+        self.restored_rows += rows
+
+
 class KVPages:
     def __init__(self, pool: PagePool, page_size: int, copy_pages: CopyPages, copy_slots: CopySlots | None = None):
         self.pool = pool
@@ -27,6 +43,7 @@ class KVPages:
         self.copy_pages = copy_pages
         self.copy_slots = copy_slots
         self.cache: PrefixCache | None = None
+        self.edits = KVEdits()
 
     def enable_prefix_cache(self, model: str) -> None:
         """Names full committed pages from now on, and lets a first fire reuse them (``map_prefix``)."""
@@ -160,6 +177,8 @@ class KVPages:
         ws.pages = table
         ws.chain.wrote(first, None, ps)  # the rows from the first dropped one are no prefix any more
         ws.committed, ws.dropped = len(keep), ws.dropped + len(drop)
+        self.edits.evicted_rows += len(drop)
+        self.edits.evicted_pages += len(gone) - len(fresh)
         return len(gone) - len(fresh)
 
     def release(self, ws: WorkingSet) -> None:

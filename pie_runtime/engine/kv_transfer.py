@@ -79,6 +79,7 @@ class KVTransferRequests:
         if rows:
             served.runner.write_slots(served.pages.slots(ws.pages, range(start, start + rows)), k, v)
         served.pages.wrote(ws, start, None)  # the prefix cache names none of these rows, nor any after them
+        served.pages.edits.restored(start, rows)
         ws.committed, ws.dropped = start + rows, dropped
         return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages)}
 

@@ -441,7 +441,13 @@ class PrefixCacheStats(BaseModel):
 
 class KVStats(BaseModel):
     """A model's KV pool in ``stats``: pages working sets hold, of the pool's total (idle cached pages are not
-    used: a reserve evicts them)."""
+    used: a reserve evicts them), and the running totals of KV edits: committed rows dropped by ``ws_evict``
+    and the pages those evictions gave back, working sets restored from saved K/V (a ``ws_append_kv`` into an
+    empty working set) and the rows appended."""
 
     pages_used: int
     pages_total: int
+    evicted_rows: int = 0
+    evicted_pages: int = 0
+    restored_working_sets: int = 0
+    restored_rows: int = 0

@@ -2,12 +2,13 @@
 inferlet runs. ``create_app`` builds the app over a ``Backend`` that starts in the background; every route
 that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an API key when keys are set.
 
-    GET  /health                      200 serving, 503 loading or draining
+    GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /v1/models
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
     POST /tokenize, /detokenize
     GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
+    GET, POST /v1/prompt_caches;  GET, DELETE /v1/prompt_caches/{name}   (--prompt-cache-dir: prompt_caches.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -45,6 +47,8 @@ from .openai_api import (
     sse_or,
 )
 from .policies import Capabilities, Policy
+from .prompt_cache_routes import add_prompt_cache_routes
+from .prompt_caches import PromptCaches, disabled, start_from
 from .runs import Runs
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
 
@@ -72,6 +76,7 @@ class ServerConfig(BaseModel):
     max_waiting: int = Field(default=512, ge=0)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
     served_name: str | None = None  # the model id clients use (default: the store name)
+    prompt_cache_dir: Path | None = None  # saved prompt caches (prompt_caches.py); None: off
 
 
 class Server:
@@ -85,6 +90,8 @@ class Server:
         self.created = int(time.time())
         self._runs: Runs | None = None
         self._upload_runs: Runs | None = None
+        folder = config.prompt_cache_dir
+        self.prompt_caches = PromptCaches(folder) if folder is not None else None
 
     @property
     def model_id(self) -> str:
@@ -94,6 +101,8 @@ class Server:
         b = self.backend
         if b.state == "draining":
             raise unavailable("the server is shutting down", "draining")
+        if b.state == "restarting":
+            raise unavailable(f"{b.error}; it is being restarted, try again shortly", "engine_restarting")
         if b.state != "ready" or b.pool is None:
             raise unavailable(
                 "the model is loading" if b.state == "starting" else f"not serving: {b.error}", "starting"
@@ -101,6 +110,7 @@ class Server:
         if self._runs is None:
             c = self.config
             self._runs = Runs(b.pool, self.metrics, b.model, c.max_running, c.max_waiting)
+        self._runs.pool = b.pool  # a restarted engine's
         return self._runs
 
     def upload_runs(self) -> Runs | None:
@@ -111,7 +121,15 @@ class Server:
         if self._upload_runs is None:
             c = self.config
             self._upload_runs = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
+        self._upload_runs.pool = pool
         return self._upload_runs
+
+    def prompt_cache(self, name: str) -> Path:
+        """The saved prompt cache ``name``, checked against the served model (prompt_caches.py's refusals)."""
+        if self.prompt_caches is None:
+            raise disabled()
+        assert self.backend.info is not None  # runs() checked the backend is ready
+        return self.prompt_caches.checked(name, self.backend.info, "prompt_cache")
 
     def limits(self) -> Limits:
         info = self.backend.info
@@ -149,19 +167,21 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
     _add_openai_routes(v1, server, api_key)
     add_inferlet_routes(v1, server, api_key)
+    add_prompt_cache_routes(v1, server, api_key)
     app.include_router(v1)
     return app
 
 
 def _add_probe_routes(app: FastAPI, server: Server) -> None:
-    """/health (200 serving, 503 loading or draining) and /metrics (Prometheus text)."""
+    """/health (200 serving; 503 loading, restarting the engine, failed or draining; the engine's life in
+    ``engine``) and /metrics (Prometheus text)."""
     backend = server.backend
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not serving"}})
     async def health() -> Response:
         state = backend.state
-        body = Health(status=state, error=backend.error).model_dump(exclude_none=True)
-        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+        body = Health(status=state, error=backend.error, engine=backend.engine_health())
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if state == "ready" else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
     async def metrics() -> Response:
@@ -169,7 +189,7 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
         model = backend.model
         server.metrics.running.labels(model=model).set(runs.running if runs else 0)
         server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
-        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts())
+        page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts(), backend.engine_health())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -235,6 +255,8 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         server.check_model(req.model)
         tok = _tokenizer(backend)
         job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        if req.prompt_cache is not None:
+            job = start_from(job, req, server.prompt_cache(req.prompt_cache))
         lease = server.admit(key, job)
         events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id

@@ -4,6 +4,10 @@ connection (``hello`` for the model's facts, ``tokenizer``, ``stats`` for /metri
 ``Backend.start()`` runs in the background after the listener binds, so ``/health`` answers 503 while the
 model loads; ``close()`` drains the pool, closes it (no host outlives it) and stops the engine.
 
+Once up, a watcher waits on the engine process. When it dies (state ``restarting``) the runs in flight fail at
+once with ``engine_lost`` (503), the hosts and the server's connection go with it, and a new engine, connection
+and pools are brought up as the ``RestartPolicy`` allows (``engine_life.py``); past it the state is ``failed``.
+
 With uploads allowed (``Uploads``), a second pool runs the uploaded files, from a folder of the server's own,
 in hosts under resource limits and without the server's environment (no keys, no tokens but the engine's).
 """
@@ -11,7 +15,11 @@ in hosts under resource limits and without the server's environment (no keys, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,13 +29,14 @@ from inferlet.tokenizer import Tokenizer
 
 from ..launcher import EmbeddedEngine
 from ..protocol.messages import PROTOCOL_VERSION, ModelInfo
-from .host_pool import HostPool
+from .engine_life import EngineExit, EngineState, EngineStatus, RestartPolicy, Restarts
+from .host_pool import HostPool, RunFailed
 from .limits import HostLimits
 from .metrics import ClusterCounts
 
 log = logging.getLogger("pie.serve")
 
-State = Literal["starting", "ready", "draining", "failed"]
+State = Literal["starting", "ready", "restarting", "draining", "failed"]
 
 
 @dataclass
@@ -59,6 +68,7 @@ class Backend:
         limits: HostLimits | None = None,
         chat_template: str | None = None,
         uploads: Uploads | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         self.spec = engine
         self.workers = workers
@@ -74,44 +84,124 @@ class Backend:
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self._client: Client | None = None
+        self.restart = restart or RestartPolicy()
+        self._restarts = Restarts(self.restart)
+        self.engine_status = EngineStatus()
+        self._watcher: asyncio.Task | None = None
 
     @property
     def model(self) -> str:
         return self.spec.models[0]
 
     async def start(self) -> None:
-        """Starts the engine and the hosts; on failure the state is ``failed`` with the reason in ``error``."""
+        """Starts the engine and the hosts; on failure the state is ``failed`` with the reason in ``error``.
+        Once up, a watcher restarts the engine when it dies (``engine_life.py``)."""
         try:
-            self.engine = await asyncio.to_thread(self._start_engine)
-            address = self.engine.address
-            self._client = Client(address)
-            hello = await self._client.request(
-                "hello", version=PROTOCOL_VERSION, client="pie-serve", token=self.spec.token
-            )
-            infos = [ModelInfo.model_validate(m) for m in hello["models"]]
-            self.info = next(i for i in infos if i.name == self.model)
-            tok_json = (await self._client.request("tokenizer", model=self.model))["tokenizer_json"]
-            self.tokenizer = Tokenizer(
-                tok_json,
-                self.info.eos_token_ids,
-                self.info.bos_token_id,
-                self.chat_template or self.info.chat_template,
-            )
-            self.pool = HostPool(
-                address, self.workers, token=self.spec.token, inferlet_dirs=self.inferlet_dirs, limits=self.limits
-            )
-            await self.pool.start()
-            if self.uploads is not None:
-                self.uploads.folder.mkdir(parents=True, exist_ok=True)
-                self.upload_pool = HostPool(
-                    address, 1, token=self.spec.token, inferlet_dirs=[self.uploads.folder], limits=self.uploads.limits
-                )
-                await self.upload_pool.start()
+            await self._bring_up()
             self.state = "ready"
             log.info("serving %s", self.model)
+            self._watcher = asyncio.create_task(self._watch())
         except Exception as e:  # noqa: BLE001 - any failure to start is reported, never raised into uvicorn
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            self._set_engine("down")
             log.error("startup failed: %s", self.error)
+
+    async def _bring_up(self) -> None:
+        """A new engine, the server's connection to it (the model's facts, its tokenizer) and the host pools."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine))
+        try:
+            engine = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the server closes mid-start: the engine the thread brings up is stopped
+            starting.add_done_callback(_stop_when_up)
+            raise
+        self.engine = engine
+        self._set_engine("up", pid=engine.proc.pid)
+        address = engine.address
+        self._client = Client(address)
+        hello = await self._client.request("hello", version=PROTOCOL_VERSION, client="pie-serve", token=self.spec.token)
+        infos = [ModelInfo.model_validate(m) for m in hello["models"]]
+        self.info = next(i for i in infos if i.name == self.model)
+        tok_json = (await self._client.request("tokenizer", model=self.model))["tokenizer_json"]
+        self.tokenizer = Tokenizer(
+            tok_json, self.info.eos_token_ids, self.info.bos_token_id, self.chat_template or self.info.chat_template
+        )
+        self.pool = HostPool(
+            address, self.workers, token=self.spec.token, inferlet_dirs=self.inferlet_dirs, limits=self.limits
+        )
+        await self.pool.start()
+        if self.uploads is not None:
+            self.uploads.folder.mkdir(parents=True, exist_ok=True)
+            self.upload_pool = HostPool(
+                address, 1, token=self.spec.token, inferlet_dirs=[self.uploads.folder], limits=self.uploads.limits
+            )
+            await self.upload_pool.start()
+
+    def engine_health(self) -> EngineStatus | None:
+        """``/health``'s ``engine`` object (None: engines are watched elsewhere, as Ray's under --engines N)."""
+        return self.engine_status
+
+    def _set_engine(self, state: EngineState, **fields: Any) -> None:
+        self.engine_status = self.engine_status.model_copy(update={"state": state, "since": time.time(), **fields})
+
+    async def _watch(self) -> None:
+        """Waits for the engine to exit; unless the server is closing, fails the runs in flight with
+        ``engine_lost`` and starts a new engine (the restart policy permitting)."""
+        while self.engine is not None:
+            code = await asyncio.to_thread(self.engine.proc.wait)
+            if self.state == "draining":
+                return
+            end = EngineExit.of(code)
+            log.error("the engine (pid %s) died: %s", self.engine.proc.pid, end.describe())
+            self.state, self.error = "restarting", f"the engine {end.describe()}"
+            self._set_engine("restarting", pid=None, last_exit=end)
+            await self._drop(RunFailed("engine_lost", f"the engine process {end.describe()}; the server restarts it"))
+            if not await self._restart():
+                return
+
+    async def _drop(self, failure: RunFailed) -> None:
+        """Ends everything that stood on the dead engine: its runs (with ``failure``), hosts and connection."""
+        pools = [p for p in (self.pool, self.upload_pool) if p is not None]
+        self.pool = self.upload_pool = None
+        await asyncio.gather(*(p.close(kill=True, failure=failure) for p in pools))
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)  # reaps it; its stderr thread ends
+            if self.engine.address.startswith("ipc://"):  # a killed engine leaves its socket file behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.engine.address.removeprefix("ipc://"))
+
+    async def _restart(self) -> bool:
+        """Starts engines until one is up (True) or the policy allows no more (False: ``failed``)."""
+        while self.state == "restarting":
+            pause = self._restarts.next_pause(time.monotonic())
+            if pause is None:
+                why = "--no-engine-restart" if not self.restart.enabled else self._cap()
+                self.state, self.error = "failed", f"{self.error}; not restarted ({why})"
+                self._set_engine("down")
+                log.error("%s", self.error)
+                return False
+            await asyncio.sleep(pause)
+            if self.state != "restarting":
+                return False  # the server is closing
+            self._restarts.record(time.monotonic())
+            self._set_engine("starting", restarts=self.engine_status.restarts + 1)
+            try:
+                await self._bring_up()
+            except Exception as e:  # noqa: BLE001 - a failed start counts against the budget; try again
+                log.error("the engine restart failed: %s", e)
+                self._set_engine("restarting", last_error=f"{type(e).__name__}: {e}")
+                await self._drop(RunFailed("engine_lost", "the engine restart failed"))
+                continue
+            self.state, self.error = "ready", None
+            log.info("the engine is up again (pid %s)", self.engine_status.pid)
+            return True
+        return False
+
+    def _cap(self) -> str:
+        p = self.restart
+        return f"{p.max_restarts} restarts within {p.window_s:g} s already"
 
     def _start_engine(self) -> EmbeddedEngine:
         extra = list(self.spec.args)
@@ -146,6 +236,9 @@ class Backend:
 
     async def close(self, drain_timeout: float) -> None:
         self.state = "draining"
+        if self._watcher is not None:
+            self._watcher.cancel()  # a restart under way stops; what it brought up is closed below
+            await asyncio.gather(self._watcher, return_exceptions=True)
         pools = [p for p in (self.pool, self.upload_pool) if p is not None]
         try:
             await asyncio.gather(*(p.drain(drain_timeout) for p in pools))
@@ -156,3 +249,10 @@ class Backend:
             self._client.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        self._set_engine("stopped", pid=None)
+
+
+def _stop_when_up(started: asyncio.Future[EmbeddedEngine]) -> None:
+    """Stops the engine a cancelled start brought up anyway (on a thread: stopping waits for its exit)."""
+    if not started.cancelled() and started.exception() is None:
+        threading.Thread(target=started.result().stop).start()

@@ -7,7 +7,8 @@ one msgpack map a message, ``{"t": kind, ...}``, validated by these pydantic mod
 that does not validate is dropped and logged, never trusted).
 
     server → host:  run {run, inferlet, path, args}  ·  cancel {run}  ·  stop
-    host → server:  ready {pid}  ·  hb  ·  text {run, text}  ·  result {run, result}  ·  error {run, code, message}
+    host → server:  ready {pid}  ·  hb  ·  text {run, text, logprobs?}  ·  result {run, result}
+                    ·  error {run, code, message}
 
 A host sends ``hb`` from its event loop every heartbeat interval: a host whose loop is blocked (an inferlet
 spinning without awaiting) misses them, and the server kills and restarts it.
@@ -57,6 +58,7 @@ class Text(_Msg):
     t: Literal["text"] = "text"
     run: str
     text: str
+    logprobs: list[dict[str, Any]] | None = None  # its tokens' logprobs entries, when the run records them
 
 
 class Result(_Msg):

@@ -222,7 +222,8 @@ def speculation(result: dict[str, Any]) -> Speculation | None:
     return Speculation.model_validate(spec) if isinstance(spec, dict) else None
 
 
-def _entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
+def entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A choice's (or a text event's) logprobs entries: ``{"token_id", "logprob", "top": [[id, lp], ...]}``."""
     return [e for e in choice.get("logprobs") or [] if isinstance(e, dict)]
 
 
@@ -230,13 +231,13 @@ def _piece(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id])
 
 
-def completion_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> CompletionLogprobs | None:
-    entries = _entries(choice)
-    if not entries:
+def completion_logprobs(tok: Tokenizer, chosen: list[dict[str, Any]], offset: int = 0) -> CompletionLogprobs | None:
+    """Completions' logprobs of the entries ``chosen``; ``offset``: the text offset of the first one's token
+    (a streamed chunk's continue the chunks' before it)."""
+    if not chosen:
         return None
     out = CompletionLogprobs()
-    offset = 0
-    for e in entries:
+    for e in chosen:
         piece = _piece(tok, int(e["token_id"]))
         out.tokens.append(piece)
         out.token_logprobs.append(float(e["logprob"]))
@@ -246,9 +247,9 @@ def completion_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> CompletionLog
     return out
 
 
-def chat_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> ChatLogprobs | None:
-    entries = _entries(choice)
-    if not entries:
+def chat_logprobs(tok: Tokenizer, chosen: list[dict[str, Any]]) -> ChatLogprobs | None:
+    """Chat's logprobs (``content``) of the entries ``chosen``."""
+    if not chosen:
         return None
 
     def top(token_id: int, lp: float) -> TopLogprob:
@@ -256,7 +257,7 @@ def chat_logprobs(tok: Tokenizer, choice: dict[str, Any]) -> ChatLogprobs | None
         return TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
 
     content = []
-    for e in entries:
+    for e in chosen:
         first = top(int(e["token_id"]), float(e["logprob"]))
         alts = [top(int(i), float(lp)) for i, lp in e.get("top") or []]
         content.append(TokenLogprob(**first.model_dump(), top_logprobs=alts))

@@ -69,6 +69,7 @@ class RunEvent:
     kind: Literal["text", "result"]
     text: str = ""
     result: dict | None = None
+    logprobs: list[dict] | None = None  # a text event's tokens' logprobs entries, when the run records them
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PooledRun:
     events: asyncio.Queue[RunEvent | RunFailed] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     host: _Host | None = None
+    start: bytes = b""  # its StartRun, encoded once (and checked to decode) when it was handed to the pool
 
 
 class HostPool:
@@ -138,11 +140,12 @@ class HostPool:
         self._runs: dict[str, PooledRun] = {}  # waiting and running
         self._waiting: deque[PooledRun] = deque()
         self._tasks: list[asyncio.Task] = []
-        self._outbox: asyncio.Queue[tuple[_Host, c.StartRun | c.CancelRun | c.Stop]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[_Host, c.CancelRun | c.Stop | bytes]] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
         self._closed = False
+        self._failure: RunFailed | None = None
         self._restarts = 0
         self._spawns = itertools.count()
 
@@ -194,7 +197,7 @@ class HostPool:
         early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
         with one engine; ``cluster.pool.ClusterPool`` routes by it."""
         if self._draining:
-            raise RunFailed("overloaded", "the server is shutting down")
+            raise self._failure or RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
         if path is None:
             raise RunFailed("not_found", f"no inferlet named {inferlet!r}")
@@ -203,8 +206,8 @@ class HostPool:
         run_id = run_id or uuid.uuid4().hex
         if run_id in self._runs:
             raise RunFailed("bad_arguments", f"run id {run_id!r} is in use")
-        _check_carried(run_id, inferlet, path, args)
-        run = PooledRun(run_id, inferlet, path, dict(args))
+        start = _check_carried(run_id, inferlet, path, args)
+        run = PooledRun(run_id, inferlet, path, dict(args), start=start)
         self._runs[run_id] = run
         self._idle.clear()
         self._waiting.append(run)
@@ -253,13 +256,15 @@ class HostPool:
             self._abandon(run)
         await self._idle.wait()
 
-    async def close(self, kill: bool = False) -> None:
+    async def close(self, kill: bool = False, failure: RunFailed | None = None) -> None:
         """Stops every host (asked, then killed; ``kill``: killed at once, as when their engine is gone and
-        they could not release anything) and waits for each to exit: no child outlives this."""
+        they could not release anything) and waits for each to exit: no child outlives this. ``failure``: every
+        run waiting or running ends with it at once (its engine died), else "cancelled" as each host stops."""
         self._draining = True
         self._closed = True
-        for run in list(self._waiting):
-            self._finish(run, RunFailed("cancelled", "the server closed"))
+        self._failure = failure  # what a run asked of this pool from now on fails with
+        for run in list(self._runs.values()) if failure is not None else list(self._waiting):
+            self._finish(run, failure or RunFailed("cancelled", "the server closed"))
         for host in list(self._hosts.values()):
             if host.is_ready and not kill:
                 self._post(host, c.Stop())
@@ -311,8 +316,7 @@ class HostPool:
             run = self._waiting.popleft()
             run.host = host
             host.runs[run.run_id] = run
-            msg = c.StartRun(run=run.run_id, inferlet=run.inferlet, path=str(run.path), args=run.args)
-            self._post(host, msg)
+            self._post(host, run.start)
 
     def _abandon(self, run: PooledRun) -> None:
         """Ends a run from our side: a waiting one at once, a running one by asking its host to cancel it."""
@@ -350,7 +354,7 @@ class HostPool:
             if run is None:
                 return  # a run already failed or abandoned on our side
             if isinstance(msg, c.Text):
-                run.events.put_nowait(RunEvent("text", text=msg.text))
+                run.events.put_nowait(RunEvent("text", text=msg.text, logprobs=msg.logprobs))
             elif isinstance(msg, c.Result):
                 result = msg.result if isinstance(msg.result, dict) else {"value": msg.result}
                 self._finish(run, RunEvent("result", result=result))
@@ -373,8 +377,9 @@ class HostPool:
                 continue
             self._on_message(host, msg)
 
-    def _post(self, host: _Host, msg: c.StartRun | c.CancelRun | c.Stop) -> None:
-        """Queues a message to ``host``; one sender keeps them in order (a cancel never overtakes its run)."""
+    def _post(self, host: _Host, msg: c.CancelRun | c.Stop | bytes) -> None:
+        """Queues a message (or an encoded one) to ``host``; one sender keeps them in order (a cancel never
+        overtakes its run)."""
         self._outbox.put_nowait((host, msg))
 
     async def _send(self) -> None:
@@ -382,7 +387,8 @@ class HostPool:
         while True:
             host, msg = await self._outbox.get()
             if host.proc.returncode is None:  # a message to a dead host has nobody to act on it
-                await self._sock.send_multipart([host.spawn_id.encode(), c.encode(msg)])
+                data = msg if isinstance(msg, bytes) else c.encode(msg)
+                await self._sock.send_multipart([host.spawn_id.encode(), data])
 
     # --- hosts ---
 
@@ -494,10 +500,13 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def _check_carried(run_id: str, inferlet: str, path: Path, args: dict) -> None:
-    """Raises RunFailed when the arguments would not arrive: a message that does not encode, or that a host
-    drops because it does not decode (map keys that are not strings, say), would leave the run waiting."""
+def _check_carried(run_id: str, inferlet: str, path: Path, args: dict) -> bytes:
+    """The run's StartRun, encoded; raises RunFailed when the arguments would not arrive: a message that does
+    not encode, or that a host drops because it does not decode (map keys that are not strings, say), would
+    leave the run waiting."""
     try:
-        c.decode_to_host(c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args)))
+        data = c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args))
+        c.decode_to_host(data)
+        return data
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int past 64 bits
         raise RunFailed("bad_arguments", f"the run's arguments cannot be sent to a host: {e}") from None

@@ -89,9 +89,9 @@ class Host:
         self.runs[msg.run] = task
 
     async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any) -> None:
-        def sink(text: str) -> None:
+        def sink(text: str, logprobs: list[dict] | None = None) -> None:
             if text:
-                self.outbox.put_nowait(c.Text(run=run_id, text=text))
+                self.outbox.put_nowait(c.Text(run=run_id, text=text, logprobs=logprobs))
 
         try:
             result = await run_in_context(fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id)
@@ -161,7 +161,10 @@ def _coalesce(batch: list[Any]) -> list[Any]:
     for msg in batch:
         prev = out[-1] if out else None
         if isinstance(msg, c.Text) and isinstance(prev, c.Text) and prev.run == msg.run:
-            out[-1] = c.Text(run=msg.run, text=prev.text + msg.text)
+            lps = (
+                None if prev.logprobs is None and msg.logprobs is None else (prev.logprobs or []) + (msg.logprobs or [])
+            )
+            out[-1] = c.Text(run=msg.run, text=prev.text + msg.text, logprobs=lps)
         else:
             out.append(msg)
     return out

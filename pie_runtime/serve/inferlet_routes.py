@@ -8,7 +8,9 @@
 
 Code runs only from the server's own folders. An uploaded file goes to the server's upload folder and runs in
 the upload pool's hosts (resource limits, no server environment), never beside the other runs; it cannot
-take a shipped or custom inferlet's name. The run id comes back in the ``x-pie-run-id`` header.
+take a shipped or custom inferlet's name. A prompt-cache run's ``load`` is a cache name of
+``--prompt-cache-dir``, resolved by the server (prompt_cache_routes.py), and it saves only through
+``POST /v1/prompt_caches``. The run id comes back in the ``x-pie-run-id`` header.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from ..launcher import shipped_inferlets
 from .disconnect import unless_disconnected
 from .errors import APIError, not_found
 from .openai_api import InferletCard, InferletList, RunCancelled, RunRequest, RunResponse, sse_or
+from .prompt_cache_routes import run_args
+from .prompt_caches import PROMPT_CACHE
 from .streams import prime, sse, sse_response
 
 if TYPE_CHECKING:
@@ -98,9 +102,10 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
     async def run(request: Request, name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
         arrival = time.monotonic()
         runs = runs_for(name)
+        args = run_args(server, req.args) if name == PROMPT_CACHE and runs is server.runs() else req.args
         lease = server.quotas.admit(key, 0, 0)
         run_id = runs.new_id()
-        events = runs.events(name, req.args, lease, run_id=run_id, arrival=arrival)
+        events = runs.events(name, args, lease, run_id=run_id, arrival=arrival)
         headers = {"x-pie-run-id": run_id}
         if req.stream:
             first = await unless_disconnected(request, prime(events))

@@ -6,11 +6,13 @@ Two sources:
   a stream, which may carry several tokens under speculation; end-to-end; queue time: from arrival until the
   run is handed to a host), labelled by model and inferlet;
 - what only the engine knows, read from its ``stats`` op when the page is scraped: KV pages used and their
-  ratio, the speculation totals the runs reported (``spec_report``) per model and inferlet, and the prefix
+  ratio, the KV edits (rows evicted and the pages that gave back, working sets and rows restored from saved K/V),
+  the speculation totals the runs reported (``spec_report``) per model and inferlet, and the prefix
   cache's queries and hits. They are exposed as the engine's own running totals (a custom collector), so the
   counters are exactly the engine's. Under ``pie serve --engines N`` every engine's, each with an ``engine``
   label, and the router's counts (``ClusterCounts``): placements by engine and reason, cache-aware hits,
-  imbalance-guard fires, refusals, unplaced runs, retries, and each engine's liveness and runs in flight.
+  imbalance-guard fires, refusals, unplaced runs, retries, and each engine's liveness and runs in flight;
+- the one engine's life under a single-engine server: up or not, and how many times it was restarted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from .engine_life import EngineStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -44,6 +48,7 @@ class EngineCollector(Collector):
         queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
         hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
         spec = _Speculation(by)
+        edits = _KVEdits(by)
         for engine, s in self.stats.items():
             key = [engine] if by else []
             models: dict[str, dict] = s.get("models") or {}
@@ -55,9 +60,34 @@ class EngineCollector(Collector):
                 cache = m.get("prefix_cache") or (s.get("prefix_cache") if len(models) == 1 else None) or {}
                 queries.add_metric([*key, name], float(cache.get("queries", 0)))
                 hits.add_metric([*key, name], float(cache.get("hits", 0)))
+                edits.add([*key, name], m.get("kv") or {})
             spec.add(key, s.get("speculation") or {})
         yield from (used, ratio, queries, hits)
+        yield from edits.families()
         yield from spec.families()
+
+
+class _KVEdits:
+    """The KV edits the engine counted (its ``stats``' ``kv``, engine/kv_pages.py ``KVEdits``), per model."""
+
+    NAMES = {  # stats field → (metric, help)
+        "evicted_rows": ("pie_kv_evicted_rows", "committed KV rows dropped by evictions (ws_evict)"),
+        "evicted_pages": ("pie_kv_evicted_pages", "KV pages evictions gave back to the pool"),
+        "restored_working_sets": ("pie_kv_restored_working_sets", "working sets restored from saved K/V"),
+        "restored_rows": ("pie_kv_restored_rows", "KV rows restored from saved K/V"),
+    }
+
+    def __init__(self, by: list[str]) -> None:
+        self.counters = {
+            field: CounterMetricFamily(name, text, labels=[*by, "model"]) for field, (name, text) in self.NAMES.items()
+        }
+
+    def add(self, key: list[str], kv: dict[str, Any]) -> None:
+        for field, counter in self.counters.items():
+            counter.add_metric(key, float(kv.get(field, 0)))
+
+    def families(self):
+        return tuple(self.counters.values())
 
 
 class _Speculation:
@@ -152,6 +182,27 @@ class ClusterCollector(Collector):
         yield from (up, flight, placed, hits, guard, refused, unplaced, retries)
 
 
+class EngineLifeCollector(Collector):
+    """The one engine's life (``engine_life.EngineStatus``, set right before each scrape): ``pie_engine_up``
+    (1 while an engine serves) and ``pie_engine_restarts_total``. Nothing under --engines N, whose engines'
+    liveness is the ClusterCollector's ``pie_engine_up{engine}``."""
+
+    def __init__(self) -> None:
+        self.status: EngineStatus | None = None
+
+    def update(self, status: EngineStatus | None) -> None:
+        self.status = status
+
+    def collect(self):
+        if self.status is None:
+            return
+        up = GaugeMetricFamily("pie_engine_up", "1 while the engine process serves")
+        up.add_metric([], 1.0 if self.status.state == "up" else 0.0)
+        restarts = CounterMetricFamily("pie_engine_restarts", "engines started again after one died")
+        restarts.add_metric([], float(self.status.restarts))
+        yield from (up, restarts)
+
+
 class Metrics:
     """The server's metrics; ``render()`` is the page."""
 
@@ -179,11 +230,19 @@ class Metrics:
         r.register(self.engine)
         self.cluster = ClusterCollector()
         r.register(self.cluster)
+        self.life = EngineLifeCollector()
+        r.register(self.life)
 
-    def render(self, engine_stats: dict[str, dict[str, Any]] | None, cluster: ClusterCounts | None = None) -> bytes:
+    def render(
+        self,
+        engine_stats: dict[str, dict[str, Any]] | None,
+        cluster: ClusterCounts | None = None,
+        life: EngineStatus | None = None,
+    ) -> bytes:
         """The page; ``engine_stats``: engine name (``""`` for the one engine) → its ``stats`` reply, None to
-        show the last ones again."""
+        show the last ones again; ``life``: the one engine's state and restarts (None under --engines N)."""
         if engine_stats is not None:
             self.engine.update(engine_stats)
         self.cluster.update(cluster)
+        self.life.update(life)
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
 """The OpenAI wire schemas of `pie serve`: request bodies (validated by pydantic: a wrong type or range is a
 400 ``invalid_request_error`` naming the field) and the response and stream-chunk objects.
 
-Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``) and pie's own extension
+Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``) and pie's own extensions
 ``speculation``: ``false`` turns speculation off for the request, ``{"method": "lookup" | "draft" | "mtp" |
-"suffix", "k": K}`` asks for it. Responses under speculation carry a ``speculation`` object.
+"suffix", "k": K}`` asks for it (responses under speculation carry a ``speculation`` object); and
+``prompt_cache``: the name of a saved prompt cache to start from (prompt_caches.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from .engine_life import EngineStatus
 
 TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
 TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
@@ -65,6 +68,16 @@ class _Sampling(_Wire):
     user: str | None = None
     speculation: Literal[False] | SpeculationRequest | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice's token ids
+    prompt_cache: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
+        description=(
+            "pie's extension: start from the saved prompt cache of this name (POST /v1/prompt_caches; the server "
+            "needs --prompt-cache-dir). The prompt is still the whole prompt: the run keeps the cached rows it "
+            "starts with and computes the rest (usage.prompt_tokens_details.cached_tokens says how many came from "
+            "the cache). A name, never a path; a cache of another model or format is a 400 kv_mismatch."
+        ),
+    )
 
     @field_validator("stop")
     @classmethod
@@ -263,8 +276,9 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["starting", "ready", "draining", "failed"]
+    status: Literal["starting", "ready", "restarting", "draining", "failed"]
     error: str | None = None
+    engine: EngineStatus | None = None  # the engine's state, pid, restarts and last exit (engine_life.py)
 
 
 class TokenizeRequest(_Wire):
@@ -307,6 +321,39 @@ class RunCancelled(BaseModel):
     id: str
     object: Literal["inferlet.run"] = "inferlet.run"
     cancelled: bool
+
+
+class SavePromptCache(_Wire):
+    """``POST /v1/prompt_caches``: prefill a prompt (or chat messages, rendered with the model's template) and
+    save its KV under ``name``, replacing a cache of that name."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", description="a name, never a path")
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # a cached prefix is usually the conversation so far, not a turn
+
+
+class PromptCacheCard(BaseModel):
+    id: str
+    object: Literal["prompt_cache"] = "prompt_cache"
+    created: int
+    bytes: int
+    rows: int  # the saved rows (the prompt's tokens but its last, which a load computes)
+    model: str | None = None
+    weights: str | None = None
+    kv_dtype: str | None = None
+
+
+class PromptCacheList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PromptCacheCard]
+
+
+class PromptCacheDeleted(BaseModel):
+    id: str
+    object: Literal["prompt_cache"] = "prompt_cache"
+    deleted: bool
 
 
 class InferletCard(BaseModel):

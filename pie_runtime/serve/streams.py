@@ -4,8 +4,10 @@ then ``data: [DONE]``).
 
 Streaming follows the run's text events (choice 0). With ``n > 1`` the other choices come whole in one chunk
 each when the run ends. When the run's final text extends what was streamed (a stop string held back, text
-the inferlet did not emit), the rest is sent before the finishing chunk. A run that fails mid-stream ends
-the stream with an error object, then ``[DONE]``.
+the inferlet did not emit), the rest is sent before the finishing chunk. With ``logprobs`` each chunk carries
+its tokens' logprobs (and top_logprobs) in its dialect's shape, the finishing chunk those not yet sent. A run
+that fails mid-stream (its engine died, say) ends the stream with an error object, then ``[DONE]``, as vLLM
+does: OpenAI's clients raise the error.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .generation import (
     chat_logprobs,
     choices_of,
     completion_logprobs,
+    entries,
     finish,
     speculation,
     usage,
@@ -39,6 +42,7 @@ from .openai_api import (
     ChatResponse,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
@@ -47,6 +51,16 @@ from .openai_api import (
 def sse(obj: Any) -> str:
     data = obj.model_dump(exclude_none=True) if hasattr(obj, "model_dump") else obj
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def spliced(render: Callable[[str], str]) -> Callable[[str], str]:
+    """A function equal to ``render`` (text → the SSE frame of a chunk carrying it) that renders the chunk
+    once, then splices each text's JSON string into it: a streamed token costs one ``json.dumps`` of its
+    text, not a pydantic model built and dumped."""
+    probe = "\x00pie\x00"
+    head, found, tail = render(probe).partition(json.dumps(probe))
+    assert found, "the chunk does not carry its text as one JSON string"
+    return lambda text: head + json.dumps(text) + tail
 
 
 def _ids(choice: dict, wanted: bool) -> list[int] | None:
@@ -60,7 +74,7 @@ def completion_response(
         CompletionChoice(
             index=i,
             text=(job.echo or "") + c.get("text", ""),
-            logprobs=completion_logprobs(tok, c),
+            logprobs=completion_logprobs(tok, entries(c)),
             finish_reason=finish(c),
             token_ids=_ids(c, token_ids),
         )
@@ -76,7 +90,7 @@ def chat_response(
         ChatChoice(
             index=i,
             message=AssistantMessage(content=c.get("text", "")),
-            logprobs=chat_logprobs(tok, c),
+            logprobs=chat_logprobs(tok, entries(c)),
             finish_reason=finish(c),
             token_ids=_ids(c, token_ids),
         )
@@ -105,28 +119,36 @@ async def _events(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 async def _stream(
     chunk: Callable[..., str],
-    delta: Callable[[str], Any],
-    final: Callable[[int, str, dict], Any],
+    delta: Callable[[str, list[dict]], Any],
+    final: Callable[[int, str, dict, list[dict]], Any],
     include_usage: bool,
     job: Job,
     first: Any,
     events: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
-    """The SSE lines of a run in either dialect: ``chunk(choices, **extra)`` renders one chunk, ``delta(text)``
-    is choice 0's streamed text, ``final(index, rest, choice)`` a choice's finishing piece (``rest``: its text
-    not yet streamed)."""
-    streamed = ""
+    """The SSE lines of a run in either dialect: ``chunk(choices, **extra)`` renders one chunk,
+    ``delta(text, logprobs)`` is choice 0's streamed text with its tokens' logprobs entries (none unless asked
+    for), ``final(index, rest, choice, logprobs)`` a choice's finishing piece (``rest`` and ``logprobs``: its
+    text and entries not yet streamed)."""
+    pieces: list[str] = []
+    sent = 0  # choice 0's logprobs entries streamed
+    text_frame = spliced(lambda text: chunk([delta(text, [])]))  # a token without logprobs entries
     try:
         async for ev in _events(first, events):
             if ev.kind == "text" and ev.text:
-                streamed += ev.text
-                yield chunk([delta(ev.text)])
+                pieces.append(ev.text)
+                if ev.logprobs:
+                    sent += len(ev.logprobs)
+                    yield chunk([delta(ev.text, ev.logprobs)])
+                else:
+                    yield text_frame(ev.text)
             elif ev.kind == "result":
                 result = ev.result or {}
+                streamed = "".join(pieces)
                 for i, c in enumerate(choices_of(result)):
                     text = c.get("text", "")
                     rest = (text[len(streamed) :] if text.startswith(streamed) else "") if i == 0 else text
-                    yield chunk([final(i, rest, c)])
+                    yield chunk([final(i, rest, c, entries(c)[sent:] if i == 0 else entries(c))])
                 if include_usage:
                     yield chunk([], usage=usage(result, job.prompt_tokens), speculation=speculation(result))
     except APIError as e:
@@ -148,15 +170,25 @@ async def completion_stream(
     def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
         return sse(CompletionChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
-    def final(i: int, rest: str, c: dict) -> CompletionChoice:
+    offset = 0  # choice 0's text offset of the next streamed token
+
+    def logprobs(chosen: list[dict]) -> CompletionLogprobs | None:
+        nonlocal offset
+        lp = completion_logprobs(tok, chosen, offset)
+        offset += sum(len(t) for t in lp.tokens) if lp is not None else 0
+        return lp
+
+    def delta(text: str, chosen: list[dict]) -> CompletionChoice:
+        return CompletionChoice(index=0, text=text, logprobs=logprobs(chosen))
+
+    def final(i: int, rest: str, c: dict, chosen: list[dict]) -> CompletionChoice:
         text = (job.echo or "") + rest if i > 0 else rest  # choice 0's echo went first
-        return CompletionChoice(index=i, text=text, logprobs=completion_logprobs(tok, c), finish_reason=finish(c))
+        lp = logprobs(chosen) if i == 0 else completion_logprobs(tok, chosen)
+        return CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish(c))
 
     if job.echo:
         yield chunk([CompletionChoice(index=0, text=job.echo)])
-    async for line in _stream(
-        chunk, lambda text: CompletionChoice(index=0, text=text), final, req.include_usage(), job, first, events
-    ):
+    async for line in _stream(chunk, delta, final, req.include_usage(), job, first, events):
         yield line
 
 
@@ -174,11 +206,11 @@ async def chat_stream(
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
         return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
-    def delta(text: str) -> ChatChunkChoice:
-        return ChatChunkChoice(index=0, delta=ChatDelta(content=text))
+    def delta(text: str, chosen: list[dict]) -> ChatChunkChoice:
+        return ChatChunkChoice(index=0, delta=ChatDelta(content=text), logprobs=chat_logprobs(tok, chosen))
 
-    def final(i: int, rest: str, c: dict) -> ChatChunkChoice:
-        lp = chat_logprobs(tok, c)
+    def final(i: int, rest: str, c: dict, chosen: list[dict]) -> ChatChunkChoice:
+        lp = chat_logprobs(tok, chosen)
         return ChatChunkChoice(index=i, delta=ChatDelta(content=rest or None), logprobs=lp, finish_reason=finish(c))
 
     for i in range(job.n):  # each choice's role first

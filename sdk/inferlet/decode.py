@@ -209,6 +209,8 @@ async def speculate(
     verifier = verifier or Verifier(args)
     fallback = args.fallback_reasons()
     plain = PlainSampler(args, run.prompt, verifier.rng) if fallback else None
+    if plain is not None and args.top_count is not None:
+        out.track_logprobs(plain.logprobs)
 
     async def step(window: list[int], proposal: Proposal) -> list[int]:
         """One fire over ``window`` (whose last len(drafts) rows are the drafts); returns the emitted tokens."""

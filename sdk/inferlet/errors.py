@@ -12,3 +12,8 @@ class UsageError(Exception):
 class ArgumentError(UsageError, ValueError):
     """An argument the inferlet does not take, lacks or cannot read (the words after ``--``, or a host's run
     request): one line naming it, and for an unknown name the inferlet's own name closest to it."""
+
+
+class EngineUnreachable(UsageError):
+    """No engine answered ``hello`` at the address in time: none listens there, or (on ``tcp://``) the token is
+    wrong. The message names the address and the command that starts an engine there."""

@@ -38,6 +38,7 @@ from .errors import UsageError
 
 FORMAT = "pie-working-set"
 VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # a saved working set's JSON header is a few hundred bytes
 # the pool's dtype → safetensors' name; bfloat16's bits travel as uint16 (protocol messages.KV_WIRE_DTYPES)
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 
@@ -73,22 +74,44 @@ class SavedKV:
     def check_fits(self, info: ModelInfo) -> None:
         """Refuses (:class:`SavedKVMismatch`) unless ``info``'s model is the one these rows were computed by, in
         the same weight format and KV dtype."""
-        digest = self.meta.get("model_digest", "")
-        if not digest or not info.weights_digest:
+        check_meta(self.meta, info)
+
+
+def check_meta(meta: dict[str, str], info: ModelInfo) -> None:
+    """Refuses (:class:`SavedKVMismatch`) a file's metadata unless ``info``'s model computed its rows, in the same
+    weight format and KV dtype."""
+    digest = meta.get("model_digest", "")
+    if not digest or not info.weights_digest:
+        raise SavedKVMismatch(
+            f"no model digest to vouch for the saved rows (file: {digest!r}, engine: {info.weights_digest!r})"
+        )
+    if digest != info.weights_digest:
+        raise SavedKVMismatch(
+            f"saved from model {meta.get('model')!r} (digest {digest[:12]}), but this engine serves "
+            f"{info.name!r} (digest {info.weights_digest[:12]}): another model's K/V"
+        )
+    for key, have in (("weights", info.weights), ("kv_dtype", info.kv_dtype)):
+        if meta.get(key) != have:
             raise SavedKVMismatch(
-                f"no model digest to vouch for the saved rows (file: {digest!r}, engine: {info.weights_digest!r})"
+                f"saved with {key} {meta.get(key)!r}, but this engine serves {info.name} with {key} "
+                f"{have!r}: its K/V would differ (restart the engine with that format, or save again)"
             )
-        if digest != info.weights_digest:
-            raise SavedKVMismatch(
-                f"saved from model {self.meta.get('model')!r} (digest {digest[:12]}), but this engine serves "
-                f"{info.name!r} (digest {info.weights_digest[:12]}): another model's K/V"
-            )
-        for key, have in (("weights", info.weights), ("kv_dtype", info.kv_dtype)):
-            if self.meta.get(key) != have:
-                raise SavedKVMismatch(
-                    f"saved with {key} {self.meta.get(key)!r}, but this engine serves {info.name} with {key} "
-                    f"{have!r}: its K/V would differ (restart the engine with that format, or save again)"
-                )
+
+
+def read_meta(path: str | Path) -> dict[str, str]:
+    """A saved working set's metadata, from its header alone (no K/V read); :class:`SavedKVMismatch` for a file
+    that is no saved working set."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"a {n}-byte header")
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+            raise ValueError("no pie-working-set metadata")
+    except (ValueError, AttributeError, struct.error) as e:
+        raise SavedKVMismatch(f"{path} is no saved working set ({e})") from None
+    return {str(k): str(v) for k, v in meta.items()}
 
 
 def _ints(values: Sequence[int]) -> np.ndarray:

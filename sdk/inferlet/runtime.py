@@ -32,7 +32,7 @@ from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
 from .client import Client, Holdings, holding, release_holding
-from .errors import UsageError
+from .errors import EngineUnreachable, UsageError
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ class Session:
         """Says hello and fetches each model's tokenizer."""
         client = Client(address)
         try:
-            hello = await client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token)
+            hello = await _hello(client, address, token)
             models = {}
             for fields in hello["models"]:
                 info = ModelInfo.model_validate(fields)
@@ -95,7 +95,7 @@ class RunContext:
 
     session: Session
     inferlet: str
-    sink: Callable[[str], None]
+    sink: Callable[[str, list[dict] | None], None]  # (text, its tokens' logprobs entries or None)
     run_id: str = ""
     holdings: Holdings = field(default_factory=Holdings)
 
@@ -106,6 +106,24 @@ _current: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("in
 def current_run() -> RunContext | None:
     """The run this code belongs to, or None outside a run context."""
     return _current.get()
+
+
+# An engine answers hello between two steps, well within this even on a loaded machine; a socket with no engine
+# behind it (a tcp:// address, or an ipc:// file a dead engine left) would otherwise be waited on forever.
+HELLO_TIMEOUT_S = 30.0
+
+
+async def _hello(client: Client, address: str, token: str | None) -> dict:
+    try:
+        return await asyncio.wait_for(
+            client.request("hello", version=PROTOCOL_VERSION, client="inferlet", token=token), HELLO_TIMEOUT_S
+        )
+    except TimeoutError:
+        raise EngineUnreachable(
+            f"no engine answered at {address} within {HELLO_TIMEOUT_S:g} s: start one with `pie engine --listen"
+            f" {address}`{' (and pass its --token)' if address.startswith('tcp://') else ''}, or leave out --engine"
+            " and pie run starts one for this run"
+        ) from None
 
 
 async def connect(address: str, token: str | None = None) -> Session:
@@ -137,11 +155,12 @@ def model(name: str | None = None) -> Model:
     return _current_session().model(name)
 
 
-def emit(text: str) -> None:
-    """Streams text to the user as it is generated."""
+def emit(text: str, logprobs: list[dict] | None = None) -> None:
+    """Streams text to the user as it is generated; ``logprobs``: the logprobs entries of the tokens it came
+    from (``sampler.logprob_entry``), for a server that streams them (stdout shows only the text)."""
     ctx = _current.get()
     if ctx is not None:
-        ctx.sink(text)
+        ctx.sink(text, logprobs)
         return
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -153,7 +172,7 @@ async def run_in_context(
     *,
     session: Session,
     inferlet: str,
-    sink: Callable[[str], None],
+    sink: Callable[[str, list[dict] | None], None],
     run_id: str = "",
 ) -> Any:
     """Awaits ``fn(args)`` as one run: ``inferlet.model()``, ``emit()`` and ``inferlet_name()`` resolve to this

@@ -58,17 +58,28 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Incremental, as vLLM's detokenizer: each push decodes only a window of the ids, from ``prefix`` (where the
+    previous delta's tokens start) to the end, and returns what that window's text adds past the text of
+    ``ids[prefix:read]`` (``read``: where the previous delta ended). Decoding both from the same ``prefix``
+    keeps what a tokenizer does at a sequence's start (a stripped leading space, say) out of the delta, so the
+    deltas join up to ``tokenizer.decode(ids)``; a push costs the window, not the whole output."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # ids[_prefix:_read] decoded to the text just before the pending tokens
+        self._read = 0
 
     def push(self, ids) -> str:
         self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.text = text[len(self.text) :], text
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        window = self.tokenizer.decode(self.ids[self._prefix :])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character whose bytes are not all here
+        delta = window[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta

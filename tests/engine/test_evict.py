@@ -39,6 +39,8 @@ def test_the_kept_rows_move_up_with_their_bits_and_the_pages_come_back():
     assert (reply["committed"], reply["dropped"], reply["pages"]) == (21, 9, 6)
     assert reply["freed"] == 2 and c.pages_free() == free + 2
     assert torch.equal(kv_rows(c, ws, list(range(21))), before)
+    kv = c.call(A, "stats")["models"]["tiny"]["kv"]  # the running totals /metrics shows
+    assert (kv["evicted_rows"], kv["evicted_pages"], kv["restored_working_sets"]) == (9, 2, 0)
 
 
 def test_the_next_row_sits_at_the_logical_length():

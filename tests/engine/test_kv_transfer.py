@@ -55,6 +55,8 @@ def test_rows_travel_bit_for_bit_and_continue_alike_and_the_cache_names_none():
     assert [k.shape[2] for k, _ in chunks] == [7, 7, 7, 7, 2] and dropped == 0
     dst, reply = load(loaded, chunks, dropped)
     assert (reply["committed"], reply["dropped"], reply["pages"]) == (30, 0, 8)
+    kv = loaded.call(A, "stats")["models"]["tiny"]["kv"]  # one restore of 30 rows, in 5 appends
+    assert (kv["restored_working_sets"], kv["restored_rows"], kv["evicted_rows"]) == (1, 30, 0)
     assert torch.equal(kv_rows(loaded, dst, list(range(30))), kv_rows(saved, src, list(range(30))))
     np.testing.assert_array_equal(continuation(loaded, dst), continuation(saved, src))
     fresh = loaded.call(A, "ws_open")["ws"]

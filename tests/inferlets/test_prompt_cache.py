@@ -103,3 +103,17 @@ def test_pie_run_saves_then_loads_from_the_command_line(fp32_pair, tmp_path):
     got = pie_run(second.address, "--load", path, "--max-tokens", "8", "--ignore-eos")
     want = call(second.address, "text-completion", prompt=SHORT, max_tokens=8, ignore_eos=True)
     assert got["token_ids"] == want["token_ids"] and got["stats"]["kv_pages_max"] >= 1
+
+
+def test_a_prompt_given_with_load_continues_from_the_longest_shared_prefix(fp32_pair, tmp_path):
+    """``--load F --prompt P`` (what pie serve's prompt_cache runs): P extending the saved prompt keeps every
+    loaded row; P parting from it midway keeps the shared rows, drops the rest, and computes its own; both decode
+    text-completion's tokens on P."""
+    first, second = fp32_pair
+    path = str(tmp_path / "prefix.kv")
+    rows = call(first.address, "prompt-cache", prompt=SHORT, save=path)["stats"]["saved_rows"]
+    for prompt, cached in ((SHORT + " outside with her friends.", rows), ("Once upon a time, there was a boy", 8)):
+        got = call(second.address, "prompt-cache", load=path, prompt=prompt, max_tokens=MAX, ignore_eos=True)
+        want = call(second.address, "text-completion", prompt=prompt, max_tokens=MAX, ignore_eos=True)
+        assert got["token_ids"] == want["token_ids"]
+        assert got["stats"]["cached_tokens"] == cached and got["stats"]["loaded_rows"] == rows

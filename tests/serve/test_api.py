@@ -208,6 +208,42 @@ def test_chat_logprobs_and_top_logprobs(client):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
+def test_streamed_logprobs_ride_with_their_chunks(client):
+    """stream + logprobs: each text chunk carries its own tokens' logprobs (not all in the finishing chunk), in
+    each dialect's shape, and together they are the whole response's (completions: text offsets continue)."""
+    kw = dict(model=TINY, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="Hello", logprobs=2, **kw)
+    chunks = [c for c in client.completions.create(prompt="Hello", logprobs=2, stream=True, **kw) if c.choices]
+    texts = [c for c in chunks if c.choices[0].text and c.choices[0].finish_reason is None]
+    assert len(texts) >= 2 and all(c.choices[0].logprobs and c.choices[0].logprobs.tokens for c in texts)
+    lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    tokens = [t for lp in lps for t in lp.tokens or []]
+    offsets = [o for lp in lps for o in lp.text_offset or []]
+    want = whole.choices[0].logprobs
+    assert want is not None and tokens == want.tokens and offsets == want.text_offset
+    assert [v for lp in lps for v in lp.token_logprobs or []] == want.token_logprobs
+    assert [t for lp in lps for t in lp.top_logprobs or []] == want.top_logprobs
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = dict(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    whole_chat = client.chat.completions.create(**chat)  # type: ignore[arg-type]
+    stream = [c for c in client.chat.completions.create(**chat, stream=True) if c.choices]  # type: ignore[arg-type]
+    deltas = [c for c in stream if c.choices[0].delta.content and c.choices[0].finish_reason is None]
+    assert len(deltas) >= 2 and all(c.choices[0].logprobs and c.choices[0].logprobs.content for c in deltas)
+    streamed = [e for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    content = whole_chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content or []]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    # a speculative inferlet decodes logprobs runs plainly (sdk/inferlet/decode.py) and streams them the same way
+    lookup = {"ignore_eos": True, "speculation": {"method": "lookup", "k": 2}}
+    spec = [
+        c for c in client.completions.create(**{**kw, "extra_body": lookup}, prompt="Hello", logprobs=2, stream=True)
+    ]
+    spec_texts = [c for c in spec if c.choices and c.choices[0].text and c.choices[0].finish_reason is None]
+    assert len(spec_texts) >= 2 and all(c.choices[0].logprobs and c.choices[0].logprobs.tokens for c in spec_texts)
+    spec_lps = [c.choices[0].logprobs for c in spec if c.choices and c.choices[0].logprobs]
+    assert [v for lp in spec_lps for v in lp.token_logprobs or []] == want.token_logprobs
+
+
 def test_logit_bias_steers_every_token(client, server):
     token = post(server, "/tokenize", {"model": TINY, "prompt": " blue"}).json()["tokens"][0]
     out = client.completions.create(

@@ -1,9 +1,13 @@
 """`GET /metrics` of a real `pie serve` (tiny model, ``--draft-lookup``), parsed with prometheus-client's own
 text parser: every metric the issue names is there, and the counters move exactly as the requests sent
 imply (tokens from the responses' usage, speculation totals from the responses' speculation objects, one
-histogram observation per request)."""
+histogram observation per request); the Grafana dashboard in docs/grafana queries only what is exported."""
 
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,6 +40,7 @@ NAMES = [
     "pie_e2e_request_latency_seconds_count",
     "pie_request_queue_time_seconds_count",
 ]
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "pie-serve.json"
 PROMPT = "one two three four one two three four one two three four one two three"
 
 
@@ -120,3 +125,33 @@ def test_prefix_cache_counters_follow_the_engine(server):
     queries = total(after, "pie_prefix_cache_queries_total") - total(before, "pie_prefix_cache_queries_total")
     hits = total(after, "pie_prefix_cache_hits_total") - total(before, "pie_prefix_cache_hits_total")
     assert queries >= 2 and 1 <= hits <= queries
+
+
+def dashboard_exprs() -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in board["panels"] for t in p["targets"]]
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(server):
+    """docs/grafana/pie-serve.json: every PromQL expression names only series this server's /metrics exports
+    (a histogram_quantile reads ``_bucket``), and the panels the issue asks for are there."""
+    complete(server)  # a lookup run: the speculation series exist
+    complete(server, speculation=False)
+    exported = {n for n, _ in scrape(server)}
+    exprs = dashboard_exprs()
+    used = {name for e in exprs for name in re.findall(r"\bpie_[a-z0-9_]+", e)}
+    assert used - exported == set()
+    for e in exprs:
+        assert e.count("(") == e.count(")") and e.count("{") == e.count("}")
+        for inner in re.findall(r"histogram_quantile\(([^,]+),", e):
+            assert 0 < float(inner) < 1
+        assert all(n.endswith("_bucket") for n in re.findall(r"rate\((pie_\w+_seconds\w*)", e))
+    for wanted in (
+        "pie_generation_tokens_total",
+        "pie_time_to_first_token_seconds_bucket",
+        "pie_inter_token_latency_seconds_bucket",
+        "pie_speculative_accepted_tokens_per_pos_total",
+        "pie_kv_pages_used",
+        "pie_requests_waiting",
+    ):
+        assert wanted in used

@@ -202,8 +202,8 @@ def test_tampered_weights_are_refused_on_load(home, checkpoint, capsys):
 
 def test_errors_are_typed(home):
     store = ModelStore()
-    with pytest.raises(ModelNotFoundError):
-        store.get("absent")
+    with pytest.raises(ModelNotFoundError, match=r"`pie model import SOURCE --name absent`.*`pie model list`"):
+        store.get("absent")  # says what to do next
     with pytest.raises(ImportRefused):
         import_model("/definitely/not/here", store=store)
     assert issubclass(ModelNotFoundError, StoreError) and issubclass(ImportRefused, StoreError)

@@ -152,7 +152,7 @@ async def test_the_host_stops_a_run_with_the_flag_channel(tiny):
 DYING_CLIENT = textwrap.dedent(
     """
     import asyncio, sys, inferlet
-    from tests.programs.test_run_ahead import start_run
+    from tests.engine.programs.test_run_ahead import start_run
     async def go():
         await inferlet.connect(sys.argv[1])
         m = inferlet.model(sys.argv[2])

@@ -1,0 +1,447 @@
+"""Soak `pie serve` with mixed traffic for a stated time and say whether it stayed flat.
+
+    python examples/soak_serve.py --minutes 5 [--model NAME] [--concurrency 4] [--json OUT] [-- SERVE FLAGS...]
+    python examples/soak_serve.py --url http://127.0.0.1:8000 --seconds 20
+
+Without ``--url`` it starts `pie serve` on a free loopback port (the flags after ``--`` go to it) and stops it
+at the end. ``--concurrency`` clients send, for the whole time, a weighted mix of: streamed and whole chat
+and completion requests (read to the end), cancelled ones (a stream dropped after its first chunks, a whole
+request abandoned after 0.2 s: the client disconnects), oversized ones (a body past ``--oversize-bytes``: 413;
+a prompt past the model's context: 400) and malformed ones (bad JSON, wrong types, an unknown model, an empty
+prompt, a negative max_tokens, deeply nested JSON: 4xx with an error object).
+
+After a warm-up (a few requests of each kind) and again at the end, once no request runs, it reads: the
+engine's KV pages in use (``pie_kv_pages_used`` from /metrics), and the RSS and open file descriptors of the
+server, the engine (its pid from /health) and the inferlet hosts (the server's other children). It prints
+both, every outcome by kind, status and error code, and a verdict: FLAT when the pages are back to their start
+value, the descriptors grew by at most 4 a process, RSS by at most 10% + 32 MiB a process, and no request got
+an answer it should not have (a 5xx, a refused good request, an accepted bad one, a dropped connection).
+
+``--kill-engine-after S`` SIGKILLs the engine S seconds in: the 503s that follow (``engine_lost`` for the
+requests in flight, ``engine_restarting`` until a new engine serves) are deliberate, and the report says how
+soon the first came back and when /health said the server serves again. The end's "engine" is then the new
+engine, compared with the old one's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+FD_SLACK, RSS_SLACK, RSS_SLACK_BYTES = 4, 0.10, 32 << 20
+WEIGHTS = {"stream": 30, "whole": 25, "cancel": 20, "oversized": 5, "malformed": 20}
+DELIBERATE = {"engine_lost", "engine_restarting"}  # 503s expected after --kill-engine-after
+
+
+@dataclass
+class Proc:
+    """One process's footprint."""
+
+    pid: int
+    rss_bytes: int
+    open_fds: int
+
+
+@dataclass
+class Snapshot:
+    pages_used: float
+    procs: dict[str, Proc]  # "server", "engine", "hosts" (summed; pid: the first's)
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)  # "kind status code" -> count
+    unexpected: Counter[str] = field(default_factory=Counter)
+    sent: Counter[str] = field(default_factory=Counter)
+    killed_at: float | None = None  # when --kill-engine-after killed the engine (monotonic)
+    first_lost: float | None = None  # when the first answer saying so came back
+    last_status: str = ""
+
+    def add(self, kind: str, status: str, code: str | None, expected: bool) -> None:
+        key = f"{kind} {status} {code or '-'}"
+        self.outcomes[key] += 1
+        self.last_status = status
+        if self.killed_at is not None and code in DELIBERATE:  # the deliberate kill's answers
+            expected = True
+            self.first_lost = self.first_lost or time.monotonic()
+        if not expected:
+            self.unexpected[key] += 1
+
+
+# ---- the server and its processes ----------------------------------------------------------------------------
+
+
+def start_server(model: str | None, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--http", f"127.0.0.1:{port}"]
+    cmd += (["--model", model] if model else []) + flags
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ})
+    assert proc.stdout is not None
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], 900)
+        line = proc.stdout.readline() if ready else ""
+        if "pie serve ready" in line:
+            return proc, f"http://127.0.0.1:{port}"
+        if not line:
+            proc.kill()
+            raise SystemExit(f"pie serve did not start: {log.read_text()[-2000:]}")
+
+
+def listener_pid(port: int) -> int | None:
+    """The pid holding the listening TCP socket on ``port`` (from /proc), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def footprint(pid: int) -> Proc | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    rss = next((int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return Proc(pid, rss, fds)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapshot:
+    """Waits until no request runs or waits and the pages in use held still for a second (a cancelled run
+    releases its pages just after its request ends; 60 s at most), then reads pages, RSS and descriptors."""
+    deadline = time.monotonic() + 60
+    held: tuple[float, float] | None = None  # (pages, since when)
+    while True:
+        page = (await client.get("/metrics")).text
+        busy = sum(_sum(page, n) for n in ("pie_requests_running", "pie_requests_waiting"))
+        pages, now = _sum(page, "pie_kv_pages_used"), time.monotonic()
+        held = held if busy == 0 and held is not None and held[0] == pages else (pages, now)
+        if (busy == 0 and now - held[1] >= 1.0) or now > deadline:
+            break
+        await asyncio.sleep(0.25)
+    engine_pid = ((await client.get("/health")).json().get("engine") or {}).get("pid")
+    procs = {"engine": footprint(engine_pid) if engine_pid else None}
+    if server_pid is not None:
+        procs["server"] = footprint(server_pid)
+        hosts = [fp for p in children(server_pid) if p != engine_pid and (fp := footprint(p)) is not None]
+        if hosts:  # summed: a restarted engine comes with new hosts
+            procs["hosts"] = Proc(hosts[0].pid, sum(h.rss_bytes for h in hosts), sum(h.open_fds for h in hosts))
+    return Snapshot(_sum(page, "pie_kv_pages_used"), {k: v for k, v in procs.items() if v is not None})
+
+
+def _sum(page: str, name: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in page.splitlines() if ln.startswith((name + "{", name + " ")))
+
+
+# ---- the traffic ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    model: str
+    max_model_len: int
+    oversize_bytes: int
+
+
+def malformed(t: Target, rng: random.Random) -> tuple[str, bytes]:
+    """A bad request: (path, body)."""
+    deep = "[" * 5000 + "]" * 5000
+    cases = [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", json.dumps({"model": t.model, "prompt": 5}).encode()),
+        ("/v1/completions", json.dumps({"model": "no-such-model", "prompt": "x"}).encode()),
+        ("/v1/completions", json.dumps({"model": t.model, "prompt": ""}).encode()),
+        ("/v1/completions", json.dumps({"model": t.model, "prompt": "x", "max_tokens": -1}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": t.model, "messages": []}).encode()),
+        ("/v1/chat/completions", f'{{"model": "{t.model}", "messages": {deep}}}'.encode()),
+    ]
+    return rng.choice(cases)
+
+
+def good_body(t: Target, rng: random.Random, chat: bool) -> dict:
+    words = " ".join(rng.choice(["red", "blue", "cat", "sea", "run", "tree", "one", "two"]) for _ in range(12))
+    body: dict = {"model": t.model, "max_tokens": rng.randint(4, 24), "temperature": rng.choice([0, 0.7])}
+    if chat:
+        body["messages"] = [{"role": "user", "content": f"Continue: {words}"}]
+    else:
+        body["prompt"] = words
+    return body
+
+
+async def one(client: httpx.AsyncClient, t: Target, kind: str, rng: random.Random, tally: Tally) -> None:
+    """Sends one request of ``kind`` and records its outcome."""
+    chat = rng.random() < 0.5
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    tally.sent[kind] += 1
+    try:
+        if kind == "stream":
+            await _stream(client, path, {**good_body(t, rng, chat), "stream": True}, tally)
+        elif kind == "whole":
+            r = await client.post(path, json=good_body(t, rng, chat))
+            _record(tally, kind, r, r.status_code == 200 and "choices" in r.json())
+        elif kind == "cancel":
+            await _cancel(client, path, good_body(t, rng, chat), rng, tally)
+        elif kind == "oversized":
+            await _oversized(client, t, rng, tally)
+        else:
+            path, raw = malformed(t, rng)
+            r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+            _record(tally, kind, r, 400 <= r.status_code < 500 and "error" in r.json())
+    except httpx.HTTPError as e:
+        tally.add(kind, type(e).__name__, None, expected=False)
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict, tally: Tally) -> None:
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            _record(tally, "stream", r, False)
+            return
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    errors = [json.loads(x[6:])["error"] for x in lines[:-1] if '"error"' in x]
+    ok = lines[-1:] == ["data: [DONE]"] and not errors
+    tally.add("stream", "200" if ok else "200+error", errors[0].get("code") if errors else None, ok)
+
+
+async def _cancel(client: httpx.AsyncClient, path: str, body: dict, rng: random.Random, tally: Tally) -> None:
+    """A stream dropped after its first chunk, or a whole request abandoned after 0.2 s."""
+    if rng.random() < 0.5:
+        async with client.stream("POST", path, json={**body, "max_tokens": 64, "stream": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _record(tally, "cancel", r, False)
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # leaving the block closes the connection mid-stream
+        tally.add("cancel", "dropped-stream", None, True)
+        return
+    try:
+        r = await asyncio.wait_for(client.post(path, json={**body, "max_tokens": 64}), 0.2)
+        _record(tally, "cancel", r, r.status_code == 200)  # finished within 0.2 s
+    except TimeoutError:
+        tally.add("cancel", "abandoned", None, True)
+
+
+async def _oversized(client: httpx.AsyncClient, t: Target, rng: random.Random, tally: Tally) -> None:
+    if rng.random() < 0.5:
+        raw = b'{"model": "%s", "prompt": "' % t.model.encode() + b"a" * t.oversize_bytes + b'"}'
+        r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        _record(tally, "oversized", r, r.status_code == 413)
+    else:
+        body = {"model": t.model, "prompt": "hello " * (t.max_model_len + 64), "max_tokens": 4}
+        r = await client.post("/v1/completions", json=body)
+        _record(tally, "oversized", r, r.status_code == 400)
+
+
+def _record(tally: Tally, kind: str, r: httpx.Response, expected: bool) -> None:
+    code = None
+    if r.status_code != 200:
+        try:
+            code = r.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = "no-error-object"
+            expected = False
+    tally.add(kind, str(r.status_code), code, expected)
+
+
+async def traffic(
+    client: httpx.AsyncClient, t: Target, a: argparse.Namespace, seconds: float
+) -> tuple[Tally, dict | None]:
+    """The mix for ``seconds`` from ``a.concurrency`` clients; with ``a.kill_engine_after``, the engine is
+    SIGKILLed then and the second item says what followed (None otherwise)."""
+    tally = Tally()
+    stop = time.monotonic() + seconds
+    kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
+
+    async def worker(i: int) -> None:
+        rng = random.Random(a.seed * 1000 + i)
+        while time.monotonic() < stop:
+            await one(client, t, rng.choices(kinds, weights)[0], rng, tally)
+            if tally.last_status == "503":
+                await asyncio.sleep(0.25)  # as a client backs off: not a busy loop while the engine restarts
+
+    kill = asyncio.create_task(kill_engine(client, a.kill_engine_after, tally)) if a.kill_engine_after else None
+    await asyncio.gather(*(worker(i) for i in range(a.concurrency)))
+    return tally, (await kill if kill is not None else None)
+
+
+async def kill_engine(client: httpx.AsyncClient, after: float, tally: Tally) -> dict:
+    """SIGKILLs the engine ``after`` seconds in, then waits for /health to say a new one serves."""
+    await asyncio.sleep(after)
+    pid = (await client.get("/health")).json()["engine"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    tally.killed_at = killed = time.monotonic()
+    print(f"killed the engine (pid {pid}) with SIGKILL at {after:g} s", flush=True)
+    while (h := await client.get("/health")).status_code != 200 or h.json()["engine"]["pid"] == pid:
+        if h.json().get("status") == "failed":  # the old pid may still show until the server sees the death
+            return {"pid": pid, "restarted": False, "health": h.json()}
+        await asyncio.sleep(0.05)
+    engine = h.json()["engine"]
+    return {
+        "pid": pid,
+        "restarted": True,
+        "new_pid": engine["pid"],
+        "serving_again_s": round(time.monotonic() - killed, 2),
+        "health": h.json(),
+    }
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+
+
+def verdict(start: Snapshot, end: Snapshot, tally: Tally) -> tuple[bool, list[str]]:
+    why = []
+    if end.pages_used != start.pages_used:
+        why.append(f"KV pages in use {start.pages_used:g} -> {end.pages_used:g}")
+    for name, a in start.procs.items():
+        b = end.procs.get(name)
+        if b is None:
+            why.append(f"no {name} (pid {a.pid} was)")
+            continue
+        if b.open_fds > a.open_fds + FD_SLACK:
+            why.append(f"{name} open fds {a.open_fds} -> {b.open_fds}")
+        if b.rss_bytes > a.rss_bytes * (1 + RSS_SLACK) + RSS_SLACK_BYTES:
+            why.append(f"{name} RSS {a.rss_bytes >> 20} -> {b.rss_bytes >> 20} MiB")
+    if tally.unexpected:
+        why.append(f"{sum(tally.unexpected.values())} unexpected answers")
+    return not why, why
+
+
+def show(label: str, s: Snapshot) -> str:
+    procs = ", ".join(
+        f"{n} (pid {p.pid}) RSS {p.rss_bytes / 2**20:.0f} MiB, {p.open_fds} fds" for n, p in s.procs.items()
+    )
+    return f"{label}: KV pages in use {s.pages_used:g}; {procs}"
+
+
+def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float) -> dict:
+    flat, why = verdict(start, end, tally)
+    print(show("start", start))
+    print(show("end  ", end))
+    print(f"sent in {seconds:.0f} s: " + ", ".join(f"{k} {n}" for k, n in sorted(tally.sent.items())))
+    print("outcomes (kind status code: count):")
+    for key, n in sorted(tally.outcomes.items()):
+        print(f"  {key}: {n}" + ("   <- unexpected" if key in tally.unexpected else ""))
+    print(f"verdict: {'FLAT' if flat else 'NOT FLAT'}" + ("" if flat else " (" + "; ".join(why) + ")"))
+    return {
+        "seconds": seconds,
+        "start": asdict(start),
+        "end": asdict(end),
+        "sent": dict(tally.sent),
+        "outcomes": dict(tally.outcomes),
+        "unexpected": dict(tally.unexpected),
+        "flat": flat,
+        "why": why,
+    }
+
+
+async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
+    seconds = a.seconds if a.seconds is not None else a.minutes * 60
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        card = (await client.get("/v1/models")).json()["data"][0]
+        t = Target(card["id"], card["max_model_len"], a.oversize_bytes)
+        warm = Tally()
+        for kind in WEIGHTS:  # warm-up: the first requests of each kind allocate what later ones reuse
+            for i in range(3):
+                await one(client, t, kind, random.Random(i), warm)
+        start = await snapshot(client, server_pid)
+        print(show("start", start), flush=True)
+        began = time.monotonic()
+        tally, killed = await traffic(client, t, a, seconds)
+        elapsed = time.monotonic() - began
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:  # fresh: the soak's connections are closed
+        end = await snapshot(client, server_pid)
+    if killed is not None:
+        first = tally.first_lost
+        killed["first_503_ms"] = (
+            None if first is None or tally.killed_at is None else round((first - tally.killed_at) * 1e3)
+        )
+        print(f"engine kill: {json.dumps({k: v for k, v in killed.items() if k != 'health'})}")
+    return {**report(start, end, tally, elapsed), "engine_kill": killed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default=None, help="a running pie serve (default: start one)")
+    p.add_argument("--model", default=None, help="the model a started server serves (default: the default model)")
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--seconds", type=float, default=None, help="overrides --minutes")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--oversize-bytes", type=int, default=9 << 20, help="a body past the server's --max-body-bytes")
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    p.add_argument(
+        "--kill-engine-after",
+        type=float,
+        default=None,
+        help="SIGKILL the engine this many seconds in: its 503s (engine_lost, engine_restarting) are deliberate",
+    )
+    a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    proc = None
+    if a.url is None:
+        log = Path(tempfile.mkstemp(prefix="pie-soak-", suffix=".log")[1])
+        proc, url = start_server(a.model, flags, log)
+        print(f"pie serve (pid {proc.pid}) on {url}, its log in {log}", flush=True)
+        server_pid: int | None = proc.pid
+    else:
+        url = a.url.rstrip("/")
+        server_pid = listener_pid(httpx.URL(url).port or 80)
+    try:
+        out = asyncio.run(soak(url, server_pid, a))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0 if out["flat"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

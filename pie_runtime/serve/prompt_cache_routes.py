@@ -1,0 +1,111 @@
+"""The prompt-cache routes of `pie serve --prompt-cache-dir DIR` (prompt_caches.py says what a cache is):
+
+    GET    /v1/prompt_caches            the saved caches (name, size, rows, model, weight format, KV dtype)
+    POST   /v1/prompt_caches            {"name", "prompt" | "messages"}: prefill and save under the name
+    GET    /v1/prompt_caches/{name}     one cache's card
+    DELETE /v1/prompt_caches/{name}
+
+A completion or chat request starts from a cache with ``"prompt_cache": NAME`` (app.py), and a run of the
+prompt-cache inferlet (``POST /v1/inferlets/prompt-cache/runs``) takes a cache *name* as ``load``: the server
+puts the path in (``run_args``), so no request ever hands a host a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request
+
+from .auth import pages_needed
+from .disconnect import unless_disconnected
+from .errors import invalid_request
+from .generation import check_text, count_tokens
+from .openai_api import PromptCacheCard, PromptCacheDeleted, PromptCacheList, SavePromptCache
+from .prompt_caches import PROMPT_CACHE, PromptCaches, disabled
+
+if TYPE_CHECKING:
+    from .app import Server
+
+
+def run_args(server: Server, args: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-cache run's arguments with its cache name resolved to the server's file (checked against the
+    model); a 400 for ``save`` (saves go through ``POST /v1/prompt_caches``, which writes atomically)."""
+    caches = server.prompt_caches
+    if caches is None:
+        raise disabled()
+    if "save" in args:
+        raise invalid_request("save a prompt cache with POST /v1/prompt_caches", param="args.save")
+    if "load" in args:
+        assert server.backend.info is not None  # server.runs() checked the backend is ready
+        args = {**args, "load": str(caches.checked(args["load"], server.backend.info, "args.load"))}
+    return args
+
+
+def _prompt(server: Server, req: SavePromptCache) -> tuple[str, list[int] | None]:
+    """The text to prefill (and its token ids when given as ids); 400s as /tokenize gives them."""
+    tok = server.backend.tokenizer
+    assert tok is not None
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid_request("give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        try:
+            text = tok.chat([{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
+        except ValueError as e:  # no chat template
+            raise invalid_request(str(e), param="messages") from e
+        check_text(text, "messages")
+        return text, None
+    if isinstance(req.prompt, list):
+        if not req.prompt or any(i < 0 or i >= tok.vocab_size for i in req.prompt):
+            raise invalid_request("prompt token ids must be in the vocabulary, and at least one", param="prompt")
+        return tok.decode(req.prompt), list(req.prompt)
+    check_text(req.prompt or "", "prompt")
+    return req.prompt or "", None
+
+
+def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
+    def caches() -> PromptCaches:
+        server.runs()  # 503 while the model loads
+        if server.prompt_caches is None:
+            raise disabled()
+        return server.prompt_caches
+
+    @v1.get("/prompt_caches")
+    async def listing() -> PromptCacheList:
+        folder = caches()
+        return PromptCacheList(data=[folder.card(name) for name in folder.names()])
+
+    @v1.get("/prompt_caches/{name}")
+    async def card(name: str) -> PromptCacheCard:
+        folder = caches()
+        folder.existing(name, "name")
+        return folder.card(name)
+
+    @v1.delete("/prompt_caches/{name}")
+    async def delete(name: str) -> PromptCacheDeleted:
+        caches().existing(name, "name").unlink()
+        return PromptCacheDeleted(id=name, deleted=True)
+
+    @v1.post("/prompt_caches")
+    async def save(request: Request, req: SavePromptCache, key: str = Depends(api_key)) -> PromptCacheCard:
+        folder = caches()
+        runs = server.runs()
+        server.check_model(req.model)
+        text, ids = _prompt(server, req)
+        tok, limits = server.backend.tokenizer, server.limits()
+        assert tok is not None
+        count = len(ids) if ids is not None else count_tokens(tok, text, limits.max_model_len)
+        if count == 0 or count >= limits.max_model_len:
+            why = "the prompt is empty" if count == 0 else f"the prompt fills this model's {limits.max_model_len}"
+            raise invalid_request(why, param="prompt", code="empty_prompt" if count == 0 else "context_length_exceeded")
+        scratch = folder.scratch()
+        args: dict[str, Any] = {"prompt": text, "chat": False, "save": str(scratch)}
+        if ids is not None:
+            args["prompt_token_ids"] = ids
+        lease = server.quotas.admit(key, count, pages_needed(count, 0, 1, limits.page_size))
+        try:
+            await unless_disconnected(request, runs.collect(runs.events(PROMPT_CACHE, args, lease)))
+            folder.commit(scratch, req.name)
+        finally:
+            scratch.unlink(missing_ok=True)
+        return folder.card(req.name)
