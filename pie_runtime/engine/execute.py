@@ -100,7 +100,9 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
         )
         for i, row in _score_rows(fire, fire.done, fire.done + c.rows):
             wanted.append((fire, i, row))
-            score_rows.append(ScoreRow(len(tokens) + row - first, fire.start + len(fire.tokens), fire.readouts[i].per_layer))
+            score_rows.append(
+                ScoreRow(len(tokens) + row - first, fire.start + len(fire.tokens), fire.readouts[i].per_layer)
+            )
         tokens.extend(fire.tokens[first : fire.done + c.rows])
         positions.extend(fire.positions[first : fire.done + c.rows])
         keep.extend(range(len(tokens) - c.rows, len(tokens)))
@@ -123,9 +125,7 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
 
 def _score_rows(fire: FireJob, lo: int, hi: int) -> list[tuple[int, int]]:
     """(readout index, window row) of the fire's attention readouts at its rows ``lo .. hi-1``."""
-    return [
-        (i, row) for i, r in enumerate(fire.readouts) if r.kind == "attention" for row in r.rows if lo <= row < hi
-    ]
+    return [(i, row) for i, r in enumerate(fire.readouts) if r.kind == "attention" for row in r.rows if lo <= row < hi]
 
 
 def _slot(fire: FireJob) -> int | None:

@@ -68,9 +68,7 @@ class PassScores:
         sizes = [(layers if r.per_layer else 1) * r.width for r in rows]
         self.at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.flat = torch.zeros(int(self.at[-1]), dtype=torch.float32, device=device)
-        self.out = [
-            self.flat[int(a) : int(a) + n].view(-1, r.width) for a, n, r in zip(self.at[:-1], sizes, rows)
-        ]
+        self.out = [self.flat[int(a) : int(a) + n].view(-1, r.width) for a, n, r in zip(self.at[:-1], sizes, rows)]
 
     def add(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         """Torch's path: adds layer ``layer``'s mass, from q (N, h, D) rotated and this layer's pool keys
@@ -85,4 +83,3 @@ class PassScores:
     def results(self) -> list[torch.Tensor]:
         """Each row's output: (layers, width) per layer, else (width,)."""
         return [o if r.per_layer else o[0] for r, o in zip(self.rows, self.out)]
-

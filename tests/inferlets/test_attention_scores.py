@@ -1,13 +1,14 @@
 """The attention readout (``inferlet.AttentionScores``) on the real default model, in fp32 and bf16 (torch's path)
 and int4 (the native step): each layer's mass is transformers' ``output_attentions`` summed over the heads (fp32
 to 1e-4; bf16 and int4, whose activations are rounded or quantized, to 0.15 of the 9 heads' mass), with rows
-evicted too (transformers then masks the evicted keys of the new row alone); a row's bits do not depend on the batch it ran
-in; the summed readout is the per-layer one added in layer order; and readouts past the limits are typed errors
-that change nothing."""
+evicted too (transformers then masks the evicted keys of the new row alone); a row's bits do not depend on the
+batch it ran in; the summed readout is the per-layer one added in layer order; and readouts past the limits are
+typed errors that change nothing."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -25,11 +26,16 @@ OTHER = "The quick brown fox jumps over the lazy dog, and then it ran 42 miles h
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "int4": 0.15}  # per layer, of a mass of 9 (the query heads)
 
 
+@dataclass(frozen=True)
+class Served:
+    address: str
+    format: str  # the weight format the engine serves
+
+
 @pytest.fixture(scope="module", params=["fp32", "bf16", "int4"])
 def score_engine(request, pie_home):
     eng = start_engine(pie_home, [DEFAULT_MODEL], "--weights", request.param, "--pass-cost-rows", "0")
-    eng.format = request.param
-    yield eng
+    yield Served(eng.address, request.param)
     eng.stop()
 
 
@@ -44,7 +50,7 @@ def hf_model(tmp_path_factory):
     return model
 
 
-def hf_mass(hf_model, ids: list[int], row: int, hidden_from_last: list[int] = ()) -> np.ndarray:
+def hf_mass(hf_model, ids: list[int], row: int, hidden_from_last: tuple[int, ...] = ()) -> np.ndarray:
     """(layers, len(ids)) transformers' attention of query ``row`` summed over heads; keys ``hidden_from_last``
     are masked for the last query only (what an eviction before the last token does)."""
     n = len(ids)
@@ -54,6 +60,12 @@ def hf_mass(hf_model, ids: list[int], row: int, hidden_from_last: list[int] = ()
     with torch.no_grad():
         att = hf_model(torch.tensor([ids]), attention_mask=mask, output_attentions=True).attentions
     return torch.stack([a[0, :, row].sum(0) for a in att]).numpy()
+
+
+def scores_of(res: inferlet.PassResult, i: int) -> np.ndarray:
+    scores = res.readouts[i].scores
+    assert scores is not None
+    return scores
 
 
 def session_run(address: str, body):
@@ -76,7 +88,7 @@ def test_mass_per_layer_matches_transformers(score_engine, hf_model):
         fp.readout([len(ids) - 1, 7], inferlet.AttentionScores())
         res = await fp.submit()
         await ws.release()
-        return ids, res.readouts[0].scores, res.readouts[1].scores
+        return ids, scores_of(res, 0), scores_of(res, 1)
 
     ids, per_layer, summed = session_run(score_engine.address, body)
     layers = hf_model.config.num_hidden_layers
@@ -107,12 +119,12 @@ def test_mass_after_eviction_is_over_the_kept_rows(score_engine, hf_model):
         res = await fp.submit()
         position = ws.position
         await ws.release()
-        return ids + [nxt], res.readouts[0].scores[0], position
+        return ids + [nxt], scores_of(res, 0)[0], position
 
     ids, got, position = session_run(score_engine.address, body)
     assert position == len(ids) and got.shape[1] == len(ids) - len(evicted)
     kept = [i for i in range(len(ids)) if i not in evicted]
-    want = hf_mass(hf_model, ids, len(ids) - 1, evicted)[:, kept]
+    want = hf_mass(hf_model, ids, len(ids) - 1, tuple(evicted))[:, kept]
     np.testing.assert_allclose(got, want, atol=TOLERANCE[score_engine.format], rtol=0)
 
 
@@ -136,7 +148,7 @@ def test_a_rows_mass_does_not_depend_on_its_batch(score_engine):
             rows = ws.step_rows
             await ws.release()
             await ws2.release()
-            return res.readouts[0].scores, rows
+            return scores_of(res, 0), rows
 
         alone, rows_alone = await decode_row(None)
         for _ in range(5):  # sent back to back, the two fires nearly always share a step: retry when they did not

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -20,11 +21,16 @@ from tests.inferlets.conftest import INFERLETS, call
 PROMPT = "Once upon a time, there was a little girl named Emma who loved to play in the garden with her dog Max."
 
 
+@dataclass(frozen=True)
+class Served:
+    address: str
+    format: str  # the weight format the engine serves
+
+
 @pytest.fixture(scope="module", params=["fp32", "int4"])
 def h2o_engine(request, pie_home):
     eng = start_engine(pie_home, [DEFAULT_MODEL], "--weights", request.param, "--pass-cost-rows", "0")
-    eng.format = request.param
-    yield eng
+    yield Served(eng.address, request.param)
     eng.stop()
 
 
@@ -38,9 +44,7 @@ def h2o_module():
 
 def test_a_budget_above_the_sequence_decodes_text_completions_tokens(h2o_engine):
     plain = call(h2o_engine.address, "text-completion", prompt=PROMPT, max_tokens=40, ignore_eos=True)
-    got = call(
-        h2o_engine.address, "h2o", prompt=PROMPT, max_tokens=40, ignore_eos=True, budget=4096, prefill_chunk=7
-    )
+    got = call(h2o_engine.address, "h2o", prompt=PROMPT, max_tokens=40, ignore_eos=True, budget=4096, prefill_chunk=7)
     assert got["token_ids"] == plain["token_ids"] and got["stats"]["evictions"] == 0
 
 
