@@ -187,3 +187,23 @@ def test_readouts_past_the_limits_are_refused_and_change_nothing(score_engine):
     codes, committed, before, after = session_run(score_engine.address, body)
     assert codes == [ErrorCode.LIMIT_EXCEEDED, ErrorCode.LIMIT_EXCEEDED, ErrorCode.INVALID_ARGUMENT]
     assert committed == 0 and after == before
+
+
+def test_a_tree_rows_mass_covers_its_ancestors_only(score_engine):
+    """A tree window's row attends the rows before the window and its ancestors: a sibling gets exactly 0."""
+
+    async def body(model):
+        ids = model.tokenizer.encode(PROMPT)
+        ws = model.working_set()
+        await inferlet.ForwardPass(ws).embed(ids).submit()
+        fp = inferlet.ForwardPass(ws).embed([11, 22, 33, 44]).tree([-1, 0, 0, 2])
+        res = await fp.readout([1, 3], inferlet.AttentionScores()).fold([0, 2, 3]).submit()
+        await ws.release()
+        return len(ids), scores_of(res, 0)
+
+    n, scores = session_run(score_engine.address, body)
+    assert scores.shape == (2, n + 4)
+    row1, row3 = scores
+    assert (row1[: n + 2] > 0).all() and not row1[n + 2 :].any()  # row 1: the prefix, its parent and itself
+    assert (row3[:n] > 0).all() and row3[n] > 0 and row3[n + 1] == 0 and (row3[n + 2 :] > 0).all()
+    np.testing.assert_allclose(scores.sum(-1), 9 * 30, rtol=1e-4)  # 9 query heads, 30 layers
