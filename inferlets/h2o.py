@@ -104,16 +104,10 @@ async def prefill(
     ws: inferlet.WorkingSet, prompt: list[int], step: int, policy: HeavyHitters, sampler: StepSampler, out: Output
 ) -> None:
     """The prompt, ``step`` rows a fire (each reading its rows' mass, trimming between); the last picks a token."""
-    for i in range(0, len(prompt), step):
-        window = prompt[i : i + step]
-        fp = inferlet.ForwardPass(ws).embed(window)
-        last = i + step >= len(prompt)
-        if last:
-            for kind in sampler.readouts(0):
-                fp.readout([len(window) - 1], kind)
-        res = await policy.fire(ws, window, fp)
-        if last:
-            out.push([sampler.pick(res, out.ids)])
+    chunks = [prompt[i : i + step] for i in range(0, len(prompt), step)]
+    for window in chunks[:-1]:
+        await policy.fire(ws, window, inferlet.ForwardPass(ws).embed(window))
+    await sampler.step(ws, chunks[-1], out, policy.fire)
 
 
 @inferlet.main
@@ -131,11 +125,7 @@ async def main(args: Args) -> dict:
         prefill_ms = (time.perf_counter() - t0) * 1e3
         t_decode = time.perf_counter()
         while not out.done:
-            window = out.ids[-1:]
-            fp = inferlet.ForwardPass(ws).embed(window)
-            for kind in sampler.readouts(len(out.ids)):
-                fp.readout([0], kind)
-            out.push([sampler.pick(await policy.fire(ws, window, fp), out.ids)])
+            await sampler.step(ws, out.ids[-1:], out, policy.fire)
         decode_s = time.perf_counter() - t_decode
     finally:
         await ws.release()
