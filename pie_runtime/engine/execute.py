@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from ..models.attention_scores import ScoreRow
 from ..models.context import Segment
 from ..protocol import ErrorCode, PieError
 from ..protocol.tree import fold_path
@@ -85,6 +86,8 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
     recurrent state, a fire's rows run again after a forward that raised (``_state_lead``); only each chunk's own
     rows are returned."""
     segments, tokens, positions, keep = [], [], [], []
+    wanted: list[tuple[FireJob, int, int]] = []  # attention readouts' (fire, readout, row), in score_rows' order
+    score_rows: list[ScoreRow] = []
     for c in chunks:
         fire = c.job
         lead = _state_lead(served, fire)
@@ -95,19 +98,34 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
         segments.append(
             Segment(fire.ws.pages, fire.start + first, rows, parents, fire.start, state=_slot(fire), row_states=kept)
         )
+        for i, row in _score_rows(fire, fire.done, fire.done + c.rows):
+            wanted.append((fire, i, row))
+            score_rows.append(
+                ScoreRow(len(tokens) + row - first, fire.start + len(fire.tokens), fire.readouts[i].per_layer)
+            )
         tokens.extend(fire.tokens[first : fire.done + c.rows])
         positions.extend(fire.positions[first : fire.done + c.rows])
         keep.extend(range(len(tokens) - c.rows, len(tokens)))
+    scores = served.runner.pass_scores(segments, score_rows) if score_rows else None
     if served.runner.eagle is None:
-        hidden = served.runner.forward(segments, tokens, positions)
+        hidden = served.runner.forward(segments, tokens, positions, scores=scores)
     else:  # an EAGLE head is refused on a model with recurrent state (drafters.py), so no lead rows here
-        hidden = served.runner.forward(segments, tokens, positions, [c.job.ws.drafter_tail for c in chunks])
+        tails = [c.job.ws.drafter_tail for c in chunks]
+        hidden = served.runner.forward(segments, tokens, positions, tails, scores=scores)
         for c, tail in zip(chunks, served.runner.tails(segments, hidden)):
             c.job.ws.drafter_tail = tail
+    if scores is not None:
+        for (fire, i, row), mass in zip(wanted, scores.results()):
+            fire.scores[(i, row)] = mass
     for c in chunks:
         if (hold := c.job.ws.state) is not None:
             hold.ran = c.job.done + c.rows
     return hidden if len(keep) == hidden.shape[0] else hidden[keep]
+
+
+def _score_rows(fire: FireJob, lo: int, hi: int) -> list[tuple[int, int]]:
+    """(readout index, window row) of the fire's attention readouts at its rows ``lo .. hi-1``."""
+    return [(i, row) for i, r in enumerate(fire.readouts) if r.kind == "attention" for row in r.rows if lo <= row < hi]
 
 
 def _slot(fire: FireJob) -> int | None:
@@ -193,9 +211,10 @@ def _read(served: ServedModel, fires: list[FireJob]) -> list[tuple[FireJob, list
             [fire.tokens[row + 1] if row + 1 < len(fire.tokens) else -1 for row in r.rows] if r.at_accepted else None,
             fire.ws.pages if r.kind == "eagle" else None,
             fire.start,
+            [fire.scores[(i, row)] for row in r.rows] if r.kind == "attention" else None,
         )
         for fire in fires
-        for r, mask in zip(fire.readouts, fire.masks)
+        for i, (r, mask) in enumerate(zip(fire.readouts, fire.masks))
         if r.rows
     ]
     results, raw = served.runner.readouts(requests) if requests else ([], [])

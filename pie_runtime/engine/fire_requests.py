@@ -53,6 +53,7 @@ class FireRequests:
         depths = self._check_tree(served, req, source, w)
         positions = self._check_window(served, req, ws.position(start), w, depths)
         self._check_readout_rows(req, w)
+        self._check_attention(served, req, start + w)
         masks = [self._check_readout(r, w, served, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
@@ -193,6 +194,30 @@ class FireRequests:
                 ErrorCode.LIMIT_EXCEEDED,
                 f"the readouts of one fire read at most MAX_READOUT_ROWS={MAX_READOUT_ROWS} rows, got {total}",
             )
+
+    @staticmethod
+    def _check_attention(served: ServedModel, req: m.Fire, width: int) -> None:
+        """Bounds the attention readouts' replies (float32 (rows, [layers,] width), ``width`` the working set's
+        rows up to the window's end) to MAX_ATTENTION_BYTES each; refuses them where the model cannot read them."""
+        for r in req.readouts:
+            if r.kind != "attention":
+                continue
+            if not served.runner.attention_scores:
+                raise PieError(
+                    ErrorCode.UNSUPPORTED,
+                    f"model {served.name} cannot read attention scores out here (recurrent layers, or a "
+                    "tensor-parallel engine)",
+                )
+            if r.mask is not None:
+                raise PieError(ErrorCode.INVALID_ARGUMENT, "an attention readout takes no token mask")
+            layers = served.runner.model.config.num_hidden_layers if r.per_layer else 1
+            size = 4 * len(r.rows) * layers * width
+            if size > m.MAX_ATTENTION_BYTES:
+                raise PieError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"an attention readout of {len(r.rows)} rows x {layers} layer(s) x {width} keys is {size} "
+                    f"bytes, past MAX_ATTENTION_BYTES={m.MAX_ATTENTION_BYTES}: read fewer rows a fire",
+                )
 
     @staticmethod
     def _check_readout(r: m.Readout, w: int, served: ServedModel, parents: list[int] | None) -> np.ndarray | None:

@@ -37,6 +37,8 @@ class FireJob:
     done: int = 0  # rows already run
     cached_rows: int = 0  # leading rows mapped from the prefix cache instead of run (counted in done)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # window row → final hidden state
+    # (readout index, window row) → an attention readout's mass at that row (models/attention_scores.py)
+    scores: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     program: Program | None = None
     bindings: list[Channel] = field(default_factory=list)
     source: Channel | None = None  # tokens come from this channel's front cell, taken when the fire runs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..models.attention_scores import PassScores, ScoreRow
 from ..models.context import ForwardContext, Segment
 from ..models.eagle import EagleHead
 from ..models.families import CausalLM
@@ -36,6 +37,7 @@ class ReadoutRequest:
     next_tokens: list[int] | None = None  # at_accepted MTP/EAGLE: the window's token after each row (-1 past it)
     pages: list[int] | None = None  # EAGLE: the working set's page table (its chains read the pool layer)
     start: int = 0  # EAGLE: the sequence index of the fire's row 0
+    scores: list[torch.Tensor] | None = None  # attention: each row's mass, (width,) or (layers, width)
 
 
 # The last rows of a working set's forward whose features an EAGLE head keeps: a verify window's rows (its
@@ -74,21 +76,35 @@ class ModelRunner:
         tokens: list[int],
         positions: list[int],
         tails: Sequence[object] | None = None,
+        scores: PassScores | None = None,
     ) -> torch.Tensor:
         """Embeds ``tokens`` (rows of ``segments`` concatenated), writes their K/V and advances the recurrent
         state of the slot each segment names (``Segment.state``), returns (N, H) hidden. With an EAGLE head it
         writes the draft layer's K/V too; ``tails``: each segment's working set's :class:`FeatureTail` (module
-        docstring)."""
+        docstring). ``scores`` (:meth:`pass_scores`) receives the attention readout's mass at its rows."""
         if self.state is not None:  # slot → its live entry; a segment of no working set runs on the scratch
             segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
         native = getattr(self.model, "attends_natively", False)  # reads the page tables itself: no torch groups
-        ctx = ForwardContext.build(segments, self.kv.page_size, self.device, positions, torch_groups=not native)
+        ctx = ForwardContext.build(
+            segments, self.kv.page_size, self.device, positions, torch_groups=not native, scores=scores
+        )
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             hidden = self.model(self.model.embed(ids), ctx, self.kv, self.state)  # type: ignore[arg-type]
             if self.eagle is not None:
                 self._eagle_kv(segments, ids, hidden, ctx, tails or [None] * len(segments))
         return hidden
+
+    @property
+    def attention_scores(self) -> bool:
+        """Whether a pass can read the attention mass out (a model whose every layer attends, here: the Llama
+        family in torch or on the native step)."""
+        return getattr(self.model, "attention_scores", False)
+
+    def pass_scores(self, segments: list[Segment], rows: list[ScoreRow]) -> PassScores:
+        """The buffers of one pass's attention readout at ``rows`` (``forward``'s ``scores``)."""
+        layers = self.model.config.num_hidden_layers
+        return PassScores(rows, segments, self.kv.page_size, layers, self.device)
 
     # ---- the recurrent-state pool's tensors, by slot (engine/state_slots.py's StateOps) ------------
 
@@ -178,15 +194,15 @@ class ModelRunner:
         """Runs the lm head once over every row that needs logits (all but Hidden readouts), then each
         readout's kernel. Returns the results and each request's raw (unmasked) logits, which the fire's
         epilogue reuses instead of running the lm head again."""
-        needs_logits = [r for r in requests if r.spec.kind != "hidden"]
+        needs_logits = [r for r in requests if r.spec.kind not in ("hidden", "attention")]
         logits_all = self.model.logits(torch.cat([r.hidden for r in needs_logits])) if needs_logits else None
         out: list[dict[str, np.ndarray]] = []
         raw: list[torch.Tensor | None] = []
         offset = 0
         for r in requests:
             kind = r.spec.kind
-            if kind == "hidden":
-                out.append({"hidden": r.hidden.float().cpu().numpy()})
+            if kind in ("hidden", "attention"):
+                out.append(_no_logits(r))
                 raw.append(None)
                 continue
             assert logits_all is not None  # this request is one of needs_logits
@@ -240,6 +256,14 @@ class ModelRunner:
             return eagle.draft(feature, first, index[rows], r.pages, self.kv, r.spec.k, with_logits)
 
         return _chained(r, sampling.argmax(logits, mask), chain)
+
+
+def _no_logits(r: ReadoutRequest) -> dict[str, np.ndarray]:
+    """A readout that needs no lm head: Hidden's (R, H), or the attention mass, (R, width) or (R, layers, width)."""
+    if r.spec.kind == "hidden":
+        return {"hidden": r.hidden.float().cpu().numpy()}
+    assert r.scores is not None  # execute gives every attention readout its rows' mass
+    return {"scores": torch.stack(r.scores).cpu().numpy()}
 
 
 def _host_bits(t: torch.Tensor) -> np.ndarray:

@@ -76,7 +76,12 @@ class TPRunner(ModelRunner):
         super().__init__(model, kv, device)
         self.group = group
 
-    def forward(self, segments: list[Segment], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    @property
+    def attention_scores(self) -> bool:
+        return False  # each rank holds some heads: fire admission refuses the attention readout
+
+    def forward(self, segments: list[Segment], tokens: list[int], positions: list[int], scores=None) -> torch.Tensor:
+        assert scores is None, "fire admission refuses the attention readout on a tensor-parallel engine"
         with self.group.step(("forward", segments, tokens, positions)):
             return super().forward(segments, tokens, positions)
 

@@ -18,10 +18,14 @@ as a :class:`StateLayout`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .recurrent import StateLayout
+
+if TYPE_CHECKING:
+    from .attention_scores import PassScores
 
 # Segments with at most this many query rows are padded into one attention call; longer ones (prefill
 # chunks) get a call of their own so that a decode row never pays for a prefill's padding.
@@ -65,6 +69,7 @@ class ForwardContext:
     groups: tuple[AttentionGroup, ...]  # () when built for a model that attends natively (``torch_groups=False``)
     states: StateLayout | None = None  # each segment's recurrent state, when its segments name one
     segments: tuple[Segment, ...] = ()  # the pass's segments, rows in this order
+    scores: PassScores | None = None  # the attention readout's rows and buffers, on a pass that reads it
 
     @staticmethod
     def build(
@@ -73,6 +78,7 @@ class ForwardContext:
         device: torch.device | str = "cpu",
         positions: list[int] | None = None,
         torch_groups: bool = True,
+        scores: PassScores | None = None,
     ) -> ForwardContext:
         """Lay out ``segments`` (rows concatenated in this order). ``positions`` defaults to each row's
         sequence index; a caller may pass others (RoPE only; attention stays causal over the page table).
@@ -119,6 +125,7 @@ class ForwardContext:
             groups=groups,
             states=states,
             segments=tuple(segments),
+            scores=scores,
         )
 
 

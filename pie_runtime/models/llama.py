@@ -96,6 +96,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (kvh, slots, D)
         k_cache.index_copy_(1, ctx.write_slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, ctx.write_slots, v.transpose(0, 1).to(v_cache.dtype))
+        if ctx.scores is not None:  # the attention readout, only on a pass that reads it
+            ctx.scores.add(self.layer, q, k_cache, self.scale)
         ps = kv.page_size
         k_pages = k_cache.view(kvh, -1, ps, d)  # (kvh, pages, ps, D)
         v_pages = v_cache.view(kvh, -1, ps, d)
@@ -422,6 +424,8 @@ class Decoder(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``embed`` → ``forward`` (final hidden states, normed) → ``logits`` on the rows read out."""
+
+    attention_scores = True  # a pass can read the attention mass out (ForwardContext.scores)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import native_lib
+from .attention_scores import PassScores
 from .config import ModelConfig
 from .context import ForwardContext, Segment, ancestor_mask
 from .kv_cache import KVCache
@@ -52,6 +53,12 @@ class _Pass(ctypes.Structure):
         ("positions", _P),
         ("write_slots", _P),
         ("layout", _PassLayout),
+        ("n_scores", ctypes.c_int64),
+        ("score_rows", _P),
+        ("score_at", _P),
+        ("score_width", _P),
+        ("score_layered", _P),
+        ("scores", _P),
     ]
 
 
@@ -128,6 +135,7 @@ class NativeLlama(nn.Module):
     pass one call of the native step."""
 
     attends_natively = True  # the runner need not lay out torch attention groups for its passes
+    attention_scores = True  # a pass can read the attention mass out (the step's score rows)
 
     def __init__(
         self,
@@ -236,16 +244,35 @@ class NativeLlama(nn.Module):
             write_slots=slots.data_ptr(),
             layout=layout.struct(),
         )
+        keep = _score_fields(p, ctx.scores)  # the arrays the pass points at, alive until the step returns
         need = lib.pie_step_scratch(ctypes.byref(model), n)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         lib.pie_decoder_step(ctypes.byref(model), ctypes.byref(p), self._scratch.data_ptr())
+        del keep
         return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) final hidden states → (R, V) float32 logits."""
         return self.lm_head(hidden)
+
+
+def _score_fields(p: _Pass, scores: PassScores | None) -> list[np.ndarray]:
+    """Points the pass's score fields at the attention readout's rows and buffer (none: an ordinary pass);
+    returns the arrays to keep alive while the step runs."""
+    if scores is None:
+        return []
+    arrays = [
+        np.array([r.row for r in scores.rows], dtype=np.int32),
+        np.ascontiguousarray(scores.at[:-1], dtype=np.int64),
+        np.array([r.width for r in scores.rows], dtype=np.int32),
+        np.array([r.per_layer for r in scores.rows], dtype=np.int32),
+    ]
+    p.n_scores = len(scores.rows)
+    p.score_rows, p.score_at, p.score_width, p.score_layered = (a.ctypes.data for a in arrays)
+    p.scores = scores.flat.data_ptr()
+    return arrays
 
 
 @dataclass

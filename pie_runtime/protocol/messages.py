@@ -16,8 +16,8 @@ from .dtypes import ChannelDtype
 
 # 2: spec_report, MTP at_accepted, pass costs in hello; 3: tree windows (protocol.tree); 4: program_unregister,
 # ws_evict (rows kept at their positions: a row index and its position part ways), ws_read_kv and ws_append_kv
-# (a working set's K/V out to a client and into another engine: prompt caches)
-PROTOCOL_VERSION = 4
+# (a working set's K/V out to a client and into another engine: prompt caches); 5: the attention readout
+PROTOCOL_VERSION = 5
 Deferred = Literal["deferred"]
 DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
 
@@ -35,7 +35,10 @@ class WireArray(_Msg):
         return decode_array(self.model_dump())
 
 
-ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp", "eagle"]
+ReadoutKind = Literal["logits", "argmax", "distribution", "sample", "hidden", "mtp", "eagle", "attention"]
+# An attention readout's reply, float32 (rows, [layers,] keys): at most this many bytes (limit_exceeded), well under
+# the codec's 16 MiB message limit
+MAX_ATTENTION_BYTES = 8 * 1024 * 1024
 
 # The sampler's ranges, shared by the engine's sampler and the SDK's filter_distribution: a temperature
 # below MIN_TEMPERATURE (0 included) is greedy (one-hot at the argmax), one above MAX_TEMPERATURE is
@@ -47,7 +50,15 @@ MAX_TEMPERATURE: Final = 1e4
 
 class Readout(_Msg):
     """What to read at some rows of a fire's window. ``mask`` is an optional packed allowed-token bitmask
-    (int32/uint32, shape (len(rows), ceil(vocab / 32)), bit i of word j allows token 32 j + i)."""
+    (int32/uint32, shape (len(rows), ceil(vocab / 32)), bit i of word j allows token 32 j + i).
+
+    ``attention``: the attention mass each KV row of the working set received from each read row, the softmax
+    probabilities summed over query heads and layers (``per_layer``: over heads only, one row per layer). Reply
+    ``{"scores"}``, float32 (rows, keys) or (rows, layers, keys), keys = the working set's rows up to the end of
+    the fire's window, indexed by row (not position: after an eviction they part ways); a key a row does not
+    attend (later rows, another branch of a tree) gets exactly 0. Each layer's mass sums to the query heads'
+    count. At most ``MAX_ATTENTION_BYTES`` (``limit_exceeded``); ``unsupported`` on a model without attention
+    everywhere (recurrent layers) or a tensor-parallel engine."""
 
     rows: list[int]
     kind: ReadoutKind
@@ -60,6 +71,7 @@ class Readout(_Msg):
     # MTP or EAGLE, greedy: chain drafts only from the row after the longest prefix of rows whose argmax equals the
     # window's next token (the row a greedy verifier keeps going from); the other rows' drafts are -1
     at_accepted: bool = False
+    per_layer: bool = False  # attention: the mass per layer instead of summed over the layers
     mask: WireArray | None = None
 
 

@@ -22,7 +22,7 @@ from .forward import DEFERRED, ForwardPass, PassResult, ReadoutResult
 from .kv_file import SavedKV, SavedKVMismatch
 from .model import Model
 from .programs import Program, trace
-from .readouts import MTP, Argmax, Distribution, Eagle, Hidden, Logits, Sample
+from .readouts import MTP, Argmax, AttentionScores, Distribution, Eagle, Hidden, Logits, Sample
 from .runtime import connect, emit, main, model
 from .tokenizer import StreamDecoder, Tokenizer
 from .working_set import WorkingSet
@@ -37,6 +37,7 @@ __all__ = [
     "ErrorCode",
     "ForwardPass",
     "Hidden",
+    "AttentionScores",
     "Logits",
     "Model",
     "PassResult",

@@ -27,6 +27,7 @@ class ReadoutResult:
     tokens: np.ndarray | None = None  # (rows,) int32, or (rows, k) for MTP
     probs: np.ndarray | None = None  # (rows, vocab), or (rows, k, vocab) for MTP with_probs
     hidden: np.ndarray | None = None  # (rows, hidden)
+    scores: np.ndarray | None = None  # AttentionScores: (rows, keys), or (rows, layers, keys) per layer
 
 
 @dataclass

@@ -72,7 +72,27 @@ class Eagle:
     kind = "eagle"
 
 
-ReadoutSpec = Logits | Argmax | Distribution | Sample | Hidden | MTP | Eagle  # its wire ``kind`` names it
+@dataclass(frozen=True)
+class AttentionScores:
+    """The attention mass each KV row of the working set received from each read row: softmax probabilities
+    summed over the query heads and the layers (``per_layer``: over the heads only). ``res.readouts[i].scores``
+    is float32 (rows, keys), or (rows, layers, keys), keys the working set's rows up to the end of the window,
+    indexed by row (after an eviction a row's index is not its position); a key a row does not attend (a later
+    row) gets 0, and each layer's mass sums to the number of query heads. Costs nothing on passes that do not
+    ask for it; a reply is bounded (``MAX_ATTENTION_BYTES``, else ``limit_exceeded``). Ranking rows by the mass
+    they gather is how H2O, SnapKV and TOVA choose what to keep:
+
+        res = await inferlet.ForwardPass(ws).embed([token]).readout([0], inferlet.AttentionScores()).submit()
+        mass = res.readouts[0].scores[0]  # (ws.committed,): every row's, the new token's included
+        heavy = np.argsort(-mass, kind="stable")[:64]  # the 64 heavy hitters
+    """
+
+    per_layer: bool = False
+    kind = "attention"
+
+
+# its wire ``kind`` names it
+ReadoutSpec = Logits | Argmax | Distribution | Sample | Hidden | MTP | Eagle | AttentionScores
 
 
 def to_wire(kind: ReadoutSpec) -> dict:

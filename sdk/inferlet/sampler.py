@@ -9,6 +9,8 @@ exp(logprob) is the engine's Distribution probability); ``top`` is sorted by log
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import numpy as np
 
 from .args import CompletionArgs
@@ -18,6 +20,8 @@ from .readouts import Argmax, Distribution, Logits, ReadoutSpec, Sample
 from .speculative import VerifyResult, filter_distribution, verify_greedy, verify_sampled
 from .tree import TokenTree, TreeVerdict, verify_tree_greedy, verify_tree_sampled
 from .working_set import WorkingSet
+
+Fire = Callable[[WorkingSet, list[int], ForwardPass], Awaitable[PassResult]]  # StepSampler.step's ``fire``
 
 
 def logprob_entry(logits: np.ndarray, token: int, top: int) -> dict:
@@ -128,13 +132,16 @@ class StepSampler:
             kinds = [Sample(a.temperature, a.top_k, a.top_p, None if a.seed is None else a.seed + step)]
         return kinds + [Logits()] if a.top_count is not None else kinds
 
-    async def step(self, ws: WorkingSet, window: list[int], out: Output) -> None:
+    async def step(self, ws: WorkingSet, window: list[int], out: Output, fire: Fire | None = None) -> None:
         """One step of a plain decode: fires ``window`` on ``ws`` with this sampler's readouts on its last row,
-        and pushes the token picked to ``out`` (a prefill's window is the prompt, a decode step's the last token)."""
+        and pushes the token picked to ``out`` (a prefill's window is the prompt, a decode step's the last token).
+        ``fire(ws, window, fp)`` submits the pass instead of ``fp.submit()`` (a KV policy adding its own readouts
+        after these, and evicting after the pass: inferlets/h2o.py)."""
         fp = ForwardPass(ws).embed(window)
         for kind in self.readouts(len(out.ids)):
             fp.readout([len(window) - 1], kind)
-        out.push([self.pick(await fp.submit(), out.ids)])
+        res = await (fire(ws, window, fp) if fire is not None else fp.submit())
+        out.push([self.pick(res, out.ids)])
 
     def result(self, out: Output, ws: WorkingSet, prompt_tokens: int, decode_s: float, **stats: object) -> dict:
         """A plain decode's result: ``out``'s, with stats (the prompt's and output's tokens, then ``stats``, the

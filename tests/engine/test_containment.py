@@ -177,11 +177,11 @@ def faulty_forward(c: Core, monkeypatch, exc: Exception) -> list[int]:
     real = runner.forward
     sizes: list[int] = []
 
-    def forward(segments, tokens, positions, tails=None):
+    def forward(segments, tokens, positions, tails=None, scores=None):
         sizes.append(len(tokens))
         if GUILTY in tokens:
             raise exc
-        return real(segments, tokens, positions, tails)
+        return real(segments, tokens, positions, tails, scores=scores)
 
     monkeypatch.setattr(runner, "forward", forward)
     return sizes

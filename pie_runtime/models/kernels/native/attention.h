@@ -266,4 +266,49 @@ static void combine_parts(const float *parts, long n_parts, int d, int g, float 
     }
 }
 
+/* The attention readout, only on passes that ask for it (so an ordinary pass pays nothing): head h's probability
+ * of each of a row's nk keys, 2^(s_hj - M_h) / L_h (8 keys at a time), with s_hj recomputed as the attention
+ * computed it (scores8: a head's arithmetic does not depend on the heads beside it) and M_h, L_h the row's maximum
+ * and normaliser over its parts (formed as combine_parts forms them); summed over the G heads of one key head, in
+ * head order, into out[j]. A function of the row's query and keys alone, like the attention itself. */
+INLINE void head_mass(const KVLayer *kv, long kv_head, const int32_t *slots, long nk, const float *q,
+                      const float *parts, long n_parts, float scale, float *out, const int D, const int G) {
+    float rows[8 * MAX_HEAD_DIM], s[8 * 8], mx[8], inv[8];
+    const long stride = (long)G * (D + 2), head_at = kv_head * kv->slots;
+    for (int h = 0; h < G; h++) {
+        mx[h] = -INFINITY;
+        for (long p = 0; p < n_parts; p++) mx[h] = parts[p * stride + h] > mx[h] ? parts[p * stride + h] : mx[h];
+        float l = 0.0f;
+        for (long p = 0; p < n_parts; p++) l += exp2f(parts[p * stride + h] - mx[h]) * parts[p * stride + G + h];
+        inv[h] = 1.0f / l;
+    }
+    for (long i0 = 0; i0 < nk; i0 += 8) {
+        const int cnt = nk - i0 < 8 ? (int)(nk - i0) : 8;
+        for (int t = 0; t < 8; t++) {
+            if (t < cnt)
+                widen_row(kv->k, kv->bf16, (head_at + slots[i0 + t]) * D, D, rows + t * D);
+            else
+                memset(rows + t * D, 0, D * sizeof(float));
+        }
+        int h = 0; /* three heads a call where they fit, as the attention does: the same arithmetic per head */
+        for (; h + 3 <= G; h += 3) scores8(q + h * D, rows, s + h * 8, 8, scale, D, 3);
+        for (; h < G; h++) scores8(q + h * D, rows, s + h * 8, 8, scale, D, 1);
+        __m256 acc = _mm256_setzero_ps(); /* the 8 keys' mass, the heads added in order */
+        for (h = 0; h < G; h++) {
+            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + h * 8), _mm256_set1_ps(mx[h])));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(e, _mm256_set1_ps(inv[h])));
+        }
+        _mm256_storeu_ps(s, acc);
+        for (int t = 0; t < cnt; t++) out[i0 + t] = s[t];
+    }
+}
+
+/* head_mass for head_dim 64, 128 or 256 (G <= 8 heads a key head, as attend_part_any). */
+static void head_mass_any(const KVLayer *kv, long kv_head, const int32_t *slots, long nk, const float *q,
+                          const float *parts, long n_parts, float scale, float *out, int d, int g) {
+    if (d == 64) head_mass(kv, kv_head, slots, nk, q, parts, n_parts, scale, out, 64, g);
+    if (d == 128) head_mass(kv, kv_head, slots, nk, q, parts, n_parts, scale, out, 128, g);
+    if (d == 256) head_mass(kv, kv_head, slots, nk, q, parts, n_parts, scale, out, 256, g);
+}
+
 #endif

@@ -201,6 +201,12 @@ typedef struct {
     const int32_t *positions;
     const int64_t *write_slots;
     PassLayout layout;
+    int64_t n_scores;             /* rows the attention readout reads (0: an ordinary pass, which pays nothing) */
+    const int32_t *score_rows;    /* (n_scores,) their rows in the pass */
+    const int64_t *score_at;      /* (n_scores,) where each one's output starts in `scores` */
+    const int32_t *score_width;   /* (n_scores,) sequence indices per output row (0 .. width-1) */
+    const int32_t *score_layered; /* (n_scores,) 1: one output row per layer; 0: the layers summed into one */
+    float *scores;                /* zeroed by the caller; a key the row does not see stays 0 */
 } PiePass;
 
 enum { W_QKV, W_O, W_GATE_UP, W_DOWN };
@@ -301,6 +307,33 @@ INLINE QWeight layer_weight(const PieModel *m, int l, int which, long n, long k)
     return w;
 }
 
+/* One layer's attention readout, inside the step's parallel region: each read row's mass per key head (head_mass)
+ * into `mass`, then the key heads added in order and the sum added into the row's output at the keys' sequence
+ * indices: this layer's output row, or the one summed over the layers (layer by layer, in order). */
+static void attention_mass(const PieModel *m, const PiePass *p, int l, const KVLayer *kv, const RowSlots *rs,
+                           const int64_t *row_first, const float *partials, const float *qkv, float *mass, float scale) {
+    const long d = m->head_dim, kvhs = m->kv_heads, width = p->layout.max_keys + 1L;
+    const long qkv_n = (long)m->heads * d + 2L * kvhs * d, part_floats = (long)(m->heads / kvhs) * (d + 2);
+#pragma omp for schedule(static)
+    for (long u = 0; u < p->n_scores * kvhs; u++) {
+        const long r = p->score_rows[u / kvhs], kvh = u % kvhs;
+        const long per_row = (row_first[r + 1] - row_first[r]) / kvhs;
+        head_mass_any(kv, kvh, rs->slots + rs->off[r], rs->off[r + 1] - rs->off[r],
+                      qkv + r * qkv_n + kvh * (m->heads / kvhs) * d, partials + (row_first[r] + kvh * per_row) * part_floats,
+                      per_row, scale, mass + u * width, (int)d, m->heads / kvhs);
+    }
+#pragma omp for schedule(static)
+    for (long i = 0; i < p->n_scores; i++) {
+        const long r = p->score_rows[i], nk = rs->off[r + 1] - rs->off[r], limit = p->layout.row_limit[r];
+        float *out = p->scores + p->score_at[i] + (p->score_layered[i] ? (long)l * p->score_width[i] : 0);
+        for (long j = 0; j < nk; j++) {
+            float v = 0.0f; /* the layer's mass first, so the summed output is the per-layer rows added in order */
+            for (long kvh = 0; kvh < kvhs; kvh++) v += mass[(i * kvhs + kvh) * width + j];
+            out[j < limit ? j : p->layout.extras[p->layout.row_extra[r] + j - limit]] += v;
+        }
+    }
+}
+
 void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
     const long n = p->n_rows, hidden = m->hidden, d = m->head_dim;
     const long hd = (long)m->heads * d, qkv_n = hd + 2L * m->kv_heads * d, inter = m->inter;
@@ -346,6 +379,8 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
     }
     const long part_floats = (long)per_kv * (d + 2);
     float *partials = (float *)malloc((row_first[n] * part_floats + 1) * sizeof(float));
+    float *mass = p->n_scores ? (float *)malloc(p->n_scores * m->kv_heads * (p->layout.max_keys + 1L) * sizeof(float))
+                              : NULL;
 #pragma omp parallel
     {
 #ifdef PIE_PROFILE
@@ -401,6 +436,7 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
                 combine_parts(partials + (row_first[r] + kvh * per_row) * part_floats, per_row, (int)d, per_kv,
                               b.attn + r * hd + kvh * per_kv * d);
             }
+            if (p->n_scores) attention_mass(m, p, l, &kv, &rs, row_first, partials, b.qkv, mass, scale);
             MARK(attention);
             a.k = hd;
 #pragma omp for schedule(static)
@@ -443,4 +479,5 @@ void pie_decoder_step(const PieModel *m, const PiePass *p, uint8_t *scratch) {
     free(run_first);
     free(unit);
     free(partials);
+    free(mass);
 }
