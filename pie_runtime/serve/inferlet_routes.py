@@ -10,7 +10,9 @@ Code runs only from the server's own folders. An uploaded file goes to the serve
 the upload pool's hosts (resource limits, no server environment), never beside the other runs; it cannot
 take a shipped or custom inferlet's name. A prompt-cache run's ``load`` is a cache name of
 ``--prompt-cache-dir``, resolved by the server (prompt_cache_routes.py), and it saves only through
-``POST /v1/prompt_caches``. The run id comes back in the ``x-pie-run-id`` header.
+``POST /v1/prompt_caches``. No other argument that names a file on the server's machine is taken from a
+request (``HOST_PATH_ARGS``: a 400): the suffix store's static index is the server's ``--suffix-index``. The run
+id comes back in the ``x-pie-run-id`` header.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from ..launcher import shipped_inferlets
 from .disconnect import unless_disconnected
-from .errors import APIError, not_found
+from .errors import APIError, invalid_request, not_found
 from .openai_api import InferletCard, InferletList, RunCancelled, RunRequest, RunResponse, sse_or
 from .prompt_cache_routes import run_args
 from .prompt_caches import PROMPT_CACHE
@@ -40,6 +42,21 @@ if TYPE_CHECKING:
     from .runs import Runs
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+# shipped inferlets' arguments that name a file on the server's machine, which a request must not choose
+HOST_PATH_ARGS = {"suffix-speculative-decoding": ("suffix_index", "save_index")}
+
+
+def shipped_run_args(server: Server, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A shipped inferlet's run arguments as a request gave them, checked: a prompt-cache run's cache name
+    resolved to the server's file, and a 400 for an argument that names a file on the server's machine."""
+    if name == PROMPT_CACHE:
+        return run_args(server, args)
+    for key in args:
+        if key.replace("-", "_") in HOST_PATH_ARGS.get(name, ()):
+            raise invalid_request(
+                f"{key!r} names a file on the server's machine: not taken from a request", f"args.{key}"
+            )
+    return args
 
 
 class UploadRequest(BaseModel):
@@ -102,7 +119,7 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
     async def run(request: Request, name: str, req: RunRequest, key: str = Depends(api_key)) -> Response:
         arrival = time.monotonic()
         runs = runs_for(name)
-        args = run_args(server, req.args) if name == PROMPT_CACHE and runs is server.runs() else req.args
+        args = shipped_run_args(server, name, req.args) if runs is server.runs() else req.args
         lease = server.quotas.admit(key, 0, 0)
         run_id = runs.new_id()
         events = runs.events(name, args, lease, run_id=run_id, arrival=arrival)

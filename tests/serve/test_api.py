@@ -374,6 +374,22 @@ BAD = [
     ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "not_found_error", "model"),
     ("unknown inferlet", "/v1/inferlets/no-such/runs", {"args": {}}, 404, "not_found_error", None),
     ("run args past 64 bits", "/v1/inferlets/echo/runs", {"args": {"x": 10**30}}, 400, None, None),
+    (
+        "a host path to write",
+        "/v1/inferlets/suffix-speculative-decoding/runs",
+        {"args": {"prompt": "x", "save_index": "/tmp/pie-written-by-a-request"}},
+        400,
+        None,
+        "args.save_index",
+    ),
+    (
+        "a host path to read",
+        "/v1/inferlets/suffix-speculative-decoding/runs",
+        {"args": {"prompt": "x", "suffix-index": "/etc/passwd"}},
+        400,
+        None,
+        "args.suffix-index",
+    ),
     ("body too large", "/v1/completions", {"model": TINY, "prompt": "x" * 70000}, 413, None, None),
 ]
 
