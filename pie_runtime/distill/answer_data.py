@@ -57,4 +57,6 @@ def answers_to_teacher(
 
 def split_answers(answers: list[Answer]) -> tuple[list[Answer], list[Answer]]:
     """(training answers, held-out answers): held-out prompts' ids start with ``h-`` (chat_prompts.py)."""
-    return [a for a in answers if not a.prompt_id.startswith("h-")], [a for a in answers if a.prompt_id.startswith("h-")]
+    return [a for a in answers if not a.prompt_id.startswith("h-")], [
+        a for a in answers if a.prompt_id.startswith("h-")
+    ]

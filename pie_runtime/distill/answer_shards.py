@@ -12,7 +12,6 @@ head reads when it drafts on that engine.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path

@@ -123,7 +123,9 @@ def heldout_prompts(corpora: list[Path], n: int, seed: int = 0) -> list[ChatProm
     n_open = round(n * HELDOUT_OPEN_SHARE)
     per = -(-(n - n_open) // len(corpora))
     passages = [p for c in corpora for p in _passages(c, True, per, rng)][: n - n_open]
-    prompts = [_prompt("heldout", k, t.format(p=p)) for p, (k, t) in zip(passages, (rng.choice(passage_t) for _ in passages))]
+    prompts = [
+        _prompt("heldout", k, t.format(p=p)) for p, (k, t) in zip(passages, (rng.choice(passage_t) for _ in passages))
+    ]
     topics = _topics(True)
     for i in range(n_open):
         kind, template = topic_t[i % len(topic_t)]

@@ -64,7 +64,7 @@ def test_data_command_answers_on_the_engine_and_resumes(pie_home, engine, tmp_pa
     folder = tmp_path / "chat"
     _data(pie_home, engine.address, folder, tokens=12)
     first = Manifest.model_validate_json((folder / "manifest.json").read_text())
-    assert 0 < first.answer_tokens and first.answers < 8
+    assert first.answer_tokens > 0 and first.answers < 8
     _data(pie_home, engine.address, folder, tokens=1000)  # continues: every prompt once
     answers = read_answers(folder)
     keys = [(a.prompt_id, a.temperature) for a in answers]
