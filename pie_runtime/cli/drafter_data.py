@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .engine import add_engine_options
 
-PROMPT_SET_VERSION = 1  # raise when chat_prompts.py's templates change: a folder's prompts would no longer match
+PROMPT_SET_VERSION = 2  # raise when chat_prompts.py's templates change: a folder's prompts would no longer match
 
 
 def register(dsub: argparse._SubParsersAction) -> None:

@@ -126,10 +126,9 @@ def heldout_prompts(corpora: list[Path], n: int, seed: int = 0) -> list[ChatProm
     prompts = [
         _prompt("heldout", k, t.format(p=p)) for p, (k, t) in zip(passages, (rng.choice(passage_t) for _ in passages))
     ]
-    topics = _topics(True)
-    for i in range(n_open):
-        kind, template = topic_t[i % len(topic_t)]
-        prompts.append(_prompt("heldout", kind, template.format(t=topics[rng.randrange(len(topics))])))
+    pairs = [(kind, template, topic) for kind, template in topic_t for topic in _topics(True)]
+    rng.shuffle(pairs)  # each (template, topic) once
+    prompts += [_prompt("heldout", kind, template.format(t=topic)) for kind, template, topic in pairs[:n_open]]
     return _unique(prompts)
 
 

@@ -175,6 +175,7 @@ def fit(student: Student, settings: TrainSettings) -> None:
                 student.module.eval()
                 agree = student.agreement()
                 if best.check(agree):
+                    best.restore()
                     bar.write(f"early stop at step {step}: no better held-out agreement than {best.agree:.3f}")
                     step = total
                     break

@@ -38,6 +38,8 @@ class MTPStudent(Student):
         self.head = MTPHead(module, target)
         self.weights = [0.5**j for j in range(depth)]
         self.reports = reports or {}
+        if reports:  # a small held-out chat set: the progress bar and early stopping read all of it
+            self.probe = heldout
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         data, target, settings = self.train, self.target, self.settings

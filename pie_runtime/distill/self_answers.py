@@ -9,7 +9,7 @@
 The workers' fires are separate working sets' one-row fires, so the engine's scheduler runs them in one step
 (continuous batching): N rows a step cost little more than one. Every row also reads out the final hidden state,
 so the data holds the served engine's view of every position (what an MTP head drafts from), not a float32
-copy's. A worker cut off by the time budget drops its answer: the folder holds whole answers only.
+copy's. An answer the time budget cuts is kept as far as it got (its prompt counts as answered).
 """
 
 from __future__ import annotations
@@ -76,13 +76,11 @@ class Generator:
         while self.jobs and not self.budget.spent():
             job = self.jobs.pop(0)
             answer = await self.answer(job)
-            if answer is None:  # cut by the deadline
-                return
             self.budget.tokens_done += len(answer.tokens) - answer.prompt_len
             self.on_answer(answer)
 
-    async def answer(self, job: Job) -> Answer | None:
-        """One prompt answered on a fresh working set; None when the deadline came first."""
+    async def answer(self, job: Job) -> Answer:
+        """One prompt answered on a fresh working set (cut short when the deadline comes)."""
         from inferlet import Argmax, ForwardPass, Hidden, Sample
 
         model = self.model
@@ -104,7 +102,7 @@ class Generator:
                 if token in tok.eos_token_ids:
                     break
                 if self.budget.deadline is not None and time.monotonic() >= self.budget.deadline:
-                    return None
+                    break
                 window = [token]
         finally:
             await ws.release()

@@ -20,7 +20,7 @@ from pie_runtime.distill.chat_prompts import (
     training_prompts,
 )
 from pie_runtime.distill.data import find_corpus
-from pie_runtime.distill.open_requests import TEMPLATES
+from pie_runtime.distill.open_requests import TEMPLATES, TOPICS
 
 CORPORA = [p for p in (find_corpus("austen.txt"), find_corpus("kjv.txt")) if p is not None]
 needs_corpus = pytest.mark.skipif(len(CORPORA) < 2, reason="no corpus in ../shared/corpus/ or $PIE_CORPUS_DIR")
@@ -89,3 +89,16 @@ def test_data_command_answers_on_the_engine_and_resumes(pie_home, engine, tmp_pa
     assert data is not None
     assert torch.equal(data.tokens[:, 1:], data.top[:, :-1, 0].long())
     assert len(train) == 6
+
+
+@needs_corpus
+def test_bench_chat_prompts_are_not_training_prompts():
+    from pie_runtime.bench.prompts import expand_prompts
+
+    chat = expand_prompts(["chat"])
+    assert len(chat) >= 4 and all(name.startswith("chat/") for name, _ in chat)
+    requests = [text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for _, text in chat]
+    train = training_prompts(CORPORA, 3000, seed=0)
+    assert not [r for r in requests for p in train if r in p.text]
+    # their topics are in neither topic list (open_requests.py leaves them out for the benchmarks)
+    assert not {"colors", "drinking water", "bicycles", "the sea", "dogs", "rain"} & set(TOPICS)
