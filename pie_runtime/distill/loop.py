@@ -153,6 +153,7 @@ def fit(student: Student, settings: TrainSettings) -> None:
     t0 = time.monotonic()
     bar = tqdm(total=total, desc=student.name, unit="step", disable=not progress)
     agree = student.agreement()
+    _report(student, bar, "before training")
     best = _Best(student, settings.patience, agree)
     step = epoch = 0
     while step < total:
