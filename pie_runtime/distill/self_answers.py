@@ -96,8 +96,10 @@ class Generator:
                 fp = ForwardPass(ws).embed(window).readout(list(range(len(window))), Hidden())
                 res = await fp.readout([len(window) - 1], pick).submit()
                 self.budget.fires += 1
-                hidden.append(res.readouts[0].hidden.astype(np.float16))
-                token = int(res.readouts[1].tokens[0])
+                rows, picked = res.readouts[0].hidden, res.readouts[1].tokens
+                assert rows is not None and picked is not None  # a Hidden readout, then an Argmax or Sample
+                hidden.append(rows.astype(np.float16))
+                token = int(picked[0])
                 tokens.append(token)
                 if token in tok.eos_token_ids:
                     break
