@@ -102,3 +102,37 @@ def test_bench_chat_prompts_are_not_training_prompts():
     assert not [r for r in requests for p in train if r in p.text]
     # their topics are in neither topic list (open_requests.py leaves them out for the benchmarks)
     assert not {"colors", "drinking water", "bicycles", "the sea", "dogs", "rain"} & set(TOPICS)
+
+
+def test_shards_resume_without_repeats_and_refuse_other_settings(tmp_path):
+    from pie_runtime.distill.answer_shards import Answer, DataError, append_shard, done_keys, open_folder
+    from pie_runtime.distill.chat_prompts import ChatPrompt
+    from pie_runtime.distill.self_answers import plan_jobs
+
+    def answer(pid: str, t: float, n: int) -> Answer:
+        return Answer(pid, t, 3, list(range(3 + n)), np.ones((2 + n, 4), dtype=np.float16))
+
+    train = [ChatPrompt(id=f"t-{i}", split="train", kind="open", text=str(i)) for i in range(4)]
+    held = [ChatPrompt(id="h-0", split="heldout", kind="open", text="h")]
+    settings = {"model": "m", "seed": 0}
+    manifest = open_folder(tmp_path, settings)
+    jobs = plan_jobs(train, held, 0, done_keys(tmp_path))
+    assert [(j.prompt.id, j.temperature) for j in jobs] == [
+        ("h-0", 0.0),
+        ("t-0", 0.0),
+        ("t-1", 0.7),
+        ("t-2", 1.0),
+        ("t-3", 0.0),
+    ]
+    append_shard(tmp_path, manifest, [answer(j.prompt.id, j.key[1], 2) for j in jobs[:2]])
+    (tmp_path / "shard-00001.npz").write_bytes(b"a shard the manifest never named")  # a run killed mid-write
+    again = open_folder(tmp_path, settings)
+    assert again.answers == 2 and again.answer_tokens == 4
+    left = plan_jobs(train, held, 0, done_keys(tmp_path))
+    assert [j.prompt.id for j in left] == ["t-1", "t-2", "t-3"]
+    append_shard(tmp_path, again, [answer(j.prompt.id, j.key[1], 1) for j in left])
+    answers = read_answers(tmp_path)
+    assert [a.prompt_id for a in answers] == ["h-0", "t-0", "t-1", "t-2", "t-3"]
+    assert all(a.hidden.shape == (len(a.tokens) - 1, 4) for a in answers)
+    with pytest.raises(DataError, match="other settings"):
+        open_folder(tmp_path, {"model": "m", "seed": 1})
