@@ -121,7 +121,7 @@ def read_answers(folder: Path) -> list[Answer]:
                 out.append(
                     Answer(
                         str(z["prompt_ids"][i]),
-                        float(z["temperatures"][i]),
+                        round(float(z["temperatures"][i]), 3),  # stored float32: 0.7 reads 0.69999
                         int(z["prompt_lens"][i]),
                         tokens[t0 : t0 + n].tolist(),
                         hidden[h0 : h0 + n - 1],
