@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..bench.prompts import prompt_text
+from ..bench.prompts import expand_prompts
 from ..bench.workloads import WORKLOADS
 from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferlet
 from ..store import DEFAULT_MODEL, ModelStore
@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt",
         action="append",
         default=None,
-        help="mixed, repetitive (pie_runtime/assets/prompts) or a file; repeatable (default repetitive)",
+        help="mixed, repetitive (pie_runtime/assets/prompts), the set chat (held-out chat requests, one column "
+        "each) or a file; repeatable (default repetitive)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs of the inferlet and of its control, taking turns")
     p.add_argument("--max-tokens", type=int, default=128, help="unless given after --")
@@ -266,11 +267,12 @@ def _speculation(args: argparse.Namespace) -> int:
     if not args.inferlet:
         print("error: --inferlet is needed (or --workload)", file=sys.stderr)
         return 2
-    names = args.prompt or ["repetitive"]
     try:
+        named = expand_prompts(args.prompt or ["repetitive"])
+        names = [name for name, _ in named]
         ms = measure_prompts(
             args.inferlet,
-            [prompt_text(name) for name in names],
+            [text for _, text in named],
             args.inferlet_args + (["--tree", args.tree] if args.tree else []),
             args.max_tokens,
             args.timing,

@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_training_options(p)
     _add_output_options(p)
     p.set_defaults(func=run_train)
+    from . import drafter_data
+
+    drafter_data.register(dsub)
 
 
 def _add_target_and_data_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +102,14 @@ def _add_target_and_data_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens of one --gen-rounds, --chat-rounds or --open-rounds round (default 262144)",
     )
+    p.add_argument(
+        "--data",
+        action="append",
+        default=None,
+        help="mtp: also train on a `pie drafter data` folder (the target's chat answers with the engine's hidden "
+        "states; repeatable); its held-out answers become the held-out set early stopping and the figures use",
+    )
+    p.add_argument("--window", type=int, default=64, help="with --data: positions per training window")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
     p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
@@ -132,6 +143,13 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--batch", type=int, default=None, help="rows (mtp) or sequences (eagle, draft) per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=0,
+        help="early stopping: stop after this many held-out checks (4 an epoch) without a better first-draft "
+        "agreement and keep the best weights; 0: off",
+    )
     p.add_argument(
         "--train-threads",
         type=int,
@@ -223,6 +241,7 @@ class TrainingRun:
     heldout: TeacherData
     info: dict
     bf16: bool
+    reports: dict[str, TeacherData] = field(default_factory=dict)  # held-out sets figured after every epoch
     started: tuple[float, float] = field(default_factory=lambda: (time.monotonic(), time.process_time()))
 
     def settings(self, kind: str) -> TrainSettings:
@@ -239,6 +258,7 @@ class TrainingRun:
             bf16=self.bf16,
             progress=not a.quiet,
             max_seconds=a.minutes * 60 if a.minutes else None,
+            patience=a.patience,
         )
 
     def initial_head(self, load: Callable[[Path], Head], read_config: Callable[[Path], Any]) -> Head | None:
@@ -379,7 +399,57 @@ def _teacher_pass(
         "teacher_s": round(time.monotonic() - t0, 1),
         "precision": "bf16" if bf16 else "fp32",
     }
-    return TrainingRun(args, name, store, loaded, digest, train, heldout, info, bf16)
+    run = TrainingRun(args, name, store, loaded, digest, train, heldout, info, bf16)
+    if args.data:
+        _add_answer_data(run)
+    return run
+
+
+def _add_answer_data(run: TrainingRun) -> None:
+    """With ``--data``: the folders' training answers join the training data (every window cut to ``--window``
+    positions), their held-out answers become the held-out set, and both held-out sets are figured every epoch."""
+    from .. import distill
+    from ..distill.answer_data import answers_to_teacher, split_answers
+    from ..distill.answer_shards import Manifest, read_answers
+
+    args, t0 = run.args, time.monotonic()
+    if args.kind != "mtp":
+        raise SystemExit("error: --data trains an MTP head only (--kind mtp)")
+    answers = [a for d in args.data for a in read_answers(Path(d))]
+    train, held = split_answers(answers)
+    head, fast, w = run.loaded.model, run.bf16, args.window
+    chat_train = answers_to_teacher(train, head, w, args.depth, fast=fast)
+    chat_held = answers_to_teacher(held, head, w // 2, args.depth, answer_only=True, fast=fast)
+    if chat_train is None or chat_held is None:
+        raise SystemExit(f"error: {', '.join(args.data)} holds too few answers (train and held-out) for --window {w}")
+    run.reports = {"chat": chat_held, "corpus": run.heldout}
+    run.train = distill.TeacherData.concat([rewindow(run.train, w), chat_train])
+    run.heldout = chat_held
+    manifests = [Manifest.model_validate_json((Path(d) / "manifest.json").read_text()) for d in args.data]
+    run.info["data"] = [
+        {"folder": portable_path(d), "settings": m.settings, "answers": m.answers, "answer_tokens": m.answer_tokens}
+        for d, m in zip(args.data, manifests)
+    ]
+    run.info["tokens"] = run.train.num_tokens
+    print(
+        f"chat answers: {len(train)} training ({chat_train.num_tokens} positions), {len(held)} held-out "
+        f"({chat_held.num_tokens} positions), read in {time.monotonic() - t0:.0f} s"
+    )
+
+
+def rewindow(data: TeacherData, length: int) -> TeacherData:
+    """``data``'s sequences cut into windows of ``length`` positions (its length a multiple of it)."""
+    from .. import distill
+
+    s, t = data.tokens.shape
+    if t % length:
+        raise SystemExit(f"error: --seq-len {t} is not a multiple of --window {length}")
+    k = t // length
+    return distill.TeacherData(
+        data.tokens.reshape(s * k, length),
+        data.hidden.reshape(s * k, length, -1),
+        data.top.reshape(s * k, length, -1),
+    )
 
 
 def _train_mtp(run: TrainingRun) -> str:
@@ -397,10 +467,15 @@ def _train_mtp(run: TrainingRun) -> str:
         target_digest=run.digest,
         blocks=run.args.blocks,
         init=run.initial_head(load_mtp, read_config),
+        reports=run.reports,
     )
     run.slice_vocab(module)
     head = MTPHead(module, run.loaded.model)
     agree = distill.mtp_agreement(head, run.heldout, module.config.depth, conditional=True)
+    for name, data in run.reports.items():
+        figures = distill.mtp_agreement(head, data, module.config.depth, conditional=True)
+        run.info[f"heldout_acceptance_{name}"] = [round(a, 4) for a in figures]
+        print(f"held-out {name} acceptance by position (draft vocabulary): {', '.join(f'{a:.3f}' for a in figures)}")
     return run.write_head(module, "mtp", agree, save_mtp)
 
 

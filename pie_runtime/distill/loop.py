@@ -11,6 +11,7 @@ measured, a few hyper-parameters) is a :class:`Student`; ``train_mtp`` (:mod:`.m
 from __future__ import annotations
 
 import math
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class TrainSettings:
     bf16: bool = False
     progress: bool = True
     max_seconds: float | None = None
+    patience: int = 0  # early stopping: after this many agreement checks without a new best, keep the best; 0: off
 
 
 class Student(ABC):
@@ -71,6 +73,10 @@ class Student(ABC):
     def agreement(self) -> float:
         """The first draft's agreement with the target on (part of) the held-out data."""
 
+    def report(self) -> str | None:
+        """A line of figures printed after every epoch (None: nothing to print)."""
+        return None
+
 
 def _schedule(
     opt: torch.optim.Optimizer,
@@ -103,9 +109,35 @@ def train_student(make: Callable[[], AnyStudent], settings: TrainSettings) -> An
     return student
 
 
+class _Best:
+    """Early stopping: the module's weights at its best held-out agreement, and the checks since."""
+
+    def __init__(self, student: Student, patience: int, agree: float):
+        self.student, self.patience, self.agree, self.since = student, patience, agree, 0
+        self.state = self._copy() if patience else None
+
+    def _copy(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.student.module.state_dict().items()}
+
+    def check(self, agree: float) -> bool:
+        """Records a check's agreement; True when training should stop."""
+        if not self.patience:
+            return False
+        if agree > self.agree:
+            self.agree, self.since, self.state = agree, 0, self._copy()
+            return False
+        self.since += 1
+        return self.since >= self.patience
+
+    def restore(self) -> None:
+        if self.state is not None:
+            self.student.module.load_state_dict(self.state)
+
+
 def fit(student: Student, settings: TrainSettings) -> None:
-    """Trains ``student`` for ``settings.epochs`` passes over its examples (or until ``settings.max_seconds``),
-    then leaves its module in eval mode without gradients."""
+    """Trains ``student`` for ``settings.epochs`` passes over its examples (or until ``settings.max_seconds``, or
+    ``settings.patience`` checks without a better held-out agreement: then the best weights are kept), printing
+    the student's :meth:`Student.report` after every epoch; then leaves its module in eval mode without gradients."""
     from tqdm import tqdm
 
     epochs, batch, lr, seed = settings.epochs, settings.batch, settings.lr, settings.seed
@@ -121,7 +153,9 @@ def fit(student: Student, settings: TrainSettings) -> None:
     t0 = time.monotonic()
     bar = tqdm(total=total, desc=student.name, unit="step", disable=not progress)
     agree = student.agreement()
-    step = 0
+    _report(student, bar, "before training")
+    best = _Best(student, settings.patience, agree)
+    step = epoch = 0
     while step < total:
         perm = torch.randperm(n, generator=gen)
         for i in range(0, n - batch + 1, batch):
@@ -141,8 +175,23 @@ def fit(student: Student, settings: TrainSettings) -> None:
             if step % eval_every == 0 or step == total:
                 student.module.eval()
                 agree = student.agreement()
+                if best.check(agree):
+                    best.restore()
+                    bar.write(f"early stop at step {step}: no better held-out agreement than {best.agree:.3f}")
+                    step = total
+                    break
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", heldout_agree=f"{agree:.3f}")
             bar.update(1)
+        epoch += 1
+        _report(student, bar, f"epoch {epoch}")
     bar.close()
+    best.restore()
     student.module.eval()
     student.module.requires_grad_(False)
+
+
+def _report(student: Student, bar, label: str) -> None:
+    student.module.eval()
+    line = student.report()
+    if line:
+        bar.write(f"{label}: {line}", file=sys.stderr)

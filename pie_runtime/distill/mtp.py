@@ -20,7 +20,15 @@ class MTPStudent(Student):
 
     name, weight_decay, warmup, evals_per_epoch = "mtp", 0.01, 50, 4
 
-    def __init__(self, module: MTPModule, target: CausalLM, train: TeacherData, heldout: TeacherData, settings):
+    def __init__(
+        self,
+        module: MTPModule,
+        target: CausalLM,
+        train: TeacherData,
+        heldout: TeacherData,
+        settings,
+        reports: dict[str, TeacherData] | None = None,
+    ):
         depth = module.config.depth
         s, t = train.tokens.shape
         n = t - depth  # start positions with targets up to t+depth
@@ -29,6 +37,9 @@ class MTPStudent(Student):
         self.target, self.depth = target, depth
         self.head = MTPHead(module, target)
         self.weights = [0.5**j for j in range(depth)]
+        self.reports = reports or {}
+        if reports:  # a small held-out chat set: the progress bar and early stopping read all of it
+            self.probe = heldout
 
     def loss(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         data, target, settings = self.train, self.target, self.settings
@@ -49,6 +60,16 @@ class MTPStudent(Student):
     def agreement(self) -> float:
         return mtp_agreement(self.head, self.probe, 1)[0]
 
+    def report(self) -> str | None:
+        """The acceptance rate by draft position on each of ``reports``' held-out sets."""
+        if not self.reports:
+            return None
+        parts = []
+        for name, data in self.reports.items():
+            agree = mtp_agreement(self.head, data, self.depth, conditional=True)
+            parts.append(f"{name} " + "/".join(f"{a:.3f}" for a in agree))
+        return "held-out acceptance by position: " + ", ".join(parts)
+
 
 def train_mtp(
     target: CausalLM,
@@ -62,11 +83,13 @@ def train_mtp(
     intermediate: int | None = None,
     blocks: int = 2,
     init: MTPModule | None = None,
+    reports: dict[str, TeacherData] | None = None,
 ) -> MTPModule:
     """Trains one MTP module reused ``depth`` times (step j: the previous step's output hidden and the
     data's token, teacher-forced; each step's loss against the target at that position); ``settings.bf16``
     makes more steps a CPU minute. ``init``: continue training this module (its blocks,
-    width and depth win over the arguments)."""
+    width and depth win over the arguments). ``reports``: held-out sets whose acceptance by position is printed
+    after every epoch."""
     cfg = target.config
 
     def make() -> MTPStudent:
@@ -85,6 +108,6 @@ def train_mtp(
                     target_digest=target_digest,
                 )
             )
-        return MTPStudent(module, target, train, heldout, settings)
+        return MTPStudent(module, target, train, heldout, settings, reports)
 
     return train_student(make, settings).head.module
