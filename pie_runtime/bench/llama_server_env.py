@@ -29,7 +29,7 @@ EXTRA_CMAKE_ARGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-BUILD_TIMEOUT_S = 3600
+BUILD_TIMEOUT_S = 7200  # a step; 65 minutes on 2 cores under a load average of 20 (the build resumes where it stopped)
 
 
 def server_dir(root: Path | None = None) -> Path:

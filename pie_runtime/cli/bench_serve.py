@@ -98,7 +98,8 @@ def bench_pie_run(model: str, engine_words: list[str], prompts: list[str], max_t
     results: list[dict] = [{} for _ in range(n)]
     with EmbeddedEngine([model], engine_words, die_with_parent=True) as eng:
         peak = TreePeak(eng.proc.pid).start()
-        run_inferlet(path, eng.address, ["--prompt", "Warm up: say hello.", "--chat", "--max-tokens", "8"])
+        warm = ["--prompt", "Warm up: say hello.", "--chat", "--max-tokens", "8"]
+        run_inferlet(path, eng.address, warm, stdout=subprocess.DEVNULL)
 
         def go(i: int) -> None:
             words = ["--prompt", prompts[i], "--chat", "--max-tokens", str(max_tokens), "--ignore-eos"]
