@@ -136,7 +136,9 @@ def test_a_rows_mass_does_not_depend_on_its_batch(score_engine):
 
     async def body(model):
         ids = model.tokenizer.encode(PROMPT)
-        other = model.tokenizer.encode(OTHER)
+        # a prefill of several chunks (the engine's 256 rows a step): the decode row, sent while its first chunk
+        # runs, joins one of the later chunks in a step (short fires first) however fast the machine
+        other = model.tokenizer.encode(OTHER * 40)[:1000]
 
         async def decode_row(beside: list[int] | None) -> tuple[np.ndarray, int]:
             ws, ws2 = model.working_set(), model.working_set()
@@ -151,7 +153,7 @@ def test_a_rows_mass_does_not_depend_on_its_batch(score_engine):
             return scores_of(res, 0), rows
 
         alone, rows_alone = await decode_row(None)
-        for _ in range(5):  # sent back to back, the two fires nearly always share a step: retry when they did not
+        for _ in range(5):  # sent back to back they share a step; retried should the prefill have ended first
             batched, rows_batched = await decode_row(other)
             if rows_batched > 1:
                 break
