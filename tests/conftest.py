@@ -112,6 +112,22 @@ async def tiny(tiny_engine):
     session.client.close()
 
 
+def in_session(address: str, body):
+    """Runs ``body(model)`` in an SDK session on the engine at ``address``; its result."""
+    import asyncio
+
+    import inferlet
+
+    async def go():
+        session = await inferlet.connect(address)
+        try:
+            return await body(inferlet.model())
+        finally:
+            session.client.close()
+
+    return asyncio.run(go())
+
+
 async def pages_free(model) -> int:
     """Free KV pages of ``model``'s pool, from the engine's stats."""
     return (await model.client.request("stats"))["models"][model.name]["pages_free"]

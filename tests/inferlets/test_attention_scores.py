@@ -19,7 +19,7 @@ from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.reference import transformers_llama
 from pie_runtime.shipped import ensure_default_model
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, load_model
-from tests.conftest import pages_free, start_engine
+from tests.conftest import in_session, pages_free, start_engine
 
 PROMPT = "Once upon a time, there was a little girl named Emma who loved to play in the garden with her dog Max."
 OTHER = "The quick brown fox jumps over the lazy dog, and then it ran 42 miles home to see its family again."
@@ -68,17 +68,6 @@ def scores_of(res: inferlet.PassResult, i: int) -> np.ndarray:
     return scores
 
 
-def session_run(address: str, body):
-    async def go():
-        session = await inferlet.connect(address)
-        try:
-            return await body(inferlet.model())
-        finally:
-            session.client.close()
-
-    return asyncio.run(go())
-
-
 def test_mass_per_layer_matches_transformers(score_engine, hf_model):
     async def body(model):
         ids = model.tokenizer.encode(PROMPT)
@@ -90,7 +79,7 @@ def test_mass_per_layer_matches_transformers(score_engine, hf_model):
         await ws.release()
         return ids, scores_of(res, 0), scores_of(res, 1)
 
-    ids, per_layer, summed = session_run(score_engine.address, body)
+    ids, per_layer, summed = in_session(score_engine.address, body)
     layers = hf_model.config.num_hidden_layers
     assert per_layer.shape == (3, layers, len(ids)) and summed.shape == (2, len(ids))
     for i, row in enumerate([0, 7, len(ids) - 1]):
@@ -121,7 +110,7 @@ def test_mass_after_eviction_is_over_the_kept_rows(score_engine, hf_model):
         await ws.release()
         return ids + [nxt], scores_of(res, 0)[0], position
 
-    ids, got, position = session_run(score_engine.address, body)
+    ids, got, position = in_session(score_engine.address, body)
     assert position == len(ids) and got.shape[1] == len(ids) - len(evicted)
     kept = [i for i in range(len(ids)) if i not in evicted]
     want = hf_mass(hf_model, ids, len(ids) - 1, tuple(evicted))[:, kept]
@@ -159,7 +148,7 @@ def test_a_rows_mass_does_not_depend_on_its_batch(score_engine):
                 break
         return alone, rows_alone, batched, rows_batched
 
-    alone, rows_alone, batched, rows_batched = session_run(score_engine.address, body)
+    alone, rows_alone, batched, rows_batched = in_session(score_engine.address, body)
     assert rows_alone == 1 and rows_batched > 1  # the second ran in one step beside the other prefill
     assert np.array_equal(alone, batched)
 
@@ -186,7 +175,7 @@ def test_readouts_past_the_limits_are_refused_and_change_nothing(score_engine):
         await ws.release()
         return codes, committed, free, await pages_free(model)
 
-    codes, committed, before, after = session_run(score_engine.address, body)
+    codes, committed, before, after = in_session(score_engine.address, body)
     assert codes == [ErrorCode.LIMIT_EXCEEDED, ErrorCode.LIMIT_EXCEEDED, ErrorCode.INVALID_ARGUMENT]
     assert committed == 0 and after == before
 
@@ -203,7 +192,7 @@ def test_a_tree_rows_mass_covers_its_ancestors_only(score_engine):
         await ws.release()
         return len(ids), scores_of(res, 0)
 
-    n, scores = session_run(score_engine.address, body)
+    n, scores = in_session(score_engine.address, body)
     assert scores.shape == (2, n + 4)
     row1, row3 = scores
     assert (row1[: n + 2] > 0).all() and not row1[n + 2 :].any()  # row 1: the prefix, its parent and itself

@@ -7,14 +7,12 @@ that changes nothing."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 import inferlet
 from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.store import DEFAULT_MODEL
-from tests.conftest import pages_free, start_engine
+from tests.conftest import in_session, pages_free, start_engine
 from tests.inferlets.conftest import call
 
 PROMPT = "Once upon a time, there was a little girl named Emma who loved to play in the garden with her dog. " * 8
@@ -31,19 +29,6 @@ def engines(pie_home):
     yield first, second
     first.stop()
     second.stop()
-
-
-def on(address: str, body):
-    """Runs ``body(model)`` in an SDK session on the engine at ``address``."""
-
-    async def go():
-        session = await inferlet.connect(address)
-        try:
-            return await body(inferlet.model())
-        finally:
-            session.client.close()
-
-    return asyncio.run(go())
 
 
 async def greedy(ws: inferlet.WorkingSet, window: list[int], steps: int) -> list[int]:
@@ -93,7 +78,7 @@ def test_an_eviction_gives_the_pool_the_pages_it_reports(engines):
         await ws.release()
         return ids, free0, held, free1, reply, free2, edits0, edits, await pages_free(model)
 
-    ids, free0, held, free1, reply, free2, edits0, edits, free3 = on(engines[0].address, body)
+    ids, free0, held, free1, reply, free2, edits0, edits, free3 = in_session(engines[0].address, body)
     assert free1 == free0 - held and reply["freed"] == held - reply["pages"] >= 8
     assert free2 == free1 + reply["freed"] and free3 == free0
     assert edits["evicted_rows"] - edits0["evicted_rows"] == 9 * PAGE - SINKS
@@ -116,7 +101,7 @@ def test_a_fork_of_an_edited_set_and_the_set_each_decode_as_unforked(engines):
         want_child = await greedy(await edited(model, ids, cut, more), window, STEPS)
         return got_parent, got_child, want_parent, want_child
 
-    got_parent, got_child, want_parent, want_child = on(engines[0].address, body)
+    got_parent, got_child, want_parent, want_child = in_session(engines[0].address, body)
     assert got_parent == want_parent and got_child == want_child
     assert want_parent != want_child  # the further edit changed what the fork attends to
 
@@ -135,8 +120,8 @@ def test_an_edited_set_saved_by_one_engine_continues_alike_in_another(engines, t
         ws, saved = await model.load_working_set(path)
         return ws.position, await greedy(ws, saved.pending, STEPS)
 
-    dropped, want = on(engines[0].address, save)
-    position, got = on(engines[1].address, load)
+    dropped, want = in_session(engines[0].address, save)
+    position, got = in_session(engines[1].address, load)
     ids = call(engines[1].address, "text-completion", prompt=PROMPT, max_tokens=1)["stats"]["prompt_tokens"]
     assert dropped == 5 * PAGE + 3 - SINKS and position == ids - 1
     assert got == want
@@ -159,6 +144,6 @@ def test_a_bad_edit_is_typed_and_changes_nothing(engines):
         plain = await greedy(await edited(model, ids), ids[-1:], 4)
         return codes, before, after, tokens, plain
 
-    codes, before, after, tokens, plain = on(engines[0].address, body)
+    codes, before, after, tokens, plain = in_session(engines[0].address, body)
     assert codes[:2] == [ErrorCode.ROW_OUT_OF_RANGE, ErrorCode.ROW_OUT_OF_RANGE] and len(codes) == 3
     assert after == before and tokens == plain
