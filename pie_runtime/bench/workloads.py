@@ -4,6 +4,9 @@ drafter's store of earlier outputs) fills as it would under `pie serve`.
 
     json-facts   N chat requests that each fill the same JSON shape about a different item (a fixed list of
                  items, shuffled by the seed): structure repeats across requests, the content does not
+    code-classes N chat requests that each ask for the same small Python class about a different entity and pair of
+                 fields (the code a coding assistant writes again and again: constructor, accessors, the example
+                 and the explanation after it): long spans repeat across requests, only names and fields change
     mixed-text   N ordinary varied requests (a form × a topic, drawn by the seed): the control, where drafting
                  from earlier outputs has little to copy
 
@@ -19,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("json-facts", "mixed-text")
+WORKLOADS = ("json-facts", "code-classes", "mixed-text")
 
 ITEMS = (
     "apple",
@@ -84,6 +87,38 @@ JSON_FACTS = (
     '"fun_fact" (string). Answer with the JSON object only.'
 )
 
+CODE_CLASS = (
+    "Write a Python class named {name} that stores {a} and {b}, with a method {method}() that returns a sentence "
+    "about them and a method set_{b}() that changes the {b}. Answer with the code only."
+)
+ENTITIES = (
+    ("Dog", "name", "age"),
+    ("Student", "name", "grade"),
+    ("Car", "model", "speed"),
+    ("Book", "title", "pages"),
+    ("Employee", "name", "salary"),
+    ("Planet", "name", "radius"),
+    ("Account", "owner", "balance"),
+    ("Recipe", "title", "servings"),
+    ("Movie", "title", "rating"),
+    ("Product", "name", "price"),
+    ("City", "name", "population"),
+    ("Song", "title", "length"),
+    ("Teacher", "name", "subject"),
+    ("Bicycle", "brand", "gears"),
+    ("Room", "name", "area"),
+    ("Team", "name", "score"),
+    ("Tree", "species", "height"),
+    ("Phone", "brand", "battery"),
+    ("Course", "title", "credits"),
+    ("Ship", "name", "tonnage"),
+    ("Museum", "name", "visitors"),
+    ("Garden", "owner", "size"),
+    ("Robot", "model", "power"),
+    ("Painting", "artist", "year"),
+)
+METHODS = ("describe", "summary", "info")  # x ENTITIES: 72 distinct requests
+
 FORMS = (
     "Write a short story about {t}.",
     "Explain to a child how {t} works.",
@@ -121,6 +156,11 @@ def prompts(workload: str, n: int, seed: int = 0) -> list[str]:
         items = list(ITEMS)
         rng.shuffle(items)
         return [JSON_FACTS.format(item=items[i % len(items)]) for i in range(n)]
+    if workload == "code-classes":
+        asks = [(e, m) for m in METHODS for e in ENTITIES]
+        rng.shuffle(asks)
+        picked = (asks[i % len(asks)] for i in range(n))
+        return [CODE_CLASS.format(name=e[0], a=e[1], b=e[2], method=m) for e, m in picked]
     if workload == "mixed-text":
         pairs = [(f, t) for f in FORMS for t in TOPICS]
         rng.shuffle(pairs)

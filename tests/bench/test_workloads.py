@@ -15,6 +15,9 @@ def test_prompts_are_seeded_and_shaped():
     assert a == b and len(a) == 64 and len(set(a)) == min(64, len(ITEMS))
     assert all('"fun_fact"' in p and "JSON object" in p for p in a)
     assert prompts("json-facts", 8, seed=1) != a[:8]
+    code = prompts("code-classes", 64, seed=0)
+    assert len(set(code)) == 64 and all("Python class named" in p and "code only" in p for p in code)
+    assert code == prompts("code-classes", 64, seed=0) != prompts("code-classes", 64, seed=1)
     mixed = prompts("mixed-text", 32, seed=0)
     assert len(set(mixed)) == 32 and not any("JSON" in p for p in mixed)
     with pytest.raises(ValueError, match="no workload"):
