@@ -110,6 +110,13 @@ def _add_target_and_data_options(p: argparse.ArgumentParser) -> None:
         "states; repeatable); its held-out answers become the held-out set early stopping and the figures use",
     )
     p.add_argument("--window", type=int, default=64, help="with --data: positions per training window")
+    p.add_argument(
+        "--data-positions",
+        choices=["answers", "all"],
+        default="answers",
+        help="with --data: train on the answers' positions only (a head drafts only while the target answers; "
+        "the prompt is prefilled) or on the prompts' too",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--heldout-tokens", type=int, default=2048, help="held-out tokens per corpus for the progress bar")
     p.add_argument("--cache-dir", default=None, help="teacher cache (default $PIE_HOME/cache/distill; 'none' disables)")
@@ -418,7 +425,8 @@ def _add_answer_data(run: TrainingRun) -> None:
     answers = [a for d in args.data for a in read_answers(Path(d))]
     train, held = split_answers(answers)
     head, fast, w = run.loaded.model, run.bf16, args.window
-    chat_train = answers_to_teacher(train, head, w, args.depth, fast=fast)
+    answer_only = args.data_positions == "answers"
+    chat_train = answers_to_teacher(train, head, w, args.depth, answer_only=answer_only, fast=fast)
     chat_held = answers_to_teacher(held, head, w // 2, args.depth, answer_only=True, fast=fast)
     if chat_train is None or chat_held is None:
         raise SystemExit(f"error: {', '.join(args.data)} holds too few answers (train and held-out) for --window {w}")

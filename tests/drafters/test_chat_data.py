@@ -89,6 +89,14 @@ def test_data_command_answers_on_the_engine_and_resumes(pie_home, engine, tmp_pa
     assert data is not None
     assert torch.equal(data.tokens[:, 1:], data.top[:, :-1, 0].long())
     assert len(train) == 6
+    # training windows (`pie drafter train --data-positions answers`, the default) lie in the answers alone
+    answer_windows = answers_to_teacher(train, model, 2, depth=1, answer_only=True)
+    every_window = answers_to_teacher(train, model, 2, depth=1)
+    assert answer_windows is not None and every_window is not None
+    assert answer_windows.num_tokens < every_window.num_tokens
+    answer_spans = [a.tokens[a.prompt_len - 1 :] for a in train]
+    for row in answer_windows.tokens.tolist():
+        assert any(row == span[i : i + 2] for span in answer_spans for i in range(len(span) - 1))
 
 
 @needs_corpus
