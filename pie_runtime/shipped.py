@@ -4,7 +4,9 @@ works on the first run: their files (``pie_runtime/assets/drafters/``), the sha2
 them when the packaged model is imported (``pie model import smollm2-135m``, or the first use of the default
 model). A file whose digest differs from the recorded one is refused, never attached.
 
-A user who detaches a shipped drafter keeps it detached: only an import attaches it again. One still attached
+A shipped drafter may also be one a user attaches by name only (``on_import`` False: an earlier default kept for
+comparison, ``pie model drafter attach smollm2-135m smollm2-135m-mtp-corpus``). A model serves its first attached
+MTP head. A user who detaches a shipped drafter keeps it detached: only an import attaches it again. One still attached
 from an older release (its file's digest is not this release's) is replaced by this release's the next time the
 default model is used (:func:`refresh_shipped`, from :func:`ensure_default_model`).
 
@@ -30,6 +32,7 @@ class ShippedDrafter:
     kind: str  # "mtp"
     file: str  # under ASSETS; an MTP head's JSON config lies beside it
     sha256: str  # of ``file``, checked before attaching
+    on_import: bool = True  # attached when the packaged model is imported; False: attached by name only
 
     @property
     def path(self) -> Path:
@@ -38,11 +41,20 @@ class ShippedDrafter:
 
 SHIPPED: dict[str, tuple[ShippedDrafter, ...]] = {
     "smollm2-135m": (
+        # trained on the model's own chat answers (`pie drafter data`) from the corpus head below
         ShippedDrafter(
             name="smollm2-135m-mtp",
             kind="mtp",
             file="smollm2-135m-mtp.safetensors",
+            sha256="0a94f889a7f67af6d8129ff2893442ba1f7131a574f724d7b7fc67da96aa938f",
+        ),
+        # the default until 2026-12-07, trained on corpus text and generated continuations
+        ShippedDrafter(
+            name="smollm2-135m-mtp-corpus",
+            kind="mtp",
+            file="smollm2-135m-mtp-corpus.safetensors",
             sha256="d2409333253b416531de59bc782aeb2f06bf11e5ebcdce7c45a6486502b5ab2d",
+            on_import=False,
         ),
     ),
 }
@@ -64,6 +76,17 @@ def check_shipped(drafter: ShippedDrafter) -> Path:
             "reinstall pie_runtime"
         )
     return path
+
+
+def shipped_spec(spec: str) -> tuple[str, str | None]:
+    """A drafter spec as `pie model import --drafter` and `pie model drafter attach` take it: a shipped drafter's
+    name (``smollm2-135m-mtp-corpus``) becomes ``KIND:FILE`` (its digest checked) and the name it attaches under;
+    any other spec comes back as it is, with no name."""
+    for drafters in SHIPPED.values():
+        for drafter in drafters:
+            if drafter.name == spec:
+                return f"{drafter.kind}:{check_shipped(drafter)}", drafter.name
+    return spec, None
 
 
 def stale_shipped(manifest: Manifest) -> list[ShippedDrafter]:
@@ -94,7 +117,7 @@ def attach_shipped(store: ModelStore, model: str, packaged: str | None = None) -
     have = {d.name for d in store.get(model).drafters}
     out = []
     for drafter in SHIPPED.get(packaged or model, ()):
-        if drafter.name not in have:
+        if drafter.on_import and drafter.name not in have:
             out.append(attach(store, model, f"{drafter.kind}:{check_shipped(drafter)}", drafter.name))
     return out
 

@@ -1,5 +1,6 @@
-"""`pie bench speculation --workload json-facts|code-classes|mixed-text`: text-completion, cacheback and suffix decoding on
-many requests, run one after the other in one process against one engine (``bench/workloads.py``), compared.
+"""`pie bench speculation --workload json-facts|code-classes|mixed-text`: text-completion, cacheback and suffix
+decoding on many requests, run one after the other in one process against one engine (``bench/workloads.py``),
+compared.
 
     pie bench speculation --workload json-facts [--requests 64] [--seed 0] [--max-tokens 128] [--json]
                           [-- suffix-speculative-decoding's flags, e.g. --tree-rows 16]

@@ -426,7 +426,7 @@ def _add_answer_data(run: TrainingRun) -> None:
     train, held = split_answers(answers)
     head, fast, w = run.loaded.model, run.bf16, args.window
     answer_only = args.data_positions == "answers"
-    chat_train = answers_to_teacher(train, head, w, args.depth, answer_only=answer_only, fast=fast)
+    chat_train = answers_to_teacher(train, head, w, args.depth, answer_only=answer_only, fast=fast, progress=True)
     chat_held = answers_to_teacher(held, head, w // 2, args.depth, answer_only=True, fast=fast)
     if chat_train is None or chat_held is None:
         raise SystemExit(f"error: {', '.join(args.data)} holds too few answers (train and held-out) for --window {w}")

@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="attach a drafter: mtp:FILE, eagle:FILE or draft:MODEL_NAME (repeatable)",
+        help="attach a drafter: mtp:FILE, eagle:FILE, draft:MODEL_NAME or a shipped drafter's name (repeatable)",
     )
     p.set_defaults(func=_guarded(_import))
 
@@ -49,9 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("drafter", help="attach or detach a model's drafters")
     dsub = p.add_subparsers(dest="drafter_command", required=True)
-    d = dsub.add_parser("attach", help="attach mtp:FILE, eagle:FILE or draft:MODEL_NAME")
+    d = dsub.add_parser("attach", help="attach mtp:FILE, eagle:FILE, draft:MODEL_NAME or a shipped drafter")
     d.add_argument("name", help="the target model")
-    d.add_argument("spec", help="mtp:FILE, eagle:FILE or draft:MODEL_NAME")
+    d.add_argument(
+        "spec", help="mtp:FILE, eagle:FILE, draft:MODEL_NAME, or a shipped drafter's name (smollm2-135m-mtp-corpus)"
+    )
     d.add_argument("--as", dest="drafter_name", default=None, help="drafter name (default: file stem or model name)")
     d.add_argument(
         "--weights",
@@ -79,14 +81,15 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 def _import(args: argparse.Namespace) -> int:
     from ..drafters import attach, check_spec, parse_spec
-    from ..shipped import attach_shipped
+    from ..shipped import attach_shipped, shipped_spec
 
-    for spec in args.drafter:
+    specs = [shipped_spec(spec) for spec in args.drafter]
+    for spec, _ in specs:
         parse_spec(spec)  # a malformed spec is refused before anything is converted
     store = ModelStore()
 
     def check_drafters(target) -> None:
-        for spec in args.drafter:
+        for spec, _ in specs:
             check_spec(store, target, spec)
 
     # the drafters are checked against the new model before it enters the store, so a refusal leaves the
@@ -95,8 +98,8 @@ def _import(args: argparse.Namespace) -> int:
     m = result.manifest
     if not result.imported:
         check_drafters(m)  # attaching to the model already there: all or none
-    for spec in args.drafter:
-        entry = attach(store, m.name, spec)
+    for spec, shipped_name in specs:
+        entry = attach(store, m.name, spec, shipped_name)
         print(f"attached {entry.kind} drafter {entry.name} to {m.name}")
     if args.source in PACKAGED:
         for entry in attach_shipped(store, m.name, args.source):
@@ -110,8 +113,10 @@ def _import(args: argparse.Namespace) -> int:
 
 def _attach(args: argparse.Namespace) -> int:
     from ..drafters import attach
+    from ..shipped import shipped_spec
 
-    entry = attach(ModelStore(), args.name, args.spec, args.drafter_name, args.weights)
+    spec, shipped_name = shipped_spec(args.spec)
+    entry = attach(ModelStore(), args.name, spec, args.drafter_name or shipped_name, args.weights)
     served = f" (served in {entry.weights})" if entry.weights else ""
     print(f"attached {entry.kind} drafter {entry.name} to {args.name}{served}")
     return 0

@@ -9,6 +9,7 @@ with the whole conversation before it. Windows overlap by the draft depth so eve
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from ..models.families import CausalLM
 from .answer_shards import Answer
@@ -34,11 +35,12 @@ def answers_to_teacher(
     depth: int,
     answer_only: bool = False,
     fast: bool = False,
+    progress: bool = False,
 ) -> TeacherData | None:
     """The answers' windows of ``length`` positions as teacher data (None when no answer fills one). A window's
     top-k comes from its hidden states through ``head`` (``fast``: :func:`~.teacher.top_ids`'s bf16 search).
     ``answer_only``: windows start at the prompt's last position (whose hidden state predicts the answer's first
-    token), so agreement counts the answer alone."""
+    token), so agreement counts the answer alone. ``progress``: a bar over the positions ranked."""
     toks, hid = [], []
     step = max(1, length - depth - 1)
     for a in answers:
@@ -51,7 +53,8 @@ def answers_to_teacher(
         return None
     tokens, hidden = torch.stack(toks), torch.stack(hid).to(torch.bfloat16)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    top = top_ids(head, flat, fast=fast).view(*tokens.shape, -1)
+    with tqdm(total=len(flat), unit="pos", desc="target top-k", disable=not progress) as bar:
+        top = top_ids(head, flat, fast=fast, bar=bar).view(*tokens.shape, -1)
     return TeacherData(tokens, hidden, top)
 
 

@@ -41,16 +41,23 @@ def teacher_model(model: CausalLM, dtype: torch.dtype) -> CausalLM:
 
 @torch.inference_mode()
 def top_ids(
-    model: CausalLM, hidden: torch.Tensor, k: int = TOP_K, chunk: int = 1024, fast: bool = False
+    model: CausalLM,
+    hidden: torch.Tensor,
+    k: int = TOP_K,
+    chunk: int = 1024,
+    fast: bool = False,
+    bar: tqdm | None = None,
 ) -> torch.Tensor:
     """(N, H) → (N, k) int32 ids of the target's k most likely tokens, best first. ``fast``: a bfloat16
     product finds 4k candidates, re-ranked with the float32 head (cheaper on CPUs with bf16 units; the same
-    ids unless a true top-k token falls outside the bf16 top-4k)."""
+    ids unless a true top-k token falls outside the bf16 top-4k). ``bar`` advances by the rows done."""
     out = []
     w = model.lm_head.weight
     w16 = w.to(torch.bfloat16) if fast else w  # read only when fast
     for i in range(0, len(hidden), chunk):
         h = hidden[i : i + chunk].float()
+        if bar is not None:
+            bar.update(len(h))
         if not fast:
             out.append(model.logits(h).topk(k, dim=-1).indices)
             continue

@@ -27,6 +27,7 @@ from tests.conftest import run, start_engine
 from tests.drafter_fixtures import link_model, pie
 
 SHIPPED_HEAD = SHIPPED[DEFAULT_MODEL][0]
+BY_NAME = [d for d in SHIPPED[DEFAULT_MODEL] if not d.on_import]  # kept for comparison, attached by name only
 
 
 def test_shipped_files_have_their_recorded_digests():
@@ -72,6 +73,27 @@ def test_import_attaches_the_shipped_head_once(fresh_home):
     again = pie(fresh_home, "model", "import", DEFAULT_MODEL)  # already there: nothing attached twice
     assert "attached" not in again.stdout
     assert len(ModelStore(fresh_home / "models").get(DEFAULT_MODEL).drafters) == 1
+
+
+@pytest.mark.e2e
+def test_a_shipped_head_kept_by_name_attaches_by_name_and_serves_once_first(fresh_home):
+    """`pie model import` leaves a by-name shipped head out; `pie model drafter attach MODEL NAME` attaches its
+    file under its name; detaching the default head leaves it the one a model serves (its first MTP head)."""
+    assert BY_NAME, "the earlier default head ships beside the current one"
+    old = BY_NAME[0]
+    pie(fresh_home, "model", "import", DEFAULT_MODEL)
+    out = pie(fresh_home, "model", "drafter", "attach", DEFAULT_MODEL, old.name)
+    assert f"attached mtp drafter {old.name}" in out.stdout
+    store = ModelStore(fresh_home / "models")
+    manifest = store.get(DEFAULT_MODEL)
+    assert [d.name for d in manifest.drafters] == [SHIPPED_HEAD.name, old.name]
+    entry = manifest.drafters[1]
+    assert manifest.files[entry.path] == old.sha256 != SHIPPED_HEAD.sha256
+    detach(store, DEFAULT_MODEL, SHIPPED_HEAD.name)
+    ensure_default_model(store)  # a detached shipped head stays detached, the by-name one stays
+    assert [d.name for d in store.get(DEFAULT_MODEL).drafters] == [old.name]
+    bad = pie(fresh_home, "model", "drafter", "attach", DEFAULT_MODEL, "no-such-head", check=False)
+    assert bad.returncode != 0 and "mtp:FILE" in bad.stderr
 
 
 @pytest.mark.e2e
