@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,19 +154,20 @@ def prompts(workload: str, n: int, seed: int = 0) -> list[str]:
     """The workload's ``n`` request prompts (chat messages' content), the same for the same seed."""
     rng = random.Random(seed)
     if workload == "json-facts":
-        items = list(ITEMS)
-        rng.shuffle(items)
-        return [JSON_FACTS.format(item=items[i % len(items)]) for i in range(n)]
+        return [JSON_FACTS.format(item=item) for item in _drawn(ITEMS, n, rng)]
     if workload == "code-classes":
-        asks = [(e, m) for m in METHODS for e in ENTITIES]
-        rng.shuffle(asks)
-        picked = (asks[i % len(asks)] for i in range(n))
-        return [CODE_CLASS.format(name=e[0], a=e[1], b=e[2], method=m) for e, m in picked]
+        asks = _drawn([(e, m) for m in METHODS for e in ENTITIES], n, rng)
+        return [CODE_CLASS.format(name=e[0], a=e[1], b=e[2], method=m) for e, m in asks]
     if workload == "mixed-text":
-        pairs = [(f, t) for f in FORMS for t in TOPICS]
-        rng.shuffle(pairs)
-        return [pairs[i % len(pairs)][0].format(t=pairs[i % len(pairs)][1]) for i in range(n)]
+        return [form.format(t=topic) for form, topic in _drawn([(f, t) for f in FORMS for t in TOPICS], n, rng)]
     raise ValueError(f"no workload {workload!r}; one of {', '.join(WORKLOADS)}")
+
+
+def _drawn(pool: Sequence[Any], n: int, rng: random.Random) -> list[Any]:
+    """``n`` of ``pool`` in an order shuffled by ``rng``, starting over when the pool runs out."""
+    order = list(pool)
+    rng.shuffle(order)
+    return [order[i % len(order)] for i in range(n)]
 
 
 def run_workload(
