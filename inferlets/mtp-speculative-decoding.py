@@ -64,10 +64,9 @@ LOOKUP_NGRAM = (2, 3)  # --lookup matches the last 3 tokens, else the last 2 (on
 
 
 class MTPDrafter(Drafter):
-    """Each fire's MTP readout drafts the next round. Its depth is the most drafts the planner could ask for
-    next round, whatever this round's verdict (``next_depth``), since every level of depth costs an MTP step
-    and an lm head whether or not its draft is used; before a round the planner will not draft in, the fire
-    reads out no MTP at all."""
+    """Each fire's MTP readout drafts the next round. Its depth is the planner's, weighed over this round's
+    possible verdicts (``next_depth``), since every level of depth costs an MTP step and an lm head whether or
+    not its draft is used; before a round the planner will not draft in, the fire reads out no MTP at all."""
 
     def __init__(
         self,

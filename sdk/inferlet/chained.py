@@ -17,10 +17,10 @@ HeadReadout = Callable[[int, bool], ReadoutSpec]
 
 
 class ChainedDrafter(Drafter):
-    """Each fire's head readout drafts the next round. Its depth is the most drafts the planner could ask for
-    next round, whatever this round's verdict (``DraftPlanner.most_next``), since every level of depth costs
-    a head step and an lm head whether or not its draft is used; before a round the planner will not draft
-    in, the fire reads out no head at all. Greedy: the engine chains only from the row verification stops at
+    """Each fire's head readout drafts the next round. Its depth is the planner's (``DraftPlanner.chain_depth``):
+    every level costs a head step and an lm head whether or not its draft is used, so the depth is weighed
+    over this round's possible verdicts; before a round the planner will not draft in, the fire reads out no
+    head at all. Greedy: the engine chains only from the row verification stops at
     (at_accepted). Sampled: every row chains from the target's argmax, and the drafts are kept only where
     the sampled token is that argmax."""
 
@@ -58,8 +58,10 @@ class ChainedDrafter(Drafter):
 
 def next_depth(drafter: Drafter, proposed: int, k: int) -> int:
     """The drafts a head readout in the fire being built should chain for the next round: at most the
-    drafter's ``k``, as many as the planner could ask for after this round's ``proposed`` drafts (all ``k``
+    drafter's ``k``, the planner's choice over this round's verdicts (``DraftPlanner.chain_depth``; all ``k``
     without a planner), 0 for none."""
     if k == 0 or drafter.planner is None:
         return k
-    return min(k, drafter.planner.most_next(proposed))
+    depth = min(k, drafter.planner.chain_depth(proposed))
+    drafter.planner.chained = depth  # the round's timing is priced with the steps this fire reads
+    return depth

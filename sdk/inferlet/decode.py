@@ -64,6 +64,7 @@ class Run:
     round_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
     overhead_ms: float | None = None  # the planner's last estimate of a round's overhead (adaptive schedule)
+    plain_overhead_ms: float | None = None  # ... and of a plain round's, once one was timed
     logprobs: list[dict] | None = None
 
     @classmethod
@@ -104,6 +105,8 @@ class Run:
             stats["draft_ms"] = [round(t, 3) for t in self.draft_ms]
             if self.overhead_ms is not None:
                 stats["overhead_ms"] = round(self.overhead_ms, 3)
+            if self.plain_overhead_ms is not None:
+                stats["plain_overhead_ms"] = round(self.plain_overhead_ms, 3)
         res = {**self.out.result(), "stats": stats, "speculation": self.stats.summary()}
         if self.logprobs is not None:
             res["logprobs"] = self.logprobs
@@ -174,6 +177,7 @@ async def drive_rounds(run: Run, drafter: Drafter, k: int, step: Step, fallback:
             t_round = t_now
         run.decode_s = time.perf_counter() - t_decode
         run.overhead_ms = planner.overhead_ms if planner.adaptive and planner.residuals else None
+        run.plain_overhead_ms = planner.overhead(0) if planner.adaptive and planner.plain_residuals else None
     finally:
         await drafter.close()
         await ws.release()

@@ -69,6 +69,23 @@ rounds; in simulation the longer memory gains for an MTP head and a lookup and c
 right nothing (docs/performance.md, "The draft-length planner"). When drafting does not pay the round is a plain
 step, except every ``probe_every``-th one, which drafts one token: without rounds that draft, the planner would
 never see the drafter start hitting again.
+
+Plain rounds are priced apart. The curve is timed at engine start, alone, and a round in a running engine costs
+what the curve does not say: on the 2-core Xeon (int4, 2 threads, the MTP head on chat) a plain round ran about
+1 ms under the curve's 1-row pass and a one-draft round 3 ms over its 2-row pass and head step, so with one
+overhead for both the planner priced a draft row at a third of its cost and drafted where plain steps were
+faster (0.83-0.86x text-completion). ``observe_time`` keeps the residuals of rounds that verified drafts and of
+those that verified none apart (negative where the curve overstates a pass, down to ``MAX_DISCOUNT`` of a 1-row
+pass), and while drafting pays a plain round is timed every ``TIMING_EVERY`` rounds (the first after
+``FIRST_TIMING``; its fire chains no head step), so that what drafting is weighed against is measured as well.
+Whether drafting pays then asks about every count, not one draft only: where a drafting round costs much more
+than a plain one, one draft can lose where two win.
+
+A head's chain (MTP, EAGLE: inferlet.chained) is read in the fire before the round it drafts for, before that
+fire's verdict, and each of its steps is paid whatever the verdict: ``chain_depth`` picks the depth with the most
+expected tokens per ms over the verdicts, each verdict's next round drafting at most that depth. Chaining the
+most any verdict could ask for (``most_next``, as the planner first did) paid for a third step on every fire
+when only a full round asked for it (docs/performance.md, "The draft-length planner").
 """
 
 from __future__ import annotations
@@ -82,6 +99,13 @@ from collections.abc import Sequence
 OVERHEAD_ROUNDS = (
     15  # rounds whose median residual is the overhead: a slow spell of the machine moves it, one pause does not
 )
+# A plain round timed at least this often while drafting pays (docstring, "Plain rounds are priced apart"), and
+# the first after this many drafting rounds: the plain rate the drafting one is weighed against is measured too.
+TIMING_EVERY = 32
+FIRST_TIMING = 8
+# The most a measured residual may take off the curve's price of a pass, as a share of a 1-row pass: the curve
+# may overstate every pass (timed at start on a busy machine), but a round never costs nothing.
+MAX_DISCOUNT = 0.5
 # The least a round is priced at. Under load on a flat stretch of the curve, with no measured overhead and a
 # drafter that costs nothing (a lookup), a round adds nothing to its step; priced at 0 the rates divide by it.
 MIN_ROUND_MS = 1e-3
@@ -115,7 +139,11 @@ class DraftPlanner:
         self.costs = list(itertools.accumulate(pass_cost_ms, max))
         self.draft_cost_ms = draft_cost_ms
         self.overhead_ms = overhead_ms  # the prior, until observe_time has timed a round
-        self.residuals: deque[float] = deque(maxlen=OVERHEAD_ROUNDS)
+        self.residuals: deque[float] = deque(maxlen=OVERHEAD_ROUNDS)  # of rounds that verified drafts
+        self.plain_residuals: deque[float] = deque(maxlen=OVERHEAD_ROUNDS)  # of rounds that verified none
+        self.since_plain = TIMING_EVERY - FIRST_TIMING  # drafting rounds since the last plain one
+        self.chained: int | None = None  # head steps the fire being built chains (a chained drafter says so)
+        self.timing = False  # this round is a timed plain one: its fire chains no head steps either
         self.decay = decay
         self.state_decay = state_decay
         self.slow_decay = slow_decay
@@ -182,7 +210,14 @@ class DraftPlanner:
     def round_cost(self, k: int) -> float:
         """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
         recurrent state the expected replay of the kept rows after a rejection."""
-        return max(MIN_ROUND_MS, self.step_share(k) + k * self.draft_cost_ms + self.overhead_ms + self.replay_cost(k))
+        return max(MIN_ROUND_MS, self.step_share(k) + k * self.draft_cost_ms + self.overhead(k) + self.replay_cost(k))
+
+    def overhead(self, k: int) -> float:
+        """ms a round of k drafts costs past the curve's pass and the drafts' cost: a drafting round's measured
+        overhead, or a plain round's once one is timed (module docstring)."""
+        measured = statistics.median(self.plain_residuals) if k == 0 and self.plain_residuals else self.overhead_ms
+        # a discount says the curve overstates a pass alone; under load a round is priced by its share of the step
+        return max(0.0, measured) if self.load else measured
 
     def step_share(self, drafts: int) -> float:
         """ms a round's rows (``last`` and ``drafts`` draft rows) add to a pass that carries ``load`` other rows."""
@@ -242,7 +277,7 @@ class DraftPlanner:
             return True
         k = self.best()
         chain = self.expected_tokens(k) / self.round_cost(k)
-        cost = self.step_share(rows) + draft_fires * self.draft_cost_ms + self.overhead_ms
+        cost = self.step_share(rows) + draft_fires * self.draft_cost_ms + self.overhead(rows)
         tree = self.tree_expected_tokens(widths) / max(MIN_ROUND_MS, cost)
         return tree >= chain
 
@@ -265,52 +300,103 @@ class DraftPlanner:
 
     def observe_time(self, elapsed_ms: float, step_rows: int, drafts: int) -> None:
         """A round took ``elapsed_ms`` of wall time, from the end of the last round to the end of its own, in an
-        engine step of ``step_rows`` rows (its own included) with ``drafts`` draft steps: what the pass and the
-        drafts do not explain is the round's overhead (module docstring)."""
+        engine step of ``step_rows`` rows (its own included) with ``drafts`` draft steps (a chained drafter's
+        fire: the head steps it read, ``chained``): what the pass and the drafts do not explain is the round's
+        overhead, kept apart for plain rounds and drafting ones (module docstring). It may be negative, down to
+        ``MAX_DISCOUNT`` of a 1-row pass, where the curve overstates what a pass costs now."""
+        steps = drafts if self.chained is None else self.chained
+        self.chained = None
         if not self.adaptive:
             return
-        residual = elapsed_ms - self.pass_cost(max(1, step_rows)) - drafts * self.draft_cost_ms
-        self.residuals.append(max(0.0, residual))
-        self.overhead_ms = statistics.median(self.residuals)
+        residual = elapsed_ms - self.pass_cost(max(1, step_rows)) - steps * self.draft_cost_ms
+        residual = max(-MAX_DISCOUNT * self.costs[0], residual)
+        plain = step_rows - self.load <= 1  # no draft rows (a head's chain, if any, is priced above)
+        (self.plain_residuals if plain else self.residuals).append(residual)
+        if plain:
+            self.since_plain = 0  # also a round the drafter had nothing for (a lookup that found no match)
+        else:
+            self.overhead_ms = statistics.median(self.residuals)
 
     def drafting_pays(self) -> bool:
-        """One draft at the slowly forgotten acceptance beats a plain step."""
-        return (1 + self.slow_hits / self.slow_trials) / self.round_cost(1) > 1 / self.round_cost(0)
+        """Some count of drafts beats a plain step with the first draft kept at the slowly forgotten acceptance
+        (the later ones at their own). Not one draft only: where a drafting round costs much more than a plain
+        one (a head's chain, a second row, the verification), one draft may lose where two win."""
+        plain = 1 / self.round_cost(0)
+        first, total, survive = self.slow_hits / self.slow_trials, 1.0, 1.0
+        for k in range(1, max(1, self.max_k) + 1):
+            survive *= first if k == 1 else self.position_alpha(k - 1)
+            total += survive
+            if total / self.round_cost(k) > plain:
+                return True
+        return False
 
     def upcoming(self) -> int:
         """What ``next()`` would return if asked now, without counting as asking."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
         if self.drafting_pays():
-            return max(1, self.best())
+            return 0 if self.since_plain >= TIMING_EVERY else max(1, self.best())  # now and then a timed plain round
         return 1 if self.idle + 1 >= self.probe_every else 0  # a one-draft probe after probe_every plain rounds
 
     def will_draft(self) -> bool:
         """Whether ``next()`` would draft if asked now (it does not count as asking)."""
         return self.upcoming() > 0
 
-    def most_next(self, proposed: int) -> int:
-        """The most drafts ``next()`` could ask for after the round now being verified (``proposed`` chain
-        drafts), whatever its verdict. A drafter whose next drafts come from this round's fire (an MTP or EAGLE
-        head) computes that many: the round's own count would cut a run of hits short (one after a round of
-        one, however well it went), and 0 (no head at all) when no verdict would lead to drafting."""
-        if not self.adaptive or self.max_k == 0 or proposed <= 0:
-            return self.upcoming()
-        most = 0
+    def after_verdicts(self, proposed: int) -> list[tuple[float, DraftPlanner]]:
+        """Each verdict of the round now being verified (``proposed`` chain drafts): its probability at the
+        current per-position α's and the planner as it would be after observing it, for 0..proposed kept."""
+        outcomes, survive = [], 1.0
         for accepted in range(proposed + 1):
+            alpha = self.position_alpha(min(accepted, self.max_k - 1)) if accepted < proposed else 0.0
             after = copy.copy(self)  # observe() rebinds the floats but updates these lists in place
             after.pos_hits, after.pos_trials = list(self.pos_hits), list(self.pos_trials)
             after.state_hits = [list(h) for h in self.state_hits]
             after.state_trials = [list(t) for t in self.state_trials]
             after.observe(proposed, accepted)
-            most = max(most, after.upcoming())
-        return most
+            outcomes.append((survive * (1.0 - alpha), after))
+            survive *= alpha
+        return outcomes
+
+    def chain_depth(self, proposed: int) -> int:
+        """How many drafts a head should chain in the fire of the round now being verified (``proposed`` chain
+        drafts), for the next round: the depth with the most expected tokens per ms over this round's verdicts.
+        The chain is computed before the verdict and every step of it is paid whatever the verdict, so a depth
+        is worth what the next round makes of ``min(depth, what the verdict leads the planner to ask)`` drafts,
+        priced with all ``depth`` steps. Chaining the most any verdict could ask (``most_next``) paid for a
+        third draft on every fire when only a full round, one in five on chat, asked for it; a fixed schedule of
+        one draft then beat the planner. While drafting does not pay under any verdict, the depth a probe needs."""
+        if not self.adaptive or self.max_k == 0 or proposed <= 0:
+            return 0 if self.timing else self.upcoming()
+        outcomes = self.after_verdicts(proposed)
+        wants = [after.upcoming() for _, after in outcomes]
+        if not any(after.drafting_pays() for _, after in outcomes):
+            return max(wants)
+        # at least one wherever every verdict drafts: a round the planner drafts in must have a draft to verify
+        best_d, best = 0, -1.0
+        for depth in range(1 if min(wants) > 0 else 0, max(wants) + 1):
+            rate = 0.0
+            for (p, after), want in zip(outcomes, wants):
+                k = min(depth, want)
+                cost = after.step_share(k) + depth * after.draft_cost_ms + after.overhead(k) + after.replay_cost(k)
+                rate += p * after.expected_tokens(k) / max(MIN_ROUND_MS, cost)
+            if rate > best:
+                best_d, best = depth, rate
+        return best_d
+
+    def most_next(self, proposed: int) -> int:
+        """The most drafts ``next()`` could ask for after the round now being verified (``proposed`` chain
+        drafts), whatever its verdict: the most a head's chain could be asked for (``chain_depth`` weighs it)."""
+        if not self.adaptive or self.max_k == 0 or proposed <= 0:
+            return self.upcoming()
+        return max(after.upcoming() for _, after in self.after_verdicts(proposed))
 
     def next(self) -> int:
         """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
         k = self.upcoming()
         if self.adaptive and self.max_k:
+            self.timing = k == 0 and self.since_plain >= TIMING_EVERY and self.drafting_pays()
             self.idle = 0 if k else self.idle + 1
+            self.since_plain = self.since_plain + 1 if k else 0
         return k
 
     def observe(self, proposed: int, accepted: int) -> None:
