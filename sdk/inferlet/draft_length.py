@@ -84,8 +84,8 @@ than a plain one, one draft can lose where two win.
 A head's chain (MTP, EAGLE: inferlet.chained) is read in the fire before the round it drafts for, before that
 fire's verdict, and each of its steps is paid whatever the verdict: ``chain_depth`` picks the depth with the most
 expected tokens per ms over the verdicts, each verdict's next round drafting at most that depth. Chaining the
-most any verdict could ask for (``most_next``, as the planner first did) paid for a third step on every fire
-when only a full round asked for it (docs/performance.md, "The draft-length planner").
+most any verdict could ask for (``most_next``, as the planner first did) paid on every fire for steps only a
+full round would use (docs/performance.md, "The draft-length planner").
 """
 
 from __future__ import annotations
@@ -362,9 +362,9 @@ class DraftPlanner:
         drafts), for the next round: the depth with the most expected tokens per ms over this round's verdicts.
         The chain is computed before the verdict and every step of it is paid whatever the verdict, so a depth
         is worth what the next round makes of ``min(depth, what the verdict leads the planner to ask)`` drafts,
-        priced with all ``depth`` steps. Chaining the most any verdict could ask (``most_next``) paid for a
-        third draft on every fire when only a full round, one in five on chat, asked for it; a fixed schedule of
-        one draft then beat the planner. While drafting does not pay under any verdict, the depth a probe needs."""
+        priced with all ``depth`` steps. Chaining the most any verdict could ask (``most_next``) paid on every
+        fire for steps that only a full round (one in four or five on chat) would use; a fixed schedule of one
+        draft then beat the planner. While drafting does not pay under any verdict, the depth a probe needs."""
         if not self.adaptive or self.max_k == 0 or proposed <= 0:
             return 0 if self.timing else self.upcoming()
         outcomes = self.after_verdicts(proposed)
