@@ -78,6 +78,11 @@ def check_shipped(drafter: ShippedDrafter) -> Path:
     return path
 
 
+def attach_spec(drafter: ShippedDrafter) -> str:
+    """``KIND:FILE``, the spec that attaches the drafter's file, once its digest is checked."""
+    return f"{drafter.kind}:{check_shipped(drafter)}"
+
+
 def shipped_spec(spec: str) -> tuple[str, str | None]:
     """A drafter spec as `pie model import --drafter` and `pie model drafter attach` take it: a shipped drafter's
     name (``smollm2-135m-mtp-corpus``) becomes ``KIND:FILE`` (its digest checked) and the name it attaches under;
@@ -85,7 +90,7 @@ def shipped_spec(spec: str) -> tuple[str, str | None]:
     for drafters in SHIPPED.values():
         for drafter in drafters:
             if drafter.name == spec:
-                return f"{drafter.kind}:{check_shipped(drafter)}", drafter.name
+                return attach_spec(drafter), drafter.name
     return spec, None
 
 
@@ -105,9 +110,9 @@ def refresh_shipped(store: ModelStore, model: str) -> list[DrafterEntry]:
     user's own drafters, and shipped ones they detached, are left alone); returns what was attached."""
     out = []
     for drafter in stale_shipped(store.get(model)):
-        path = check_shipped(drafter)  # before detaching: a corrupt install keeps the old head
+        spec = attach_spec(drafter)  # before detaching: a corrupt install keeps the old head
         detach(store, model, drafter.name)
-        out.append(attach(store, model, f"{drafter.kind}:{path}", drafter.name))
+        out.append(attach(store, model, spec, drafter.name))
     return out
 
 
@@ -118,7 +123,7 @@ def attach_shipped(store: ModelStore, model: str, packaged: str | None = None) -
     out = []
     for drafter in SHIPPED.get(packaged or model, ()):
         if drafter.on_import and drafter.name not in have:
-            out.append(attach(store, model, f"{drafter.kind}:{check_shipped(drafter)}", drafter.name))
+            out.append(attach(store, model, attach_spec(drafter), drafter.name))
     return out
 
 

@@ -56,14 +56,14 @@ def top_ids(
     w16 = w.to(torch.bfloat16) if fast else w  # read only when fast
     for i in range(0, len(hidden), chunk):
         h = hidden[i : i + chunk].float()
-        if bar is not None:
-            bar.update(len(h))
         if not fast:
             out.append(model.logits(h).topk(k, dim=-1).indices)
-            continue
-        cand = (h.to(torch.bfloat16) @ w16.T).topk(4 * k, dim=-1).indices  # (n, 4k)
-        exact = torch.einsum("nh,nch->nc", h, w.float()[cand])
-        out.append(cand.gather(1, exact.topk(k, dim=-1).indices))
+        else:
+            cand = (h.to(torch.bfloat16) @ w16.T).topk(4 * k, dim=-1).indices  # (n, 4k)
+            exact = torch.einsum("nh,nch->nc", h, w.float()[cand])
+            out.append(cand.gather(1, exact.topk(k, dim=-1).indices))
+        if bar is not None:
+            bar.update(len(h))
     return torch.cat(out).to(torch.int32)
 
 

@@ -71,10 +71,9 @@ step, except every ``probe_every``-th one, which drafts one token: without round
 never see the drafter start hitting again.
 
 Plain rounds are priced apart. The curve is timed at engine start, alone, and a round in a running engine costs
-what the curve does not say: on the 2-core Xeon (int4, 2 threads, the MTP head on chat) a plain round ran about
-1 ms under the curve's 1-row pass and a one-draft round 3 ms over its 2-row pass and head step, so with one
-overhead for both the planner priced a draft row at a third of its cost and drafted where plain steps were
-faster (0.83-0.86x text-completion). ``observe_time`` keeps the residuals of rounds that verified drafts and of
+what the curve does not say, a drafting round more so than a plain one; with one overhead for both the planner
+priced a draft row below its cost and drafted where plain steps were faster (docs/performance.md, "The
+draft-length planner"). ``observe_time`` keeps the residuals of rounds that verified drafts and of
 those that verified none apart (negative where the curve overstates a pass, down to ``MAX_DISCOUNT`` of a 1-row
 pass), and while drafting pays a plain round is timed every ``TIMING_EVERY`` rounds (the first after
 ``FIRST_TIMING``; its fire chains no head step), so that what drafting is weighed against is measured as well.
@@ -207,10 +206,12 @@ class DraftPlanner:
             total += survive
         return total
 
-    def round_cost(self, k: int) -> float:
-        """ms a round of k drafts adds: its rows' share of the step, the drafting, a round's overhead, and with
-        recurrent state the expected replay of the kept rows after a rejection."""
-        return max(MIN_ROUND_MS, self.step_share(k) + k * self.draft_cost_ms + self.overhead(k) + self.replay_cost(k))
+    def round_cost(self, k: int, steps: int | None = None) -> float:
+        """ms a round of k draft rows adds: its rows' share of the step, the drafting (``steps`` draft steps,
+        default k), a round's overhead, and with recurrent state the expected replay of the kept rows after a
+        rejection."""
+        drafting = (k if steps is None else steps) * self.draft_cost_ms
+        return max(MIN_ROUND_MS, self.step_share(k) + drafting + self.overhead(k) + self.replay_cost(k))
 
     def overhead(self, k: int) -> float:
         """ms a round of k drafts costs past the curve's pass and the drafts' cost: a drafting round's measured
@@ -277,8 +278,7 @@ class DraftPlanner:
             return True
         k = self.best()
         chain = self.expected_tokens(k) / self.round_cost(k)
-        cost = self.step_share(rows) + draft_fires * self.draft_cost_ms + self.overhead(rows)
-        tree = self.tree_expected_tokens(widths) / max(MIN_ROUND_MS, cost)
+        tree = self.tree_expected_tokens(widths) / self.round_cost(rows, draft_fires)  # no replay: checked above
         return tree >= chain
 
     def observe_tree(self, depth: int, accepted: int) -> None:
@@ -332,11 +332,18 @@ class DraftPlanner:
 
     def upcoming(self) -> int:
         """What ``next()`` would return if asked now, without counting as asking."""
+        return self._choose()[0]
+
+    def _choose(self) -> tuple[int, bool]:
+        """The count ``next()`` asks for now, and whether it is a timed plain round."""
         if not self.adaptive or self.max_k == 0:
-            return self.max_k
+            return self.max_k, False
         if self.drafting_pays():
-            return 0 if self.since_plain >= TIMING_EVERY else max(1, self.best())  # now and then a timed plain round
-        return 1 if self.idle + 1 >= self.probe_every else 0  # a one-draft probe after probe_every plain rounds
+            if self.since_plain >= TIMING_EVERY:
+                return 0, True  # now and then a timed plain round
+            return max(1, self.best()), False
+        probe = self.idle + 1 >= self.probe_every  # a one-draft probe after probe_every plain rounds
+        return (1 if probe else 0), False
 
     def will_draft(self) -> bool:
         """Whether ``next()`` would draft if asked now (it does not count as asking)."""
@@ -362,9 +369,8 @@ class DraftPlanner:
         drafts), for the next round: the depth with the most expected tokens per ms over this round's verdicts.
         The chain is computed before the verdict and every step of it is paid whatever the verdict, so a depth
         is worth what the next round makes of ``min(depth, what the verdict leads the planner to ask)`` drafts,
-        priced with all ``depth`` steps. Chaining the most any verdict could ask (``most_next``) paid on every
-        fire for steps that only a full round (one in four or five on chat) would use; a fixed schedule of one
-        draft then beat the planner. While drafting does not pay under any verdict, the depth a probe needs."""
+        priced with all ``depth`` steps (module docstring). While drafting does not pay under any verdict, the
+        depth a probe needs."""
         if not self.adaptive or self.max_k == 0 or proposed <= 0:
             return 0 if self.timing else self.upcoming()
         outcomes = self.after_verdicts(proposed)
@@ -377,8 +383,7 @@ class DraftPlanner:
             rate = 0.0
             for (p, after), want in zip(outcomes, wants):
                 k = min(depth, want)
-                cost = after.step_share(k) + depth * after.draft_cost_ms + after.overhead(k) + after.replay_cost(k)
-                rate += p * after.expected_tokens(k) / max(MIN_ROUND_MS, cost)
+                rate += p * after.expected_tokens(k) / after.round_cost(k, depth)
             if rate > best:
                 best_d, best = depth, rate
         return best_d
@@ -392,9 +397,8 @@ class DraftPlanner:
 
     def next(self) -> int:
         """Drafts to ask for this round: k*, or a one-draft probe after ``probe_every`` plain rounds."""
-        k = self.upcoming()
+        k, self.timing = self._choose()
         if self.adaptive and self.max_k:
-            self.timing = k == 0 and self.since_plain >= TIMING_EVERY and self.drafting_pays()
             self.idle = 0 if k else self.idle + 1
             self.since_plain = self.since_plain + 1 if k else 0
         return k

@@ -156,6 +156,18 @@ INLINE __m512 load_f16x16(const uint16_t *p0, const uint16_t *p1, int pair) {
     const __m128i h0 = _mm_loadu_si128((const __m128i *)p0), h1 = pair ? _mm_loadu_si128((const __m128i *)p1) : _mm_setzero_si128();
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
 }
+
+/* Rows m0 .. m0+R-1 (R <= 16) of 16-lane results: lanes 0-7 to group g, lanes 8-15 to group g+1 (`pair`). */
+INLINE void store_pair(const QWeight *w, long g, int pair, const __m512 *acc, long m0, int R, float *y, long ldy,
+                       const float *bias, int add) {
+    for (int h = 0; h <= pair; h++) {
+        __m256 half[16];
+        for (int r = 0; r < R; r++)
+            half[r] = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)
+                                         : _mm512_castpd512_pd256(_mm512_castps_pd(acc[r])));
+        store_group(w, g + h, half, m0, R, y, ldy, bias, add);
+    }
+}
 #endif
 
 #ifdef PIE_AMX
@@ -269,13 +281,7 @@ static void amx_rows_of(const QWeight *w, long g, int pair, const QAct *a, long 
         }
         for (i = 0; i < cnt; i++) amx_epilogue(w, g, b0 + i, pair, a, m0, R, sums[i], acc);
     }
-    for (int h = 0; h <= pair; h++) {
-        __m256 half[16];
-        for (int r = 0; r < R; r++)
-            half[r] = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)
-                                         : _mm512_castpd512_pd256(_mm512_castps_pd(acc[r])));
-        store_group(w, g + h, half, m0, R, y, ldy, bias, add);
-    }
+    store_pair(w, g, pair, acc, m0, R, y, ldy, bias, add);
 }
 #endif
 
@@ -283,8 +289,7 @@ static void amx_rows_of(const QWeight *w, long g, int pair, const QAct *a, long 
 
 #if defined(PIE_AVX512VNNI)
 #define PAIR_TILE 8 /* rows a pair of groups takes at once: its 16 lanes of values unpacked once for them */
-/* Fewer rows: the 8-lane path is as fast or faster (1-3 rows: 5-10% on the 2-core Xeon, where 4 rows gain 10%,
- * 8 rows 25% and 16 rows 30%: one matmul timed in both builds in one process), above all a decode step's one row. */
+/* Fewer rows take the 8-lane path, as fast or faster there (docs/performance.md, "Pass cost by rows"). */
 #define PAIR_MIN_ROWS 4
 
 /* One record's values for groups g (low 256 bits) and g+1 (high), as load_values gives each. */
@@ -333,13 +338,7 @@ INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const in
             acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[ab]), acc[r]);
         }
     }
-    for (int h = 0; h < 2; h++) {
-        __m256 half[PAIR_TILE];
-        for (int r = 0; r < R; r++)
-            half[r] = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)
-                                         : _mm512_castpd512_pd256(_mm512_castps_pd(acc[r])));
-        store_group(w, g + h, half, m0, R, y, ldy, bias, add);
-    }
+    store_pair(w, g, 1, acc, m0, R, y, ldy, bias, add);
 }
 
 /* Every row of `a` for groups g and g+1, a tile of rows at a time. */
