@@ -44,12 +44,31 @@ class ModelConfig(BaseModel):
     qk_norm: bool = False  # per-head RMS norm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a sliding layer's query at position p attends to keys at positions q with
+    # p - q < sliding_window (its own row included: W rows at most), as Hugging Face and llama.cpp mask it.
+    # ``layer_types`` names each layer; None with a window set means every layer slides (Mistral).
+    sliding_window: int | None = Field(default=None, gt=0)
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError("layer_types needs one entry per layer")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_attention layers need a sliding_window")
         return self
+
+    def attention_window(self, layer: int) -> int | None:
+        """Rows layer ``layer`` attends to (its own included), or None where it attends to every earlier row.
+        The one place every path (torch, native step, KV page groups) asks which layers slide."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
