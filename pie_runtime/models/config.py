@@ -93,11 +93,16 @@ class ModelConfig(BaseModel):
         """The factor on q.k before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def rope_kind(self, layer: int) -> Literal["global", "local"]:
+        """ "local" on a sliding layer of a model that names a local rope base (Gemma 3), else "global"."""
+        local = self.rope_local_base_freq is not None and self.attention_window(layer) is not None
+        return "local" if local else "global"
+
     def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
-        """(rope base, rope_scaling) of layer ``layer``: the local base without scaling on a sliding layer of a
-        model that names one (Gemma 3), else the model's."""
-        if self.rope_local_base_freq is not None and self.attention_window(layer) is not None:
-            return self.rope_local_base_freq, None
+        """(rope base, rope_scaling) of layer ``layer``: the local base without scaling on a "local" layer,
+        else the model's."""
+        if self.rope_kind(layer) == "local":
+            return cast(float, self.rope_local_base_freq), None
         return self.rope_theta, self.rope_scaling
 
     @property

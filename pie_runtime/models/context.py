@@ -9,6 +9,11 @@ A segment of a *tree window* (docs/architecture.md, "Tree windows") carries the 
 sequence index its row 0 sits at: a row then attends every key before the window and, inside the window,
 only itself and its ancestors, whichever chunk of the window wrote them.
 
+A sliding-window layer (``ModelConfig.attention_window``) narrows a group's mask by positions:
+:meth:`AttentionGroup.layer_mask` keeps the keys at positions q with p - q < W for a query at position p,
+whichever pages hold them. A key's position is counted back from the query's segment (consecutive before a
+tree window; its depth inside one).
+
 A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
 advance (``Segment.state``), and, where a fold may keep fewer rows than run, the entries that receive the state
 after each of its first rows (``Segment.row_states``: per-row states, engine/fold.py); the context lays those out
@@ -60,6 +65,20 @@ class AttentionGroup:
     row_span: tuple[int, int] | None = None
     # tensors derived from the mask once per pass and shared by every layer (the attention's additive mask)
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    query_pos: torch.Tensor | None = None  # (B, Q) int64 position of each query (padding: key 0's)
+    key_pos: torch.Tensor | None = None  # (B, K) int64 position of each key
+
+    def layer_mask(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer attending to ``window`` rows (None: every earlier row), made once per pass."""
+        if window is None:
+            return self.mask
+        key = ("window", window)
+        mask = self.memo.get(key)
+        if mask is None:
+            assert self.query_pos is not None and self.key_pos is not None
+            near = (self.query_pos.unsqueeze(-1) - self.key_pos.unsqueeze(1)) < window  # (B, Q, K)
+            mask = self.memo[key] = self.mask & near.unsqueeze(1)
+        return mask  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -106,7 +125,7 @@ class ForwardContext:
         long = [i for i, s in enumerate(segments) if s.n_rows > SHORT_SEGMENT_ROWS]
         plans = ([short] if short else []) + [[i] for i in long]
         groups = tuple(
-            _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device)
+            _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device, pos)
             for plan in (plans if torch_groups else [])
         )
         entries = [s.state for s in segments]
@@ -129,7 +148,7 @@ class ForwardContext:
         )
 
 
-def _group(segments: list[Segment], row_start: list[int], page_size: int, device) -> AttentionGroup:
+def _group(segments: list[Segment], row_start: list[int], page_size: int, device, pos: list[int]) -> AttentionGroup:
     b = len(segments)
     q = max(s.n_rows for s in segments)
     p = max((s.start + s.n_rows + page_size - 1) // page_size for s in segments)
@@ -138,7 +157,11 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
     query_valid = torch.zeros(b, q, dtype=torch.bool)
     key_pages = torch.zeros(b, p, dtype=torch.int64)
     mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
+    query_pos = torch.zeros(b, q, dtype=torch.int64)
+    key_pos = torch.zeros(b, k, dtype=torch.int64)
     for i, (seg, r0) in enumerate(zip(segments, row_start)):
+        query_pos[i, : seg.n_rows], key_pos[i] = _positions(seg, pos[r0 : r0 + seg.n_rows], k)
+        query_pos[i, seg.n_rows :] = key_pos[i, 0]
         query_rows[i, : seg.n_rows] = torch.arange(r0, r0 + seg.n_rows)
         query_rows[i, seg.n_rows :] = r0
         query_valid[i, : seg.n_rows] = True
@@ -163,10 +186,29 @@ def _group(segments: list[Segment], row_start: list[int], page_size: int, device
         key_pages=key_pages.to(device),
         mask=mask.to(device),
         valid_rows=query_rows[query_valid].to(device),
+        query_pos=query_pos.to(device),
+        key_pos=key_pos.to(device),
         row_span=(row_start[0], b * q)
         if all(s.n_rows == q for s in segments) and row_start == [row_start[0] + i * q for i in range(b)]
         else None,
     )
+
+
+def _positions(seg: Segment, row_pos: list[int], n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the segment's query positions, a position for each of ``n_keys`` keys): keys consecutive up to the
+    segment's first row (or a tree window's row 0), a tree window's rows at row 0's position plus their depth."""
+    queries = torch.tensor(row_pos, dtype=torch.int64)
+    keys = torch.arange(n_keys, dtype=torch.int64)
+    if seg.parents is None:
+        return queries, keys + (row_pos[0] - seg.start)
+    depth: list[int] = []
+    for parent in seg.parents:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    base = row_pos[0] - depth[seg.start - seg.window]  # the position of window row 0
+    keys = keys + (base - seg.window)
+    inside = min(len(depth), n_keys - seg.window)
+    keys[seg.window : seg.window + inside] = base + torch.tensor(depth[:inside], dtype=torch.int64)
+    return queries, keys
 
 
 def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:

@@ -4,17 +4,22 @@ linear ``rope_scaling`` variants."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .config import Lfm2Config, ModelConfig, UnsupportedModelError
 
 
-def inverse_frequencies(cfg: ModelConfig | Lfm2Config) -> torch.Tensor:
-    """(head_dim // 2,) float64 inverse frequencies after any rope scaling."""
+def inverse_frequencies(
+    cfg: ModelConfig | Lfm2Config, base: float | None = None, scaling: dict[str, Any] | None | bool = True
+) -> torch.Tensor:
+    """(head_dim // 2,) float64 inverse frequencies after any rope scaling. ``base`` and ``scaling``: a layer
+    kind's own (:meth:`ModelConfig.layer_rope`) where they are not the config's."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling
+    inv = 1.0 / ((base or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if scaling is True:
+        scaling = cfg.rope_scaling
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -38,8 +43,10 @@ def inverse_frequencies(cfg: ModelConfig | Lfm2Config) -> torch.Tensor:
 class Rotary:
     """cos/sin for arbitrary per-row positions, computed once per forward and shared by every layer."""
 
-    def __init__(self, cfg: ModelConfig | Lfm2Config):
-        self.inv_freq = inverse_frequencies(cfg).float()
+    def __init__(
+        self, cfg: ModelConfig | Lfm2Config, base: float | None = None, scaling: dict[str, Any] | None | bool = True
+    ):
+        self.inv_freq = inverse_frequencies(cfg, base, scaling).float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)  # (N, D/2)
