@@ -61,6 +61,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    window: int | None = None  # keys a query sees (None: every earlier one); subclasses without windows keep it
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer

@@ -17,7 +17,8 @@ def inverse_frequencies(
     """(head_dim // 2,) float64 inverse frequencies after any rope scaling. ``base`` and ``scaling``: a layer
     kind's own (:meth:`ModelConfig.layer_rope`) where they are not the config's."""
     dim = cfg.head_dim
-    inv = 1.0 / ((base or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever the default device: a model built on the meta device still needs real tables
+    inv = 1.0 / ((base or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     if scaling is True:
         scaling = cfg.rope_scaling
     if not scaling:
