@@ -8,6 +8,7 @@ besides its KV pages) and ``state_granule`` (the rows a state advances by: 1 for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,10 +17,28 @@ Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 LLAMA_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 Activation = Literal["silu", "gelu_pytorch_tanh"]
 SUPPORTED_FAMILIES: tuple[str, ...] = (*LLAMA_FAMILIES, "mamba", "lfm2")
+HF_LLAMA_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's model type or architecture is not one this runtime implements."""
+
+
+class LayerRecipe(BaseModel):
+    """What one decoder layer of the Llama family computes, read from its config (the torch path's switches and
+    the native step's per-layer table): its norms' placement and offset, activation, q/k norms, attention
+    scale, rope table and window."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sandwich_norms: bool
+    norm_weight_offset: float
+    activation: Activation
+    qk_norm: bool
+    attention_scale: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    window: int | None  # rows attended, the query's own included (None: every earlier row)
 
 
 class ModelConfig(BaseModel):
@@ -105,6 +124,19 @@ class ModelConfig(BaseModel):
             return cast(float, self.rope_local_base_freq), None
         return self.rope_theta, self.rope_scaling
 
+    def layer_recipe(self, layer: int) -> LayerRecipe:
+        theta, scaling = self.layer_rope(layer)
+        return LayerRecipe(
+            sandwich_norms=self.sandwich_norms,
+            norm_weight_offset=self.norm_weight_offset,
+            activation=self.hidden_activation,
+            qk_norm=self.qk_norm,
+            attention_scale=self.attention_scale,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            window=self.attention_window(layer),
+        )
+
     @property
     def embed_scale(self) -> float:
         """What the input embeddings are multiplied by (round it to the activations' dtype before use)."""
@@ -132,10 +164,9 @@ class ModelConfig(BaseModel):
         if model_type == "gemma3":  # the multimodal config: its text part is a gemma3_text config
             hf = {"model_type": "gemma3_text", **hf.get("text_config", {})}
             model_type = "gemma3_text"
-        if model_type not in (*LLAMA_FAMILIES, "gemma3_text"):
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        if model_type not in HF_LLAMA_TYPES:
+            supported = ", ".join(HF_LLAMA_TYPES)
+            raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {supported}")
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _rope_from_hf(hf.get("rope_parameters"), hf)
         fields: dict[str, Any] = dict(
@@ -378,11 +409,19 @@ class Lfm2Config(_RecurrentConfig):
 AnyConfig = ModelConfig | MambaConfig | Lfm2Config
 
 
+# Hugging Face ``model_type`` → the config that reads its config.json (gemma3: its text_config)
+HF_MODEL_TYPES: dict[str, Callable[[dict[str, Any]], AnyConfig]] = {
+    **dict.fromkeys(HF_LLAMA_TYPES, ModelConfig.from_hf),
+    "mamba": MambaConfig.from_hf,
+    "lfm2": Lfm2Config.from_hf,
+}
+
+
 def config_from_hf(hf: dict[str, Any]) -> AnyConfig:
     """The config a Hugging Face config.json describes; refuses a model type this runtime does not implement."""
-    model_type = hf.get("model_type")
-    if model_type == "mamba":
-        return MambaConfig.from_hf(hf)
-    if model_type == "lfm2":
-        return Lfm2Config.from_hf(hf)
-    return ModelConfig.from_hf(hf)
+    build = HF_MODEL_TYPES.get(hf.get("model_type"))  # type: ignore[arg-type]
+    if build is None:
+        raise UnsupportedModelError(
+            f"unsupported model_type {hf.get('model_type')!r}; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
+    return build(hf)

@@ -437,7 +437,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext, kv: KVCache) -> torch.Tensor:
         attn = self.self_attn
-        a = attn.o_proj(attn.attend(*attn.project(self.input_layernorm(x), cos, sin), ctx, kv))
+        return self.finish(x, attn.attend(*attn.project(self.input_layernorm(x), cos, sin), ctx, kv))
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention: ``x`` the layer's input, ``attended`` (N, h * D) before o_proj."""
+        a = self.self_attn.o_proj(attended)
         if self.sandwich:  # Gemma: the norms wrap each block's output too, post_attention_layernorm among them
             x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -480,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden: (N, H) input embeddings → (N, H) final hidden states after the last norm. ``state``: the
         recurrent-state pool, which this family does not use (the engine passes every family the same)."""
         tables = {kind: r.cos_sin(ctx.positions, hidden.dtype) for kind, r in self.rotaries.items()}
-        for layer in self.model.layers:
+        for layer in cast(list[DecoderLayer], list(self.model.layers)):
             hidden = layer(hidden, *tables[layer.rope_kind], ctx, kv)
         return self.model.norm(hidden)
 
