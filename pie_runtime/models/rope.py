@@ -1,5 +1,5 @@
-"""Rotary position embeddings (Su et al. 2021) in Hugging Face's rotate-half layout, with the Llama-3 and
-linear ``rope_scaling`` variants."""
+"""Rotary position embeddings (Su et al. 2021) in Hugging Face's rotate-half layout, with the Llama-3, linear
+and ``freq_factors`` (a GGUF's ``rope_freqs.weight``) ``rope_scaling`` variants."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def inverse_frequencies(
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "freq_factors":  # a GGUF's rope_freqs.weight: one divisor per frequency (llama.cpp's Llama 3.x)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
+        if factors.shape != inv.shape:
+            raise UnsupportedModelError(f"rope freq_factors has {factors.numel()} values, head_dim needs {inv.numel()}")
+        return inv / factors
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between
         factor = scaling["factor"]
