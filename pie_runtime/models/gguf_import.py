@@ -1,7 +1,8 @@
 """Convert a llama.cpp GGUF file (architectures ``llama``, ``qwen2``, ``qwen3``, ``gemma3``: gguf_arch.py) into
 the store's layout: tensors under Hugging Face names, a ModelConfig from the GGUF metadata, and a tokenizer.json
-rebuilt from the embedded GPT-2 byte-level BPE vocabulary. Q4_0, Q4_1 and Q8_0 weights are kept as their blocks (``Converted.quantized``, a
-:class:`~.quant.GroupQuant` each, never requantized); every other type is dequantized to float32.
+rebuilt from the embedded GPT-2 byte-level BPE vocabulary. Q4_0, Q4_1 and Q8_0 weights are kept as their
+blocks (``Converted.quantized``, a :class:`~.quant.GroupQuant` each, never requantized); every other type is
+dequantized to float32.
 
 Two traps: GGUF stores dims reversed (the reader already hands back row-major arrays in Hugging Face
 order), and llama.cpp's converter permuted the q and k rows of ``llama`` files for its rope layout, which
