@@ -53,6 +53,23 @@ CONFIGS = {
     "llama3-mha-obias": config(
         num_key_value_heads=4, head_dim=16, attention_bias=True, o_proj_bias=True, rope_scaling=LLAMA3_ROPE
     ),
+    "mistral-window": config(family="mistral", num_key_value_heads=2, head_dim=16, sliding_window=6),
+    "gemma3-recipe": config(
+        family="gemma3",
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        sliding_window=6,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        hidden_activation="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        qk_norm=True,
+        query_pre_attn_scalar=24,
+    ),
 }
 
 
@@ -122,7 +139,7 @@ def test_dense_forward_matches_paged(name):
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm", "gemma3-recipe"])
 def test_greedy_generate_matches_paged_decode(name):
     model = random_model(CONFIGS[name], seed=2)
     prompts = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3))
