@@ -109,11 +109,25 @@ def _save_folder(model, folder) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def _as_multimodal(folder) -> None:
+    """Rewrite a saved Gemma3ForCausalLM as a Gemma3ForConditionalGeneration checkpoint as transformers 4 saved
+    them: the text model under language_model.model, a vision tower beside it, the config's text_config."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    renamed = {f"language_model.{k}": v for k, v in state.items()}
+    renamed["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    renamed["multi_modal_projector.mm_input_projection_weight"] = torch.ones(8, 64)
+    save_file(renamed, folder / "model.safetensors")
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma3-multimodal", "mistral"])
 def test_hf_folder_with_sliding_window_matches_transformers(kind, tmp_path, monkeypatch):
     import transformers
 
-    if kind == "gemma3":
+    if kind.startswith("gemma3"):
         model = hf_model("gemma3")
     else:
         cfg = transformers.MistralConfig(
@@ -126,6 +140,8 @@ def test_hf_folder_with_sliding_window_matches_transformers(kind, tmp_path, monk
             for name, p in model.named_parameters():
                 p.copy_(1 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.15)
     _save_folder(model, tmp_path / "ckpt")
+    if kind == "gemma3-multimodal":
+        _as_multimodal(tmp_path / "ckpt")
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     assert pie(["model", "import", str(tmp_path / "ckpt"), "--name", "w"]) == 0
     loaded = load_model("w", store=ModelStore(tmp_path / "home" / "models"))
