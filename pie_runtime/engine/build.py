@@ -176,6 +176,8 @@ def _describe(
         bos_token_id=manifest.tokenizer.bos_token_id,
         eos_token_ids=list(manifest.tokenizer.eos_token_ids),
         chat_template=manifest.tokenizer.chat_template,
+        add_bos_token=manifest.tokenizer.add_bos_token,
+        add_eos_token=manifest.tokenizer.add_eos_token,
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
         mtp_acceptance=heldout_acceptance(mtp.module.config.training) if mtp is not None else [],

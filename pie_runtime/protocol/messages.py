@@ -407,6 +407,9 @@ class ModelInfo(BaseModel):
     bos_token_id: int | None
     eos_token_ids: list[int]
     chat_template: str | None
+    # a plain prompt starts with BOS / ends with EOS (the model's tokenizer rule; the SDK adds them once)
+    add_bos_token: bool = False
+    add_eos_token: bool = False
     drafters: list[dict] = []
     mtp_depth: int = 0  # > 0 when the model serves MTP(k) readouts
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic

@@ -214,7 +214,7 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
             raise invalid_request(
                 f"the text has more than {limit} tokens, this model's context", "prompt", "context_length_exceeded"
             )
-        ids = tok.encode(text)
+        ids = tok.encode_prompt(text)  # what the model reads: its BOS included
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
     @app.post("/detokenize")

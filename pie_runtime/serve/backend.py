@@ -119,9 +119,7 @@ class Backend:
         infos = [ModelInfo.model_validate(m) for m in hello["models"]]
         self.info = next(i for i in infos if i.name == self.model)
         tok_json = (await self._client.request("tokenizer", model=self.model))["tokenizer_json"]
-        self.tokenizer = Tokenizer(
-            tok_json, self.info.eos_token_ids, self.info.bos_token_id, self.chat_template or self.info.chat_template
-        )
+        self.tokenizer = Tokenizer.for_model(tok_json, self.info, self.chat_template)
         self.pool = HostPool(
             address, self.workers, token=self.spec.token, inferlet_dirs=self.inferlet_dirs, limits=self.limits
         )

@@ -85,12 +85,12 @@ class CompletionArgs(BaseModel):
         return self
 
     def prompt_ids(self, tok: Tokenizer) -> list[int]:
-        """The prompt's token ids: ``prompt_token_ids`` when given, else ``prompt``'s (rendered with the chat
-        template first with ``--chat``)."""
+        """The prompt's token ids: ``prompt_token_ids`` when given (as they are), else ``prompt``'s (rendered with
+        the chat template first with ``--chat``) with the model's BOS once (:meth:`Tokenizer.encode_prompt`)."""
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
-        return tok.encode(text)
+        return tok.encode_prompt(text)
 
     @property
     def top_count(self) -> int | None:

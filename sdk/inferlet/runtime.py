@@ -68,7 +68,7 @@ class Session:
             for fields in hello["models"]:
                 info = ModelInfo.model_validate(fields)
                 tok_json = (await client.request("tokenizer", model=info.name))["tokenizer_json"]
-                tok = Tokenizer(tok_json, info.eos_token_ids, info.bos_token_id, info.chat_template)
+                tok = Tokenizer.for_model(tok_json, info)
                 models[info.name] = Model(info, client, tok)
         except BaseException:
             client.close()
