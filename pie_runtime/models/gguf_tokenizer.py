@@ -84,8 +84,6 @@ def check_tokenizer(meta: dict[str, Any]) -> None:
         raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {supported()}")
     if "tokenizer.ggml.tokens" not in meta:
         raise UnsupportedModelError("the GGUF carries no vocabulary (tokenizer.ggml.tokens)")
-    if kind == "gpt2" and not meta.get("tokenizer.ggml.merges"):
-        raise UnsupportedModelError("the GGUF's byte-level BPE vocabulary has no merges (tokenizer.ggml.merges)")
 
 
 def build_tokenizer(meta: dict[str, Any]) -> tuple[str, TokenizerInfo]:
@@ -108,16 +106,17 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[str, TokenizerInfo]:
 
 
 def _info(meta: dict[str, Any], tokens: list[str], types: list[int], spm: bool, special: list[str]) -> TokenizerInfo:
-    """BOS/EOS ids and rules with llama.cpp's defaults for what the GGUF leaves out (SentencePiece: BOS 1, EOS 2,
-    add BOS; byte-level BPE: BOS = EOS = 11, add BOS only for the Llama 3 rule)."""
+    """BOS/EOS ids and rules, with llama.cpp's defaults for what the GGUF leaves out: SentencePiece BOS 1, EOS 2,
+    add BOS; byte-level BPE adds BOS only under the Llama 3 rule (its default ids, 11, are GPT-NeoX's: no id
+    here instead)."""
 
     def token_id(key: str, default: int | None) -> int | None:
         value = meta.get(f"tokenizer.ggml.{key}")
         value = default if value is None else int(value)
         return value if value is not None and 0 <= value < len(tokens) else None
 
-    bos = token_id("bos_token_id", 1 if spm else 11)
-    eos = token_id("eos_token_id", 2 if spm else 11)
+    bos = token_id("bos_token_id", 1 if spm else None)
+    eos = token_id("eos_token_id", 2 if spm else None)
     eos_ids = [eos] if eos is not None else []
     ends = [token_id(key, None) for key in ("eot_token_id", "eom_token_id")]
     ends += [i for i, (t, ty) in enumerate(zip(tokens, types)) if t in TURN_END_TOKENS and ty == TokenType.CONTROL]
@@ -160,7 +159,7 @@ def _bpe_tokenizer(meta: dict[str, Any], tokens: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     pre = pre_tokenizer_name(meta)
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
     model = models.BPE(
         vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES
