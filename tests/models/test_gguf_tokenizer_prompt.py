@@ -82,3 +82,16 @@ def test_hugging_face_tokenizers_say_add_bos_by_their_post_processor():
     smollm, _ = sdk_tokenizer("smollm")
     assert adds_bos_eos(gemma.to_json(), 2, 1) == (True, False)
     assert adds_bos_eos(smollm.to_json(), 1, 2) == (False, False)
+
+
+def test_chat_run_without_a_template_fails_with_one_line(tiny_engine):
+    """Through an engine: `pie run text-completion --chat` on a model without a chat template (the tiny random
+    model's folder has none) fails with the refusal, not a traceback or a guessed template."""
+    import subprocess
+
+    from pie_runtime.launcher import resolve_inferlet, run_inferlet
+
+    words = ["--prompt", "Hi", "--chat", "--max-tokens", "2"]
+    outcome = run_inferlet(resolve_inferlet("text-completion"), tiny_engine.address, words, stdout=subprocess.DEVNULL)
+    assert not outcome["ok"]
+    assert "this model has no chat template" in str(outcome["error"]) and "Traceback" not in str(outcome["error"])
