@@ -142,10 +142,9 @@ def vocabularies() -> list[Vocabulary]:
 def read_meta(path: str) -> dict:
     """The GGUF's metadata (every field but the tensor index), as ``gguf_import`` reads it; shared, not to be
     changed (:func:`variant_meta` copies)."""
-    import gguf
+    from pie_runtime.models.gguf_meta import read_gguf
 
-    reader = gguf.GGUFReader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return read_gguf(path).fields
 
 
 def vocab_meta(vocab: Vocabulary) -> dict:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from .checkpoint import CheckpointError, Converted, TokenizerInfo, check_shapes
 from .config import ModelConfig, UnsupportedModelError
+from .gguf_meta import read_gguf
 from .gguf_tokenizer import build_tokenizer, check_tokenizer
 from .quant import GroupQuant, QuantError, from_gguf, ggml_kind
 
@@ -59,10 +60,6 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     rows = w.shape[0]
     tail = w.shape[1:]
     return w.reshape(n_head, rows // n_head // 2, 2, *tail).swapaxes(1, 2).reshape(w.shape)
-
-
-def _fields(reader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], tokenizer: TokenizerInfo) -> ModelConfig:
@@ -115,11 +112,8 @@ def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
     reading weights if names or shapes differ."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
-    meta = _fields(reader)
+    reader = read_gguf(path)  # metadata and tensor index only (fast); no tensor byte is read before the checks
+    meta = reader.fields
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(

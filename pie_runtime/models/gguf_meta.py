@@ -228,28 +228,33 @@ def read_gguf(path: str | Path) -> GGUFFile:
     try:
         size = path.stat().st_size
         if size < 24:
-            raise GGUFFormatError(f"truncated GGUF {path}: {size} bytes, less than a header")
+            raise GGUFFormatError(f"truncated GGUF: {size} bytes, less than a header")
         mm = np.memmap(path, dtype=np.uint8, mode="r")
+        return _read(path, mm)
     except OSError as e:
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
-    buf = memoryview(mm)  # type: ignore[arg-type]
+    except GGUFFormatError as e:
+        raise GGUFFormatError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _header(buf: memoryview) -> tuple[int, str]:
+    """The version and byte order."""
     if bytes(buf[:4]) != MAGIC:
-        raise GGUFFormatError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r}, want {MAGIC!r})")
+        raise GGUFFormatError(f"not a GGUF file (magic {bytes(buf[:4])!r}, want {MAGIC!r})")
     (version,) = struct.unpack_from("<I", buf, 4)
     byte_order = "<"
     if version & 0xFFFF == 0:  # written big-endian (gguf-py's reader guesses the same way)
         byte_order, (version,) = ">", struct.unpack_from(">I", buf, 4)
     if version not in SUPPORTED_VERSIONS:
-        raise GGUFFormatError(f"{path}: GGUF version {version} is not supported; supported: 2, 3")
+        raise GGUFFormatError(f"GGUF version {version} is not supported; supported: 2, 3")
+    return version, byte_order
+
+
+def _read(path: Path, mm: np.memmap) -> GGUFFile:
+    buf = memoryview(mm)  # type: ignore[arg-type]
+    version, byte_order = _header(buf)
     cur = _Cursor(buf, byte_order)
     cur.pos = 8
-    try:
-        return _read(path, mm, cur, version)
-    except GGUFFormatError as e:
-        raise GGUFFormatError(f"{path}: {e}") from None
-
-
-def _read(path: Path, mm: np.memmap, cur: _Cursor, version: int) -> GGUFFile:
     n_tensors, n_kv = cur.u64("tensor count"), cur.u64("key/value count")
     fields: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
     types = {

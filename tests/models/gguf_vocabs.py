@@ -1,5 +1,5 @@
 """The vocabularies of the GGUF tokenizer tests (examples/gguf_tokenizer_fixtures.py's, loaded by path) and their
-SDK tokenizers, built once a test run (Gemma's takes tens of seconds: its GGUF's 262k-piece metadata)."""
+SDK tokenizers, built once a test run (Gemma's takes seconds: the merges of its 262k-piece vocabulary)."""
 
 from __future__ import annotations
 

@@ -83,14 +83,17 @@ def test_an_unsupported_tokenizer_is_refused_before_any_tensor_is_read(tmp_path,
     import numpy as np
 
     from pie_runtime.models import gguf_import
+    from pie_runtime.models.gguf_meta import read_gguf
 
     meta = dict(fx.read_meta(str(fx.smollm_gguf())))
     meta["tokenizer.ggml.pre"] = "deepseek-coder"
     path = fx.write_variant(meta, tmp_path / "refused.gguf")
     w = gguf.GGUFWriter(str(tmp_path / "with-tensor.gguf"), "llama")  # the same keys and one tensor
-    for key, field in gguf.GGUFReader(str(path)).fields.items():
+    source = read_gguf(path)
+    for key, value in source.fields.items():
         if key.startswith(("llama.", "tokenizer.")):
-            w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            types = source.types[key]
+            w.add_key_value(key, value, types[0], types[-1] if len(types) > 1 else None)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
