@@ -251,7 +251,7 @@ def _header(buf: memoryview) -> tuple[int, str]:
 
 
 def _read(path: Path, mm: np.memmap) -> GGUFFile:
-    buf = memoryview(mm)  # type: ignore[arg-type]
+    buf = memoryview(mm)  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
     version, byte_order = _header(buf)
     cur = _Cursor(buf, byte_order)
     cur.pos = 8

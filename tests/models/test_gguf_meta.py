@@ -137,7 +137,8 @@ def _tensor_info(name: str, dims: tuple[int, ...], ggml_type: int, offset: int) 
     return _str(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
 
 
-def raw_gguf(kvs: list[bytes], infos: list[bytes] = (), data: bytes = b"", version: int = 3) -> bytes:  # type: ignore[assignment]
+def raw_gguf(kvs: list[bytes], infos: list[bytes] | None = None, data: bytes = b"", version: int = 3) -> bytes:
+    infos = infos or []
     head = b"GGUF" + struct.pack("<IQQ", version, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
     return head + b"\0" * (-len(head) % 32) + data
 
