@@ -126,6 +126,9 @@ class ModelConfig(BaseModel):
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            # Mistral's sliding window (every layer); other families' configs carry the key unused (Qwen2's
+            # use_sliding_window defaults to off)
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
         )
 
 

@@ -99,6 +99,8 @@ def unsupported(cfg: ModelConfig) -> str | None:
             return f"{name} {k} is not a multiple of 32"
     if cfg.q_size % 32:
         return f"the attention width {cfg.q_size} is not a multiple of 32"
+    if any(cfg.attention_window(i) is not None for i in range(cfg.num_hidden_layers)):
+        return "sliding-window layers: the native step attends every row and reads one page table a segment"
     return None
 
 
