@@ -9,6 +9,11 @@ A segment of a *tree window* (docs/architecture.md, "Tree windows") carries the 
 sequence index its row 0 sits at: a row then attends every key before the window and, inside the window,
 only itself and its ancestors, whichever chunk of the window wrote them.
 
+A sliding-window layer (``ModelConfig.attention_window``) narrows a group's mask by positions:
+:meth:`AttentionGroup.layer_mask` keeps the keys at positions q with p - q < W for a query at position p,
+whichever pages hold them. A key's position is counted back from the query's segment (consecutive before a
+tree window; its depth inside one).
+
 A model with recurrent state (models/recurrent.py) also needs, per segment, the state-pool entry its rows
 advance (``Segment.state``), and, where a fold may keep fewer rows than run, the entries that receive the state
 after each of its first rows (``Segment.row_states``: per-row states, engine/fold.py); the context lays those out
@@ -17,9 +22,10 @@ as a :class:`StateLayout`.
 KV page groups (models/kv_groups.py): a segment carries one page table per group (``Segment.table``), and the
 context one :class:`KVView` per (group, attention window) that some layer reads: the slots its rows write in that
 group's pages and the attention calls over them. A layer finds its view by ``ForwardContext.view(layer)``. A
-sliding layer (window W) attends the keys at sequence indices ``i - W < k <= i`` of a query at index ``i`` (a tree
-window's row: its index is the window's first plus its depth), and its call gathers only the pages those keys
-lie in, never the pages its group has let go. A model of one global group has one view: the context as it was.
+sliding view's calls gather only the pages from the one holding sequence index ``i - W + 1`` of its segment's first
+query ``i`` (a tree window's: the window's first index), the first key the position window can keep, so a sliding
+layer never reads the pages its group has let go of (engine/kv_pages.py keeps every page from there on). A model
+of one global group has one view: the context as it was.
 """
 
 from __future__ import annotations
@@ -73,6 +79,20 @@ class AttentionGroup:
     row_span: tuple[int, int] | None = None
     # tensors derived from the mask once per pass and shared by every layer (the attention's additive mask)
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    query_pos: torch.Tensor | None = None  # (B, Q) int64 position of each query (padding: key 0's)
+    key_pos: torch.Tensor | None = None  # (B, K) int64 position of each key
+
+    def layer_mask(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer attending to ``window`` rows (None: every earlier row), made once per pass."""
+        if window is None:
+            return self.mask
+        key = ("window", window)
+        mask = self.memo.get(key)
+        if mask is None:
+            assert self.query_pos is not None and self.key_pos is not None
+            near = (self.query_pos.unsqueeze(-1) - self.key_pos.unsqueeze(1)) < window  # (B, Q, K)
+            mask = self.memo[key] = self.mask & near.unsqueeze(1)
+        return mask  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -137,7 +157,7 @@ class ForwardContext:
         keys = keys or [(0, None)]  # a model without attention layers: the slots bound its rows all the same
         slots = {g: _write_slots(segments, g, page_size, device) for g in dict.fromkeys(g for g, _ in keys)}
         views = tuple(
-            KVView(slots[g], _groups(segments, row_start, page_size, device, g, w) if torch_groups else ())
+            KVView(slots[g], _groups(segments, row_start, page_size, device, pos, g, w) if torch_groups else ())
             for g, w in keys
         )
         entries = [s.state for s in segments]
@@ -177,14 +197,20 @@ def _write_slots(segments: list[Segment], group: int, page_size: int, device) ->
 
 
 def _groups(
-    segments: list[Segment], row_start: list[int], page_size: int, device, table: int, window: int | None
+    segments: list[Segment],
+    row_start: list[int],
+    page_size: int,
+    device,
+    pos: list[int],
+    table: int,
+    window: int | None,
 ) -> tuple[AttentionGroup, ...]:
     """The attention calls of one view: short segments padded into one call, each long one in its own."""
     short = [i for i, s in enumerate(segments) if s.n_rows <= SHORT_SEGMENT_ROWS]
     long = [i for i, s in enumerate(segments) if s.n_rows > SHORT_SEGMENT_ROWS]
     plans = ([short] if short else []) + [[i] for i in long]
     return tuple(
-        _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device, table, window)
+        _group([segments[i] for i in plan], [row_start[i] for i in plan], page_size, device, pos, table, window)
         for plan in plans
     )
 
@@ -225,8 +251,18 @@ def window_mask(seg: Segment, window: int | None, key0: int, keys: int) -> torch
 
 
 def _group(
-    segments: list[Segment], row_start: list[int], page_size: int, device, table: int = 0, window: int | None = None
+    segments: list[Segment],
+    row_start: list[int],
+    page_size: int,
+    device,
+    pos: list[int],
+    table: int = 0,
+    window: int | None = None,
 ) -> AttentionGroup:
+    """One attention call over ``segments``' keys in page group ``table``; at ``window``, only the pages from
+    the one holding the first key a row may attend (``first_key``), so a sliding layer never reads the pages
+    its group let go of. The mask is causal (or a tree window's); ``AttentionGroup.layer_mask`` narrows it to
+    the window by positions, from ``query_pos`` and ``key_pos``."""
     b = len(segments)
     q = max(s.n_rows for s in segments)
     first_page = [first_key(s, window) // page_size for s in segments]
@@ -237,13 +273,18 @@ def _group(
     query_valid = torch.zeros(b, q, dtype=torch.bool)
     key_pages = torch.zeros(b, p, dtype=torch.int64)
     mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
+    query_pos = torch.zeros(b, q, dtype=torch.int64)
+    key_pos = torch.zeros(b, k, dtype=torch.int64)
     for i, (seg, r0) in enumerate(zip(segments, row_start)):
+        f, u = first_page[i], used[i]
+        query_pos[i, : seg.n_rows], keys = _positions(seg, pos[r0 : r0 + seg.n_rows], f * page_size + k)
+        key_pos[i] = keys[f * page_size :]  # key column c holds sequence index f * page_size + c
+        query_pos[i, seg.n_rows :] = key_pos[i, 0]
         query_rows[i, : seg.n_rows] = torch.arange(r0, r0 + seg.n_rows)
         query_rows[i, seg.n_rows :] = r0
         query_valid[i, : seg.n_rows] = True
-        f, u = first_page[i], used[i]
         key_pages[i, : u - f] = torch.tensor(seg.table(table)[f:u], dtype=torch.int64)
-        mask[i, 0, : seg.n_rows, : (u - f) * page_size] = window_mask(seg, window, f * page_size, (u - f) * page_size)
+        mask[i, 0, : seg.n_rows, : (u - f) * page_size] = window_mask(seg, None, f * page_size, (u - f) * page_size)
         mask[i, 0, seg.n_rows :, 0] = True  # padding rows attend something, so softmax stays finite
     return AttentionGroup(
         query_rows=query_rows.to(device),
@@ -251,10 +292,29 @@ def _group(
         key_pages=key_pages.to(device),
         mask=mask.to(device),
         valid_rows=query_rows[query_valid].to(device),
+        query_pos=query_pos.to(device),
+        key_pos=key_pos.to(device),
         row_span=(row_start[0], b * q)
         if all(s.n_rows == q for s in segments) and row_start == [row_start[0] + i * q for i in range(b)]
         else None,
     )
+
+
+def _positions(seg: Segment, row_pos: list[int], n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the segment's query positions, a position for each of ``n_keys`` keys): keys consecutive up to the
+    segment's first row (or a tree window's row 0), a tree window's rows at row 0's position plus their depth."""
+    queries = torch.tensor(row_pos, dtype=torch.int64)
+    keys = torch.arange(n_keys, dtype=torch.int64)
+    if seg.parents is None:
+        return queries, keys + (row_pos[0] - seg.start)
+    depth: list[int] = []
+    for parent in seg.parents:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    base = row_pos[0] - depth[seg.start - seg.window]  # the position of window row 0
+    keys = keys + (base - seg.window)
+    inside = min(len(depth), n_keys - seg.window)
+    keys[seg.window : seg.window + inside] = base + torch.tensor(depth[:inside], dtype=torch.int64)
+    return queries, keys
 
 
 def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:

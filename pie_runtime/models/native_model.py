@@ -92,6 +92,8 @@ class _Model(ctypes.Structure):
 
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot run on the native step, or None."""
+    if cfg.family == "gemma3" or cfg.sliding_window is not None:  # until the step takes a per-layer recipe
+        return f"the native step runs neither {cfg.family}'s recipe nor sliding windows yet"
     if cfg.head_dim not in HEAD_DIMS:
         return f"head_dim {cfg.head_dim} is not one of {', '.join(map(str, HEAD_DIMS))}"
     for name, k in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
