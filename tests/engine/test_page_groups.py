@@ -198,42 +198,63 @@ def test_the_layout_groups_kinds_in_pages_of_equal_layers():
     assert full.windows == (None,) and full.layer_window == (WINDOW, None)
 
 
-def test_the_sliding_window_matches_transformers_mistral():
-    """The window itself (not only its pages): a Mistral of window 16 over 60 rows, as transformers runs it."""
+def hf_model(family: str):
     import transformers
 
-    from pie_runtime.models.families import build_causal_lm
-
     torch.manual_seed(0)
-    hf_cfg = transformers.MistralConfig(
+    common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=512,
         sliding_window=16,
     )
-    hf = transformers.MistralForCausalLM(hf_cfg).eval()
-    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
-    assert cfg.sliding_window == 16
-    model = build_causal_lm(cfg).eval()
-    model.load_state_dict(hf.state_dict())
-    kv = KVCache(cfg, 64, PAGE, torch.float32, layout=KVCache.layout_of(cfg))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=2, **common)).eval()
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # 4 sliding, 2 global: pages of 2
+    cfg = transformers.Gemma3TextConfig(num_hidden_layers=6, layer_types=types, query_pre_attn_scalar=16, **common)
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def run_window_pages(model, cfg, swa_full: bool, ids: list[int]) -> tuple[torch.Tensor, KVPages, WorkingSet]:
+    """Prefill 30 rows, then decode one row a fire, committing (and sliding) after each; every row's logits."""
+    kv = KVCache(cfg, 64, PAGE, torch.float32, layout=KVCache.layout_of(cfg, 0, swa_full))
     runner = ModelRunner(model, kv, torch.device("cpu"))
     pages = KVPages(PagePool(64), PAGE, runner.copy_pages, runner.copy_slots, kv.layout.windows)
     ws = WorkingSet(1, A, "m", tables=pages.empty_tables())
-    ids = [token(i) for i in range(60)]
     out = []
-    for start, rows in ((0, 30), *((i, 1) for i in range(30, 60))):
+    for start, rows in ((0, 30), *((i, 1) for i in range(30, len(ids)))):
         pages.reserve(ws, start, rows)
         seg = Segment(ws.pages, start, rows, group_tables=tuple(ws.tables[1:]))
         out.append(model.logits(runner.forward([seg], ids[start : start + rows], list(range(start, start + rows)))))
         ws.committed = start + rows
         pages.commit(ws)
-    assert pages.held(ws) <= 16 // PAGE + 1
+    return torch.cat(out), pages, ws
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_the_window_pages_match_transformers(family):
+    """The window itself (not only its pages): a random Mistral and a Gemma-3-shaped model (window 16) over 60
+    rows, as transformers runs them, and bit for bit as the same model keeping every row."""
+    from pie_runtime.models.config import config_from_hf
+    from pie_runtime.models.families import build_causal_lm
+
+    hf = hf_model(family)
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.sliding_window == 16
+    model = build_causal_lm(cfg).eval()
+    model.load_state_dict(hf.state_dict())
+    ids = [token(i) for i in range(60)]
+    paged, pages, ws = run_window_pages(model, cfg, False, ids)
+    full, _, _ = run_window_pages(model, cfg, True, ids)
+    assert torch.equal(paged, full)
+    windows = pages.windows
+    assert windows == ((16,) if family == "mistral" else (None, 16, 16))
+    for window, held in zip(windows, pages.held_per_group(ws)):
+        assert held == (60 + PAGE - 1) // PAGE if window is None else held <= 16 // PAGE + 1
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert torch.allclose(torch.cat(out), ref, atol=1e-4, rtol=0)
+    assert torch.allclose(paged, ref, atol=1e-4, rtol=0)
