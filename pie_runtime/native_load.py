@@ -134,7 +134,8 @@ def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedM
     manifest = store.verify(name, use_cache=True)
     cfg = manifest.config
     if not isinstance(cfg, ModelConfig):
-        raise StoreError(f"model {name!r} is a {manifest.family} model: the native step runs the Llama family")
+        family = manifest.family
+        raise StoreError(f"model {name!r} is a {family} model: the native step runs the Llama family and Gemma 3")
     why = unsupported(cfg)
     if why is not None:
         raise StoreError(f"model {name!r} does not fit the native step: {why}")

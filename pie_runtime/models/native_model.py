@@ -94,7 +94,8 @@ def layer_recipes(cfg: ModelConfig) -> Recipe:
             if item not in table:
                 table.append(item)  # type: ignore[arg-type]
             at.append(table.index(item))  # type: ignore[arg-type]
-    return Recipe(tuple(ropes), tuple(windows), tuple(layer_rope), tuple(layer_window), ACTIVATIONS[cfg.hidden_activation])
+    act = ACTIVATIONS[cfg.hidden_activation]
+    return Recipe(tuple(ropes), tuple(windows), tuple(layer_rope), tuple(layer_window), act)
 
 
 class _Decoder(nn.Module):
@@ -243,7 +244,8 @@ class NativeLlama(nn.Module):
         out = torch.empty_like(x)
         positions = ctx.positions.to(torch.int32).contiguous()
         whole = PassArrays.build(ctx.segments, n, kv.page_size, ctx.write_slots.numpy())
-        arrays = [whole if w is None else whole.windowed(ctx.segments, positions.numpy(), w) for w in self.recipe.windows]
+        at = positions.numpy()
+        arrays = [whole if w is None else whole.windowed(ctx.segments, at, w) for w in self.recipe.windows]
         layouts = (PassLayout * len(arrays))(*[a.struct() for a in arrays])
         p = PiePass(
             n_rows=n,
