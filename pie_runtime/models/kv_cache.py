@@ -50,7 +50,9 @@ class KVCache:
     ):
         self.num_pages = num_pages
         self.page_size = page_size
-        self.layout = layout or KVLayout.single(cfg.kv_layers + extra_layers)
+        # without a layout: one group keeping every row, each layer at its window (what a caller that knows no
+        # page groups lays out); the engine passes the model's page groups (engine/build.py)
+        self.layout = layout or self.layout_of(cfg, extra_layers, swa_full=True)
         shape = (self.layout.unit, cfg.num_key_value_heads, num_pages * page_size, cfg.head_dim)
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
@@ -61,7 +63,7 @@ class KVCache:
     ) -> int:
         """0 for a model without attention layers (and no extra layers). A page holds ``layout.unit`` layers."""
         elem = torch.empty((), dtype=dtype).element_size()
-        layers = (layout or KVLayout.single(cfg.kv_layers + extra_layers)).unit
+        layers = (layout or KVCache.layout_of(cfg, extra_layers, swa_full=True)).unit
         return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     @staticmethod
