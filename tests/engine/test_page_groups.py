@@ -258,3 +258,26 @@ def test_the_window_pages_match_transformers(family):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert torch.allclose(paged, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_the_native_step_reads_each_layers_page_group(family):
+    """The native step (int8) through page groups: its logits bit for bit those of the same model keeping every
+    row, over a prefill and decode past the window, and the sliding groups' pages bounded."""
+    from pie_runtime.models import native_lib
+    from pie_runtime.models.config import config_from_hf
+    from pie_runtime.native_load import native_from_state
+
+    if not native_lib.available():
+        pytest.skip(f"no native kernels here ({native_lib.unavailable_reason()})")
+    hf = hf_model(family)
+    hf.config.head_dim = 64  # the step's smallest head
+    hf = type(hf)(hf.config).eval()
+    cfg = config_from_hf(hf.config.to_dict())
+    native = native_from_state(cfg, hf.state_dict(), "int8")
+    ids = [token(i) for i in range(60)]
+    paged, pages, ws = run_window_pages(native, cfg, False, ids)
+    full, _, _ = run_window_pages(native, cfg, True, ids)
+    assert torch.equal(paged, full)
+    for window, held in zip(pages.windows, pages.held_per_group(ws)):
+        assert window is None or held <= 16 // PAGE + 1

@@ -123,7 +123,7 @@ def test_the_native_step_computes_transformers_model(family):
 
 def poisoned(kv: KVCache, layers: list[int], slots: list[int]) -> KVCache:
     out = KVCache.__new__(KVCache)
-    out.num_pages, out.page_size = kv.num_pages, kv.page_size
+    out.num_pages, out.page_size, out.layout = kv.num_pages, kv.page_size, kv.layout
     out.k, out.v = kv.k.clone(), kv.v.clone()
     for layer in layers:
         out.k[layer][:, slots] = float("nan")
