@@ -95,6 +95,7 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
         parents = None if fire.parents is None else tuple(fire.parents)
         rows = lead + c.rows
         kept = _row_states(served, fire, first, rows)
+        served.pages.advance(fire.ws, fire.start, fire.start + first, fire.start + fire.done + c.rows)
         segments.append(
             Segment(
                 fire.ws.pages,

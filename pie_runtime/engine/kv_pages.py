@@ -61,6 +61,7 @@ class KVPages:
         self.pool = pool
         self.page_size = page_size
         self.windows = tuple(windows)  # per page group: the rows its tables keep (None: every row)
+        self.chunk_rows = 256  # the most rows of one fire a forward runs (the engine's max_batch_tokens)
         self.copy_pages = copy_pages
         self.copy_slots = copy_slots
         self.cache: PrefixCache | None = None
@@ -102,14 +103,24 @@ class KVPages:
     def held_per_group(self, ws: WorkingSet) -> list[int]:
         return [sum(p >= 0 for p in table) for table in ws.tables]
 
-    def reserve(self, ws: WorkingSet, start: int, rows: int) -> None:
+    def window_span(self, window: int) -> int:
+        """Rows of a fire a sliding group reserves pages for when its pages move along the fire (``advance``):
+        the window and a chunk, with a page of slack at either end and the fire's first page."""
+        return window + self.chunk_rows + 3 * self.page_size
+
+    def reserve(self, ws: WorkingSet, start: int, rows: int, moving: bool = False) -> None:
         """Makes rows ``start .. start+rows-1`` of ``ws`` writable in every page group: new pages past each table,
         and a private copy of every shared or named page those rows land in. All or nothing: OUT_OF_PAGES leaves
-        ``ws`` as it was."""
+        ``ws`` as it was. ``moving`` (a fire that folds every row it runs): a sliding group reserves pages for
+        the first ``window_span`` rows only, and ``advance`` moves them along as the fire's chunks run, so a
+        long prompt holds about a window and a chunk of sliding pages, never the whole prompt's."""
         need = self.pages_for(start + rows)
         plans = []
-        for table in ws.tables:
-            grow = max(0, need - len(table))
+        for table, window in zip(ws.tables, self.windows):
+            stop = need
+            if moving and window is not None and rows > self.window_span(window):
+                stop = self.pages_for(start + self.window_span(window))
+            grow = max(0, stop - len(table))
             first = start // self.page_size
             shared = [i for i in range(first, min(need, len(table))) if table[i] >= 0 and self._frozen(table[i])]
             plans.append((grow, shared))
@@ -124,6 +135,29 @@ class KVPages:
                 for i, p in zip(shared, dst):
                     table[i] = p
             table.extend(mine[:grow])
+            table.extend([-1] * (need - len(table)))  # a moving fire's later pages: filled by ``advance``
+
+    def advance(self, ws: WorkingSet, fire_start: int, first: int, stop: int) -> None:
+        """Before a forward runs rows ``first .. stop-1`` of a fire that starts at row ``fire_start``: every page
+        group holds a page for each row from the window's first (``first - W + 1``) to ``stop - 1``. A sliding
+        group's pages of the fire's rows that left the window are moved to the rows ahead (a moving fire's,
+        ``reserve``); any page still missing comes from the pool."""
+        ps = self.page_size
+        for table, window in zip(ws.tables, self.windows):
+            if window is None:
+                continue
+            lo = max(0, first - window + 1) // ps
+            want = [j for j in range(lo, self.pages_for(stop)) if table[j] < 0]
+            if not want:
+                continue
+            # pages wholly of this fire's rows, below the window: no later row attends them (the fire folds all)
+            spare = [j for j in range(self.pages_for(fire_start), lo) if table[j] >= 0]
+            moved = spare[: len(want)]
+            fresh = self.pool.alloc(len(want) - len(moved))
+            for j, page in zip(want, [table[i] for i in moved] + fresh):
+                table[j] = page
+            for i in moved:
+                table[i] = -1
 
     def slide(self, ws: WorkingSet) -> None:
         """Each sliding group lets go of the pages below the one holding row ``committed - W + 1`` (module

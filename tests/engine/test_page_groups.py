@@ -73,8 +73,8 @@ def served(shape: str, swa_full: bool) -> ServedModel:
 
 
 class Core:
-    def __init__(self, shape: str, swa_full: bool):
-        self.core = EngineCore([served(shape, swa_full)])
+    def __init__(self, shape: str, swa_full: bool, max_batch_tokens: int = 256):
+        self.core = EngineCore([served(shape, swa_full)], max_batch_tokens)
         self.ids = iter(range(1, 1_000_000))
 
     def call(self, op: str, **fields) -> dict:
@@ -149,6 +149,41 @@ def test_the_window_pages_give_the_all_rows_logits_through_every_operation(shape
         for handle in (ws[c], children[c]):
             c.call("ws_release", ws=handle)
         assert c.pages.free == PAGES  # nothing leaked
+
+
+@pytest.mark.parametrize("shape", ["mistral", "gemma"])
+def test_a_long_prompts_sliding_pages_move_along_its_chunks(shape):
+    """A 120-row prompt run 8 rows a step: its sliding groups never hold more than a window and a chunk of pages
+    (``KVPages.window_span``), and its logits are the all-rows core's."""
+    paged, full = Core(shape, False, max_batch_tokens=8), Core(shape, True, max_batch_tokens=8)
+    ws = {c: c.call("ws_open")["ws"] for c in (paged, full)}
+    prompt = [token(i) for i in range(120)]
+    out = [c.logits(ws[c], prompt[:2]) for c in (paged, full)]  # a start that is not page-aligned
+    assert np.array_equal(out[0], out[1])
+    readout = [{"rows": [0, 50, 117], "kind": "logits"}]
+    span = paged.pages.window_span(WINDOW) // PAGE + 1
+    most = [0] * len(paged.pages.windows)
+    for c in (paged, full):
+        req_id = next(c.ids)
+        _, req = parse_request(
+            pack({"id": req_id, "op": "fire", "ws": ws[c], "tokens": prompt[2:], "readouts": readout})
+        )
+        assert c.core.handle(A, req) is None
+        replies: dict[int, dict] = {}
+        while c.core.has_work():
+            replies.update({r["id"]: r for _, r in c.core.step()})
+            if c is paged:
+                most = [max(m, h) for m, h in zip(most, paged.held(ws[c]))]
+        out.append(decode_array(replies[req_id]["results"][0]["logits"]))
+    assert np.array_equal(out[2], out[3])
+    for window, held in zip(paged.pages.windows, most):
+        assert held <= (span if window is not None else 122 // PAGE + 1)
+    check_bounded(paged, ws[paged])
+    for i in range(122, 130):
+        a, b = paged.logits(ws[paged], [token(i)]), full.logits(ws[full], [token(i)])
+        assert np.array_equal(a, b)
+    paged.call("ws_release", ws=ws[paged])
+    assert paged.pages.free == PAGES
 
 
 def test_a_saved_working_set_loads_into_an_all_rows_engine_and_continues_alike():
