@@ -153,8 +153,11 @@ class ForwardContext:
         pos = seq_index if positions is None else list(positions)
         if len(pos) != n:
             raise ValueError("one position per row is required")
-        keys = [(0, None)] if layout is None else list(dict.fromkeys(zip(layout.layer_group, layout.layer_window)))
-        keys = keys or [(0, None)]  # a model without attention layers: the slots bound its rows all the same
+        keys: list[tuple[int, int | None]] = [(0, None)]
+        if layout is not None:
+            keys = (
+                list(dict.fromkeys(zip(layout.layer_group, layout.layer_window))) or keys
+            )  # a model without attention layers: the slots bound its rows all the same
         slots = {g: _write_slots(segments, g, page_size, device) for g in dict.fromkeys(g for g, _ in keys)}
         views = tuple(
             KVView(slots[g], _groups(segments, row_start, page_size, device, pos, g, w) if torch_groups else ())

@@ -8,6 +8,8 @@ every page is back when the working sets are released."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -233,17 +235,17 @@ def test_the_layout_groups_kinds_in_pages_of_equal_layers():
     assert full.windows == (None,) and full.layer_window == (WINDOW, None)
 
 
-def hf_model(family: str):
+def hf_model(family: str, head_dim: int = 16):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=512,
         sliding_window=16,
     )
@@ -279,7 +281,7 @@ def test_the_window_pages_match_transformers(family):
 
     hf = hf_model(family)
     cfg = config_from_hf(hf.config.to_dict())
-    assert cfg.sliding_window == 16
+    assert isinstance(cfg, ModelConfig) and cfg.sliding_window == 16
     model = build_causal_lm(cfg).eval()
     model.load_state_dict(hf.state_dict())
     ids = [token(i) for i in range(60)]
@@ -305,10 +307,9 @@ def test_the_native_step_reads_each_layers_page_group(family):
 
     if not native_lib.available():
         pytest.skip(f"no native kernels here ({native_lib.unavailable_reason()})")
-    hf = hf_model(family)
-    hf.config.head_dim = 64  # the step's smallest head
-    hf = type(hf)(hf.config).eval()
+    hf = hf_model(family, head_dim=64)  # the step's smallest head
     cfg = config_from_hf(hf.config.to_dict())
+    assert isinstance(cfg, ModelConfig)
     native = native_from_state(cfg, hf.state_dict(), "int8")
     ids = [token(i) for i in range(60)]
     paged, pages, ws = run_window_pages(native, cfg, False, ids)
