@@ -98,10 +98,10 @@ class KVPages:
 
     def held(self, ws: WorkingSet) -> int:
         """Pages ``ws`` holds, every group's."""
-        return sum(p >= 0 for table in ws.tables for p in table)
+        return sum(len(table) - table.count(-1) for table in ws.tables)
 
     def held_per_group(self, ws: WorkingSet) -> list[int]:
-        return [sum(p >= 0 for p in table) for table in ws.tables]
+        return [len(table) - table.count(-1) for table in ws.tables]
 
     def window_span(self, window: int) -> int:
         """Rows of a fire a sliding group reserves pages for when its pages move along the fire (``advance``):
