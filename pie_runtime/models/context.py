@@ -276,13 +276,15 @@ def _group(
     query_valid = torch.zeros(b, q, dtype=torch.bool)
     key_pages = torch.zeros(b, p, dtype=torch.int64)
     mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
-    query_pos = torch.zeros(b, q, dtype=torch.int64)
-    key_pos = torch.zeros(b, k, dtype=torch.int64)
+    # positions only for a view whose layers slide (``layer_mask``): a global view's calls never read them
+    query_pos = torch.zeros(b, q, dtype=torch.int64) if window is not None else None
+    key_pos = torch.zeros(b, k, dtype=torch.int64) if window is not None else None
     for i, (seg, r0) in enumerate(zip(segments, row_start)):
         f, u = first_page[i], used[i]
-        query_pos[i, : seg.n_rows], keys = _positions(seg, pos[r0 : r0 + seg.n_rows], f * page_size + k)
-        key_pos[i] = keys[f * page_size :]  # key column c holds sequence index f * page_size + c
-        query_pos[i, seg.n_rows :] = key_pos[i, 0]
+        if query_pos is not None and key_pos is not None:
+            query_pos[i, : seg.n_rows], keys = _positions(seg, pos[r0 : r0 + seg.n_rows], f * page_size + k)
+            key_pos[i] = keys[f * page_size :]  # key column c holds sequence index f * page_size + c
+            query_pos[i, seg.n_rows :] = key_pos[i, 0]
         query_rows[i, : seg.n_rows] = torch.arange(r0, r0 + seg.n_rows)
         query_rows[i, seg.n_rows :] = r0
         query_valid[i, : seg.n_rows] = True
@@ -295,8 +297,8 @@ def _group(
         key_pages=key_pages.to(device),
         mask=mask.to(device),
         valid_rows=query_rows[query_valid].to(device),
-        query_pos=query_pos.to(device),
-        key_pos=key_pos.to(device),
+        query_pos=None if query_pos is None else query_pos.to(device),
+        key_pos=None if key_pos is None else key_pos.to(device),
         row_span=(row_start[0], b * q)
         if all(s.n_rows == q for s in segments) and row_start == [row_start[0] + i * q for i in range(b)]
         else None,
