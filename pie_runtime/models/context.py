@@ -232,7 +232,7 @@ def window_mask(seg: Segment, window: int | None, key0: int, keys: int) -> torch
     idx = torch.arange(key0, key0 + keys)
     if seg.parents is None:
         qi = torch.arange(seg.start, kl).unsqueeze(1)  # row r sits at sequence index start + r
-        mask = (idx.unsqueeze(0) <= qi) & (idx.unsqueeze(0) < kl)
+        mask = idx.unsqueeze(0) <= qi  # (keys past the last row are past every row's own)
         return mask if window is None else mask & (idx.unsqueeze(0) > qi - window)
     first = seg.start - seg.window  # window row of the segment's row 0
     anc = ancestor_mask(seg.parents)[first : first + seg.n_rows]  # (n_rows, w)
