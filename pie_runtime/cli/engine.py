@@ -109,6 +109,12 @@ def _add_memory_options(p: argparse.ArgumentParser) -> None:
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
     )
     p.add_argument(
+        "--kv-swa-full",
+        dest="swa_full",
+        action="store_true",
+        help="sliding-window layers keep every row (one page group) instead of only their window's pages",
+    )
+    p.add_argument(
         "--state-slots",
         type=int,
         default=DEFAULT_STATE_SLOTS,
@@ -233,6 +239,7 @@ def serve_options(args, weights: str) -> ServeOptions:
         page_size=args.page_size,
         kv_pages=args.kv_pages,
         kv_bytes=args.kv_memory << 20,
+        swa_full=getattr(args, "swa_full", False),
         prepack_lm_head=args.prepack,
         pass_cost_rows=args.pass_cost_rows,
         pass_cost_cache=args.pass_cost_cache,

@@ -64,7 +64,8 @@ class FireRequests:
             if self._may_reuse(ws, req, start):
                 assert req.tokens is not None  # _may_reuse asks for token ids
                 cached = served.pages.map_prefix(ws, req.tokens, self._reusable_rows(req, program, w))
-            served.pages.reserve(ws, start + cached, w - cached)
+            moving = fold == w and req.parents is None  # every row folds: its sliding pages may move along
+            served.pages.reserve(ws, start + cached, w - cached, moving=moving)
         except PieError:
             if cached:  # the mapped prefix goes back to the cache
                 served.pages.release(ws)

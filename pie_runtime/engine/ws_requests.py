@@ -44,7 +44,7 @@ class WorkingSetRequests:
         served = self.models.get(req.model)
         self._check_room(client)
         hold = served.states.open() if served.states is not None else None  # out_of_state_slots before any change
-        ws = self.sets.open(client, served.name)
+        ws = self.sets.open(client, served.name, tables=served.pages.empty_tables())
         ws.state = hold
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": served.name, "committed": 0}
@@ -55,8 +55,8 @@ class WorkingSetRequests:
         served = self.models[parent.model]
         kv = served.pages
         hold = served.states.fork(parent.state) if served.states is not None and parent.state is not None else None
-        pages = kv.fork(parent)
-        child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
+        tables = kv.fork(parent)
+        child = self.sets.open(client, parent.model, tables=tables, committed=parent.committed)
         child.state = hold
         child.dropped = parent.dropped  # its rows sit where the parent's do
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
@@ -96,7 +96,7 @@ class WorkingSetRequests:
                 f"model {ws.model} carries recurrent state, which cannot be cut back to an earlier row; "
                 "fork the working set before the rows you may drop instead",
             )
-        self.models[ws.model].pages.truncate(ws, req.n)
+        self.models[ws.model].pages.truncate(ws, req.n)  # UNSUPPORTED past a sliding group's window
         return {"committed": ws.committed}
 
     def evict(self, client: bytes, req: m.WsEvict) -> dict:
@@ -115,8 +115,9 @@ class WorkingSetRequests:
                 f"evict names rows up to {last - 1}, past the {ws.committed} committed rows of working set {ws.id}",
             )
         drop = set(req.rows).union(*(range(start, stop) for start, stop in req.ranges))
-        freed = self.models[ws.model].pages.evict(ws, drop) if drop else 0
-        return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages), "freed": freed}
+        kv = self.models[ws.model].pages
+        freed = kv.evict(ws, drop) if drop else 0
+        return {"committed": ws.committed, "dropped": ws.dropped, "pages": kv.held(ws), "freed": freed}
 
     def release(self, ws: WorkingSet, notify: bool = True) -> None:
         """Returns ``ws``'s pages; its queued fires are dropped (a run-ahead stops) and, with ``notify``,

@@ -56,23 +56,22 @@ def compile_decoder(model: LlamaForCausalLM) -> None:
     decoder_layers = cast(list[DecoderLayer], list(model.model.layers))
     _PASSES[key] = (decoder_layers, None, None)
 
-    def layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def layers(hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # DecoderLayer.forward, with the attention through the op (a change there belongs here too)
         for i, layer in enumerate(decoder_layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
-            hidden = hidden + attn.o_proj(paged_attention(q, k, v, key, i))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            q, k, v = attn.project(layer.input_layernorm(hidden), *tables[layer.rope_kind])
+            hidden = layer.finish(hidden, paged_attention(q, k, v, key, i))
         return model.model.norm(hidden)
 
     graph = torch.compile(layers, dynamic=True)
 
     @torch.inference_mode()
     def forward(hidden: torch.Tensor, ctx: ForwardContext, kv: KVCache, state: object = None) -> torch.Tensor:
-        cos, sin = model.rotary.cos_sin(ctx.positions, hidden.dtype)
+        tables = {kind: r.cos_sin(ctx.positions, hidden.dtype) for kind, r in model.rotaries.items()}
         _PASSES[key] = (decoder_layers, ctx, kv)
         try:
-            return graph(hidden, cos, sin)
+            return graph(hidden, tables)
         finally:
             _PASSES[key] = (decoder_layers, None, None)
 

@@ -1,6 +1,6 @@
 """Model configs, one frozen pydantic model per architecture: the Llama family (switches for Llama 2/3, SmolLM2,
-Mistral, Qwen2's attention bias and Qwen3's q/k RMS norm), Mamba (pure selective state-space layers) and LFM2
-(short-convolution and attention layers). :func:`config_from_hf` picks the one a config.json names.
+Mistral, Qwen2's attention bias, Qwen3's q/k RMS norm and Gemma 3's recipe), Mamba (pure selective state-space
+layers) and LFM2 (short-convolution and attention layers). :func:`config_from_hf` picks the one a config.json names.
 
 Every config answers the engine's questions the same way: ``kv_layers`` (layers with a paged KV cache),
 ``num_key_value_heads`` and ``head_dim`` (their shape), ``recurrent`` (whether a sequence carries a state
@@ -8,17 +8,37 @@ besides its KV pages) and ``state_granule`` (the rows a state advances by: 1 for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
-LLAMA_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+LLAMA_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+Activation = Literal["silu", "gelu_pytorch_tanh"]
 SUPPORTED_FAMILIES: tuple[str, ...] = (*LLAMA_FAMILIES, "mamba", "lfm2")
+HF_LLAMA_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's model type or architecture is not one this runtime implements."""
+
+
+class LayerRecipe(BaseModel):
+    """What one decoder layer of the Llama family computes, read from its config (the torch path's switches and
+    the native step's per-layer table): its norms' placement and offset, activation, q/k norms, attention
+    scale, rope table and window."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sandwich_norms: bool
+    norm_weight_offset: float
+    activation: Activation
+    qk_norm: bool
+    attention_scale: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    window: int | None  # rows attended, the query's own included (None: every earlier row)
 
 
 class ModelConfig(BaseModel):
@@ -49,6 +69,23 @@ class ModelConfig(BaseModel):
     # ``layer_types`` names each layer; None with a window set means every layer slides (Mistral).
     sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    # Gemma 3's recipe (docs/models.md states each rule with its source); the defaults are the Llama family's.
+    # MLP: down(act(gate(x)) * up(x)); "gelu_pytorch_tanh" is GELU with the tanh approximation (GeGLU)
+    hidden_activation: Activation = "silu"
+    # every RMS norm (layers, q/k, final) computes rms_normed(x) * (norm_weight_offset + w): Gemma stores w
+    # with 1 + w applied (offset 1.0); the store keeps Hugging Face's w, whatever the source file held
+    norm_weight_offset: float = 0.0
+    # Gemma 2/3 "sandwich" norms: h = x + post_attention_layernorm(attn(input_layernorm(x))), then
+    # out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))). Without it (Llama) the
+    # post_attention_layernorm is the MLP's input norm and there is no pre/post_feedforward_layernorm
+    sandwich_norms: bool = False
+    # input embeddings multiplied by sqrt(hidden_size), that factor rounded to the activations' dtype first
+    scale_embeddings: bool = False
+    # attention scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = Field(default=None, gt=0)
+    # rope base of the sliding layers (Gemma 3: 1e4); None: rope_theta on every layer. Where it is set, the
+    # sliding layers use plain rope at this base and ``rope_theta`` / ``rope_scaling`` are the full layers' only
+    rope_local_base_freq: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -71,6 +108,41 @@ class ModelConfig(BaseModel):
         return None
 
     @property
+    def attention_scale(self) -> float:
+        """The factor on q.k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_kind(self, layer: int) -> Literal["global", "local"]:
+        """ "local" on a sliding layer of a model that names a local rope base (Gemma 3), else "global"."""
+        local = self.rope_local_base_freq is not None and self.attention_window(layer) is not None
+        return "local" if local else "global"
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(rope base, rope_scaling) of layer ``layer``: the local base without scaling on a "local" layer,
+        else the model's."""
+        if self.rope_kind(layer) == "local":
+            return cast(float, self.rope_local_base_freq), None
+        return self.rope_theta, self.rope_scaling
+
+    def layer_recipe(self, layer: int) -> LayerRecipe:
+        theta, scaling = self.layer_rope(layer)
+        return LayerRecipe(
+            sandwich_norms=self.sandwich_norms,
+            norm_weight_offset=self.norm_weight_offset,
+            activation=self.hidden_activation,
+            qk_norm=self.qk_norm,
+            attention_scale=self.attention_scale,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            window=self.attention_window(layer),
+        )
+
+    @property
+    def embed_scale(self) -> float:
+        """What the input embeddings are multiplied by (round it to the activations' dtype before use)."""
+        return self.hidden_size**0.5 if self.scale_embeddings else 1.0
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -89,33 +161,23 @@ class ModelConfig(BaseModel):
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict; refuses model types outside the family."""
         model_type = hf.get("model_type")
-        if model_type not in LLAMA_FAMILIES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        if model_type == "gemma3":  # the multimodal config: its text part is a gemma3_text config
+            hf = {"model_type": "gemma3_text", **hf.get("text_config", {})}
+            model_type = "gemma3_text"
+        if model_type not in HF_LLAMA_TYPES:
+            supported = ", ".join(HF_LLAMA_TYPES)
+            raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {supported}")
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_theta = hf.get("rope_theta")
-        rope_scaling = hf.get("rope_scaling")
-        # transformers >= 5 folds rope_theta into rope_parameters
-        params = hf.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = rope_theta or params.get("rope_theta")
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = rope_scaling or params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
-        return cls(
-            family=model_type,
+        rope_theta, rope_scaling = _rope_from_hf(hf.get("rope_parameters"), hf)
+        fields: dict[str, Any] = dict(
+            family="gemma3" if model_type == "gemma3_text" else model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
@@ -125,8 +187,84 @@ class ModelConfig(BaseModel):
             o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_eos_ids(hf),
+            **_window_from_hf(model_type, hf),
         )
+        if model_type == "gemma3_text":
+            fields.update(_gemma3_from_hf(hf))
+        return cls(**fields)
+
+
+def _rope_from_hf(params: Any, hf: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a config's ``rope_theta`` / ``rope_scaling`` or transformers >= 5's
+    ``rope_parameters`` (one dict, or one per layer type, whose full-attention entry this reads)."""
+    rope_theta = hf.get("rope_theta")
+    rope_scaling = hf.get("rope_scaling")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        rope_theta = rope_theta or params.get("rope_theta")
+        if params.get("rope_type", "default") != "default":
+            rope_scaling = rope_scaling or params
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        rope_scaling = None
+    return rope_theta, rope_scaling
+
+
+def _window_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as transformers reads them: Mistral slides every layer where a
+    window is set; Qwen2/Qwen3 only with ``use_sliding_window``, on layers from ``max_window_layers`` on;
+    Gemma 3 every ``sliding_window_pattern``-th layer global (6) unless ``layer_types`` names each; Llama never."""
+    window = hf.get("sliding_window", 4096 if model_type == "gemma3_text" else None)
+    types = hf.get("layer_types")
+    if model_type == "llama" or window is None:
+        return {}
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return {}
+        first = hf.get("max_window_layers", hf["num_hidden_layers"])
+        types = types or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])
+        ]
+    elif model_type == "gemma3_text" and types is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return {"sliding_window": int(window), "layer_types": None if types is None else tuple(types)}
+
+
+def _gemma3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's recipe fields (Hugging Face's Gemma3TextConfig defaults where the file omits one)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise UnsupportedModelError(f"Gemma 3 with {key} set is not supported (no released checkpoint sets it)")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention is not supported (an encoder)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "silu"):
+        raise UnsupportedModelError(f"unsupported Gemma 3 activation {act!r}; supported: gelu_pytorch_tanh")
+    params = hf.get("rope_parameters")
+    local = hf.get("rope_local_base_freq")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        sliding = params["sliding_attention"]
+        if sliding.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("Gemma 3 with rope scaling on its sliding layers is not supported")
+        local = local or sliding.get("rope_theta")
+    rope_theta, _ = _rope_from_hf(params, hf)
+    heads = hf["num_attention_heads"]
+    return dict(
+        head_dim=hf.get("head_dim") or 256,
+        rope_theta=rope_theta or 1_000_000.0,
+        rope_local_base_freq=float(local or 10_000.0),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+        hidden_activation=act,
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        qk_norm=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+    )
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -271,15 +409,19 @@ class Lfm2Config(_RecurrentConfig):
 AnyConfig = ModelConfig | MambaConfig | Lfm2Config
 
 
+# Hugging Face ``model_type`` → the config that reads its config.json (gemma3: its text_config)
+HF_MODEL_TYPES: dict[str, Callable[[dict[str, Any]], AnyConfig]] = {
+    **dict.fromkeys(HF_LLAMA_TYPES, ModelConfig.from_hf),
+    "mamba": MambaConfig.from_hf,
+    "lfm2": Lfm2Config.from_hf,
+}
+
+
 def config_from_hf(hf: dict[str, Any]) -> AnyConfig:
     """The config a Hugging Face config.json describes; refuses a model type this runtime does not implement."""
-    model_type = hf.get("model_type")
-    if model_type == "mamba":
-        return MambaConfig.from_hf(hf)
-    if model_type == "lfm2":
-        return Lfm2Config.from_hf(hf)
-    if model_type not in LLAMA_FAMILIES:
+    build = HF_MODEL_TYPES.get(hf.get("model_type"))  # type: ignore[arg-type]
+    if build is None:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            f"unsupported model_type {hf.get('model_type')!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
-    return ModelConfig.from_hf(hf)
+    return build(hf)

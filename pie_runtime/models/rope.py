@@ -1,25 +1,36 @@
-"""Rotary position embeddings (Su et al. 2021) in Hugging Face's rotate-half layout, with the Llama-3 and
-linear ``rope_scaling`` variants."""
+"""Rotary position embeddings (Su et al. 2021) in Hugging Face's rotate-half layout, with the Llama-3, linear
+and ``freq_factors`` (a GGUF's ``rope_freqs.weight``) ``rope_scaling`` variants."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .config import Lfm2Config, ModelConfig, UnsupportedModelError
 
 
-def inverse_frequencies(cfg: ModelConfig | Lfm2Config) -> torch.Tensor:
-    """(head_dim // 2,) float64 inverse frequencies after any rope scaling."""
+def inverse_frequencies(
+    cfg: ModelConfig | Lfm2Config, base: float | None = None, scaling: dict[str, Any] | None | bool = True
+) -> torch.Tensor:
+    """(head_dim // 2,) float64 inverse frequencies after any rope scaling. ``base`` and ``scaling``: a layer
+    kind's own (:meth:`ModelConfig.layer_rope`) where they are not the config's."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling
+    # on the CPU whatever the default device: a model built on the meta device still needs real tables
+    inv = 1.0 / ((base or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    if scaling is True:
+        scaling = cfg.rope_scaling
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "freq_factors":  # a GGUF's rope_freqs.weight: one divisor per frequency (llama.cpp's Llama 3.x)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
+        if factors.shape != inv.shape:
+            raise UnsupportedModelError(f"rope freq_factors has {factors.numel()} values, head_dim needs {inv.numel()}")
+        return inv / factors
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between
         factor = scaling["factor"]
@@ -38,8 +49,10 @@ def inverse_frequencies(cfg: ModelConfig | Lfm2Config) -> torch.Tensor:
 class Rotary:
     """cos/sin for arbitrary per-row positions, computed once per forward and shared by every layer."""
 
-    def __init__(self, cfg: ModelConfig | Lfm2Config):
-        self.inv_freq = inverse_frequencies(cfg).float()
+    def __init__(
+        self, cfg: ModelConfig | Lfm2Config, base: float | None = None, scaling: dict[str, Any] | None | bool = True
+    ):
+        self.inv_freq = inverse_frequencies(cfg, base, scaling).float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)  # (N, D/2)

@@ -430,6 +430,10 @@ class ModelInfo(BaseModel):
     weight_bytes: int = 0  # bytes of the projections and lm head as served
     kernels: str = "torch"  # what runs the passes: "native <ISA variant>" (models/native_model.py) or "torch"
     kv_bytes: int = 0  # bytes of the KV pool, allocated at start
+    page_bytes: int = 0  # bytes of one KV page (every page group's pages are alike: models/kv_groups.py)
+    # per KV page group: the rows it keeps (None: every row); more than one, or a window, for sliding-window models
+    page_windows: list[int | None] = [None]
+    sliding: bool = False  # some layers attend only a window of rows (their pages are let go of unless --kv-swa-full)
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
     family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)
     recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran restores it

@@ -59,6 +59,16 @@ class WorkingSet:
         """The position the next row is written at: rows kept plus rows ever evicted."""
         return self.committed + self.dropped
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV the engine holds for it (``pages`` of ``ModelInfo.page_bytes``: every page group's pages
+        are alike, so a sliding-window model's window-sized groups count what they hold)."""
+        return self.pages * self.model.info.page_bytes
+
+    @property
+    def kv_bytes_max(self) -> int:
+        return self.pages_max * self.model.info.page_bytes
+
     def held_pages(self, pages: int) -> None:
         """Notes the engine's count of the pages this working set holds (a fire or eviction reply's)."""
         self.pages = pages
