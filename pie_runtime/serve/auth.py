@@ -8,7 +8,9 @@ request is admitted (over one: 429, the request never starts):
 - ``concurrent``: runs in flight;
 - ``tokens_per_minute``: prompt and completion tokens charged in the last 60 s (a sliding window). A request
   is admitted only if its prompt and its whole token budget (``max_tokens`` for each choice) fit under the
-  quota beside what the window holds; it is charged its prompt at admission and what it generated at its end;
+  quota beside what the window holds, and it is charged both at admission, so streams running at once or
+  abandoned halfway cannot generate past the quota; a run that ends with a result is then charged what it
+  generated instead of its budget (``Lease.settle``), one that is cancelled or fails keeps its budget charged;
 - ``kv_pages``: KV pages held. A request holds, from admission to its end, the pages its working sets can
   grow to: ``ceil((prompt + max_tokens) / page_size)`` for the prompt's set plus, for ``n > 1``, the
   completion pages of each fork. Counting the bound rather than the engine's live per-client pages makes
@@ -58,25 +60,34 @@ def pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) ->
 class KeyUsage:
     running: int = 0
     pages: int = 0
-    window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens charged)
+    window: deque[list[float]] = field(default_factory=deque)  # [time, tokens charged]: settle() edits one
 
     def tokens_last_minute(self, now: float) -> int:
         while self.window and self.window[0][0] <= now - 60.0:
             self.window.popleft()
-        return sum(t for _, t in self.window)
+        return int(sum(t for _, t in self.window))
 
 
 class Lease:
     """A request's hold on its key's quotas, from admission until ``release()``."""
 
-    def __init__(self, usage: KeyUsage, pages: int) -> None:
+    def __init__(self, usage: KeyUsage, pages: int, prompt_tokens: int = 0, budget: int = 0) -> None:
         self._usage = usage
         self._pages = pages
         self._open = True
+        self._prompt = prompt_tokens
+        self._budget = budget
+        self._entry = [time.monotonic(), float(prompt_tokens + budget)]  # charged at admission
+        usage.window.append(self._entry)
 
     def charge(self, tokens: int) -> None:
         if tokens > 0:
-            self._usage.window.append((time.monotonic(), tokens))
+            self._usage.window.append([time.monotonic(), float(tokens)])
+
+    def settle(self, generated: int) -> None:
+        """The run ended with ``generated`` tokens: charged them instead of its whole budget."""
+        self._entry[1] = float(self._prompt + min(generated, self._budget))
+        self.charge(generated - self._budget)
 
     def release(self) -> None:
         if self._open:
@@ -135,6 +146,4 @@ class Quotas:
                 )
         use.running += 1
         use.pages += pages
-        lease = Lease(use, pages)
-        lease.charge(prompt_tokens)
-        return lease
+        return Lease(use, pages, prompt_tokens, max_new_tokens)

@@ -13,6 +13,7 @@ Changes to the interface agreed with the APP helper (all additive):
 - ``launcher`` (``host_launcher.py``) starts the hosts: as the server's children by default, or on another
   machine (``cluster/host_actor.py``); ``control_ip`` then binds the control socket on ``tcp://IP:PORT``
   instead of ``ipc://``, and each host's spawn id carries 128 random bits (the only identities it answers).
+- ``control_dir``: the folder of the ``ipc://`` control socket (a sandbox's private one, sandbox.py).
 
 ``HostPool`` binds a ROUTER control socket on a fresh ``ipc://`` address (``control.py``) and keeps ``workers``
 hosts (``inferlet_host.py``) alive: one supervisor task a slot spawns its host, waits for it to exit, fails the runs it
@@ -118,6 +119,7 @@ class HostPool:
         start_timeout_s: float = 120.0,
         launcher: HostLauncher | None = None,
         control_ip: str | None = None,
+        control_dir: Path | None = None,
     ):
         if workers < 1:
             raise ValueError("a pool needs at least one host")
@@ -133,7 +135,8 @@ class HostPool:
         self.start_timeout_s = start_timeout_s
         self.launcher: HostLauncher = launcher or LocalLauncher()
         self.control_ip = control_ip
-        self.control_address = f"ipc://{tempfile.gettempdir()}/pie-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+        folder = control_dir or Path(tempfile.gettempdir())  # control_dir: a sandbox's private folder
+        self.control_address = f"ipc://{folder}/pie-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._sock: zmq.asyncio.Socket | None = None
         self._hosts: dict[str, _Host] = {}  # spawn id → host (alive, or dead and not yet reaped)
         self._slots: list[_Host | None] = [None] * workers

@@ -22,18 +22,16 @@ from .disconnect import unless_disconnected
 from .errors import invalid_request
 from .generation import check_text, count_tokens
 from .openai_api import PromptCacheCard, PromptCacheDeleted, PromptCacheList, SavePromptCache
-from .prompt_caches import PROMPT_CACHE, PromptCaches, disabled
+from .prompt_caches import PROMPT_CACHE, PromptCaches
 
 if TYPE_CHECKING:
     from .app import Server
 
 
-def run_args(server: Server, args: dict[str, Any]) -> dict[str, Any]:
-    """A prompt-cache run's arguments with its cache name resolved to the server's file (checked against the
+def run_args(server: Server, key: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-cache run's arguments with its cache name resolved to ``key``'s file (checked against the
     model); a 400 for ``save`` (saves go through ``POST /v1/prompt_caches``, which writes atomically)."""
-    caches = server.prompt_caches
-    if caches is None:
-        raise disabled()
+    caches = server.caches_of(key)
     if "save" in args:
         raise invalid_request("save a prompt cache with POST /v1/prompt_caches", param="args.save")
     if "load" in args:
@@ -64,31 +62,29 @@ def _prompt(server: Server, req: SavePromptCache) -> tuple[str, list[int] | None
 
 
 def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
-    def caches() -> PromptCaches:
+    def caches(key: str) -> PromptCaches:
         server.runs()  # 503 while the model loads
-        if server.prompt_caches is None:
-            raise disabled()
-        return server.prompt_caches
+        return server.caches_of(key)
 
     @v1.get("/prompt_caches")
-    async def listing() -> PromptCacheList:
-        folder = caches()
+    async def listing(key: str = Depends(api_key)) -> PromptCacheList:
+        folder = caches(key)
         return PromptCacheList(data=[folder.card(name) for name in folder.names()])
 
     @v1.get("/prompt_caches/{name}")
-    async def card(name: str) -> PromptCacheCard:
-        folder = caches()
+    async def card(name: str, key: str = Depends(api_key)) -> PromptCacheCard:
+        folder = caches(key)
         folder.existing(name, "name")
         return folder.card(name)
 
     @v1.delete("/prompt_caches/{name}")
-    async def delete(name: str) -> PromptCacheDeleted:
-        caches().existing(name, "name").unlink()
+    async def delete(name: str, key: str = Depends(api_key)) -> PromptCacheDeleted:
+        caches(key).existing(name, "name").unlink()
         return PromptCacheDeleted(id=name, deleted=True)
 
     @v1.post("/prompt_caches")
     async def save(request: Request, req: SavePromptCache, key: str = Depends(api_key)) -> PromptCacheCard:
-        folder = caches()
+        folder = caches(key)
         runs = server.runs()
         server.check_model(req.model)
         text, ids = _prompt(server, req)

@@ -122,7 +122,7 @@ class Runs:
             self.metrics.prompt_tokens.labels(**labels).inc(prompt)
             self.metrics.generation_tokens.labels(**labels).inc(generated)
             if lease is not None:
-                lease.charge(generated)
+                lease.settle(generated)
 
     async def collect(self, events: AsyncIterator[RunEvent]) -> dict[str, Any]:
         """The result of a run, its text events dropped."""
