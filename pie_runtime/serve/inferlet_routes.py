@@ -117,7 +117,8 @@ def add_inferlet_routes(v1: APIRouter, server: Server, api_key: Callable[..., st
         lease = server.admit_run(key, args)
         run_id = runs.new_id()
         server.owners.add(run_id, key)
-        events = owned(server, run_id, runs.events(name, args, lease, run_id=run_id, arrival=arrival))
+        salt = server.salt(key)
+        events = owned(server, run_id, runs.events(name, args, lease, run_id=run_id, arrival=arrival, cache_salt=salt))
         headers = {"x-pie-run-id": run_id}
         if req.stream:
             first = await unless_disconnected(request, prime(events))

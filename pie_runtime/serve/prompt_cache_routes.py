@@ -100,7 +100,8 @@ def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[...
             args["prompt_token_ids"] = ids
         lease = server.quotas.admit(key, count, pages_needed(count, 0, 1, limits.page_size))
         try:
-            await unless_disconnected(request, runs.collect(runs.events(PROMPT_CACHE, args, lease)))
+            events = runs.events(PROMPT_CACHE, args, lease, cache_salt=server.salt(key))
+            await unless_disconnected(request, runs.collect(events))
             folder.commit(scratch, req.name)
         finally:
             scratch.unlink(missing_ok=True)

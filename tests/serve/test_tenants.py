@@ -1,10 +1,11 @@
 """A hostile tenant against one real `pie serve` (tiny model) with three API keys, uploads allowed, saved prompt
-caches and a small per-key KV-page quota (issue 57). Each test is one of the issue's findings, and fails on the
-server before it: the upload probe gets no key, token, other tenant's file or network and cannot touch the
-engine or outlive its run; one key cannot see or touch another's uploads, prompt caches or runs; /metrics,
-/tokenize and the API schema need a key; an inferlet run passes the same admission as a completion; a stream
-whose client stops reading loses its run; and after all of it another key's greedy completion is the one it
-got on the quiet server. One server for the module (started once: the suite's time)."""
+caches, the prefix cache on and a small per-key KV-page quota (issue 57). Each test is one of the issue's
+findings, and fails on the server before it: the upload probe gets no key, token, other tenant's file or network
+and cannot touch the engine or outlive its run; one key cannot see or touch another's uploads, prompt caches,
+cached prefixes or runs; /metrics, /tokenize and the API schema need a key; an inferlet run passes the same
+admission as a completion; a stream whose client stops reading loses its run; and after all of it another key's
+greedy completion is the one it got on the quiet server. One server for the module (started once: the suite's
+time)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pie_runtime.cli.secrets import secret, secret_list
 from pie_runtime.serve.sandbox import Sandbox
 from tests.conftest import REPO, TINY
 from tests.serve.server_proc import assert_refused_before_bind, children, start_serve
@@ -41,7 +41,6 @@ def served(pie_home, tmp_path_factory):
     s = start_serve(
         pie_home,
         TINY,
-        "--no-prefix-cache",
         "--kv-pages",
         "512",
         "--pass-cost-rows",
@@ -269,6 +268,20 @@ def test_keys_do_not_see_each_others_uploads_caches_or_runs(served, quiet):
         assert call(served, "DELETE", f"/v1/inferlets/runs/{run_id}", K1).json()["cancelled"] is True
 
 
+def test_cached_prefixes_are_each_keys_own(served):
+    body = {"model": TINY, "prompt": "A system prompt only key one knows. " * 12, "max_tokens": 1}
+
+    def cached(key: str) -> int:
+        r = call(served, "POST", "/v1/completions", key, body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(K1)
+    assert cached(K1) > 0  # the cache is on: the key's second request reuses its first's pages
+    assert cached(K2) == 0  # another key's hit would say K1 sent this prefix
+    assert cached(K2) > 0
+
+
 def test_metrics_tokenize_and_the_schema_need_a_key(served):
     for method, path, body in (
         ("GET", "/metrics", None),
@@ -339,20 +352,6 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
 def test_upload_refused_without_a_sandbox(pie_home, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert_refused_before_bind(pie_home, TINY, ["--allow-upload"], "bwrap")
-
-
-def test_secrets_come_from_files_or_the_environment(tmp_path, monkeypatch, capsys):
-    f = tmp_path / "keys"
-    f.write_text("a\nb\n\n")
-    monkeypatch.setenv("PIE_API_KEYS", "c, d")
-    assert secret_list([f"@{f}"], "--api-key", "PIE_API_KEYS") == ["a", "b", "c", "d"]
-    assert capsys.readouterr().err == ""
-    assert secret_list(["lit"], "--api-key", "NONE_SET") == ["lit"]
-    assert "warning" in capsys.readouterr().err
-    monkeypatch.setenv("PIE_ENGINE_TOKEN", "tok")
-    assert secret(None, "--token", "PIE_ENGINE_TOKEN") == "tok"
-    with pytest.raises(ValueError, match="cannot read"):
-        secret(f"@{tmp_path / 'missing'}", "--token", "PIE_ENGINE_TOKEN")
 
 
 def test_the_servers_argv_holds_no_key(served):
