@@ -60,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
     p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
     p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
+    p.add_argument("--key-cache-mib", type=int, default=None, help="default quota: MiB of saved prompt caches per key")
     p.add_argument("--workers", type=int, default=1, help="inferlet host processes (per engine)")
     p.add_argument(
         "--engines", type=int, default=1, help="engine replicas as Ray actors behind a cache-aware router (needs [ray])"
@@ -235,7 +236,10 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp, args.draft_suffix, args.suffix_index)
     caps = check_policy(store, model, policy)
     default = KeyQuota(
-        concurrent=args.key_concurrent, tokens_per_minute=args.key_tokens_per_minute, kv_pages=args.key_kv_pages
+        concurrent=args.key_concurrent,
+        tokens_per_minute=args.key_tokens_per_minute,
+        kv_pages=args.key_kv_pages,
+        cache_bytes=None if args.key_cache_mib is None else args.key_cache_mib << 20,
     )
     keys = dict.fromkeys(args.api_key, default)  # an --api-key key has the default quotas (--key-*)
     if args.keys:

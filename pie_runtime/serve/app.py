@@ -180,7 +180,8 @@ class Server:
         when absent) within the server's limits (a 400), and its prompt, token budget and KV pages charged to
         the key's quotas (a 429 over one) before it starts."""
         limits = self.limits()
-        n, max_tokens = _int_arg(args, "n", 1), _int_arg(args, "max_tokens", DEFAULT_RUN_TOKENS)
+        n = _int_arg(args, "n", 1)
+        max_tokens = _int_arg(args, "max_tokens", min(DEFAULT_RUN_TOKENS, limits.max_tokens))
         if n > limits.max_n:
             raise invalid_request(f"n is at most {limits.max_n} on this server", "args.n")
         if max_tokens > limits.max_tokens:

@@ -15,7 +15,9 @@ request is admitted (over one: 429, the request never starts):
   grow to: ``ceil((prompt + max_tokens) / page_size)`` for the prompt's set plus, for ``n > 1``, the
   completion pages of each fork. Counting the bound rather than the engine's live per-client pages makes
   admission exact and immediate (a run never fails halfway with ``out_of_pages`` because another key grew),
-  and a key at its page quota is refused without touching what other keys hold.
+  and a key at its page quota is refused without touching what other keys hold;
+- ``cache_bytes``: bytes of saved prompt caches the key keeps (``POST /v1/prompt_caches``): a save is refused
+  when the key's caches already fill it, and a save that takes it past it is removed again (both 429).
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ class KeyQuota(BaseModel):
     concurrent: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
     kv_pages: int | None = Field(default=None, ge=1)
+    cache_bytes: int | None = Field(default=None, ge=1)  # bytes of saved prompt caches the key may keep
+
+
+def check_cache_bytes(quota: KeyQuota, used: int, adding: int = 0) -> None:
+    """429 ``cache_bytes`` when the key's saved caches (``used`` bytes, plus ``adding``) go past its quota."""
+    limit = quota.cache_bytes
+    if limit is not None and (used + adding > limit if adding else used >= limit):
+        raise rate_limited(
+            f"this key's saved prompt caches take {used + adding} bytes (quota {quota.cache_bytes})", "cache_bytes"
+        )
 
 
 class KeyFile(BaseModel):

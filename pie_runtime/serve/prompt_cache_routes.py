@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import pages_needed
+from .auth import check_cache_bytes, pages_needed
 from .disconnect import unless_disconnected
 from .errors import invalid_request
 from .generation import check_text, count_tokens
@@ -94,6 +94,8 @@ def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[...
         if count == 0 or count >= limits.max_model_len:
             why = "the prompt is empty" if count == 0 else f"the prompt fills this model's {limits.max_model_len}"
             raise invalid_request(why, param="prompt", code="empty_prompt" if count == 0 else "context_length_exceeded")
+        quota = server.quotas.quota(key)
+        check_cache_bytes(quota, folder.bytes_used())  # full already: refused before any work
         scratch = folder.scratch()
         args: dict[str, Any] = {"prompt": text, "chat": False, "save": str(scratch)}
         if ids is not None:
@@ -102,6 +104,9 @@ def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[...
         try:
             events = runs.events(PROMPT_CACHE, args, lease, cache_salt=server.salt(key))
             await unless_disconnected(request, runs.collect(events))
+            replaced = folder.path(req.name, "name")
+            old = replaced.stat().st_size if replaced.is_file() else 0
+            check_cache_bytes(quota, folder.bytes_used() - old, scratch.stat().st_size)
             folder.commit(scratch, req.name)
         finally:
             scratch.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ SECRET = "s3cret-in-the-servers-env"
 def served(pie_home, tmp_path_factory):
     d = tmp_path_factory.mktemp("tenants")
     keys = d / "keys.json"
-    keys.write_text(json.dumps({"keys": {K1: {}, K3: {"concurrent": 1}}}))
+    keys.write_text(json.dumps({"keys": {K1: {}, K3: {"concurrent": 1, "cache_bytes": 4096}}}))
     k2 = d / "k2.key"
     k2.write_text(K2 + "\n")
     caches = d / "caches"
@@ -303,6 +303,12 @@ def test_an_inferlet_run_passes_the_same_admission_as_a_completion(served):
     assert r.status_code == 429 and r.json()["error"]["param"] == "kv_pages"
     r = run(served, K2, "text-completion", {**flood, "max_tokens": 100_000, "n": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "args.max_tokens"
+    r = run(served, K2, "mtp-speculative-decoding", {"prompt": "hi", "tree": "64,64,64"})  # bounded in its Args
+    assert r.status_code == 400 and "tree" in r.json()["error"]["message"]
+    # saves have a byte quota: K3's 4 KiB holds no saved cache
+    r = call(served, "POST", "/v1/prompt_caches", K3, {"name": "big", "prompt": "a cache too big for its key"})
+    assert r.status_code == 429 and r.json()["error"]["param"] == "cache_bytes"
+    assert call(served, "GET", "/v1/prompt_caches", K3).json()["data"] == []
     assert run(served, K2, "text-completion", {"prompt": "hi", "max_tokens": 4}).status_code == 200
 
 
