@@ -95,8 +95,9 @@ class Host:
                 self.outbox.put_nowait(c.Text(run=run_id, text=text, logprobs=logprobs))
 
         try:
+            salted = {"cache_salt": salt} if salt else {}  # unsalted runs ask nothing new of the SDK
             result = await run_in_context(
-                fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id, cache_salt=salt
+                fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id, **salted
             )
             reply: c.Result | c.Error = c.Result(run=run_id, result=jsonable(result))
         except asyncio.CancelledError:
