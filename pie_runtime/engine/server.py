@@ -114,7 +114,12 @@ class EngineServer:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         """One message off the ROUTER: its routing id, then (for a well-formed request) one payload frame."""
         client = frames[0].bytes
-        if not self.connections.note(client, message_fd(frames[-1])):
+        fd = message_fd(frames[-1])
+        refused = self.connections.admit(fd)
+        if refused is not None:
+            self._refuse(client, ErrorCode.LIMIT_EXCEEDED, refused)
+            return
+        if not self.connections.note(client, fd):
             self._refuse(client, ErrorCode.UNSUPPORTED, "the engine cannot tell which connection this came on")
             return
         if len(frames) != 2:

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pie_runtime.engine.connections import MAX_FOREIGN_CONNECTIONS
 from pie_runtime.serve.sandbox import Sandbox
 from tests.conftest import REPO, TINY
 from tests.serve.server_proc import assert_refused_before_bind, children, start_serve
@@ -143,6 +144,35 @@ def outlive():
     return pid
 
 
+def more_engine_connections(count):
+    # hellos from `count` new connections to the engine socket in the sandbox: how each was answered
+    import zmq
+
+    from pie_runtime.protocol import messages as m
+    from pie_runtime.protocol.codec import pack, unpack
+
+    ctx = zmq.Context()
+    socks, answers = [], []
+    try:
+        for i in range(count):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect("ipc:///run/pie/engine.sock")
+            socks.append(s)
+            s.send(pack({"id": i, "op": "hello", "version": m.PROTOCOL_VERSION}))
+        for s in socks:
+            if s.poll(10000):
+                reply = unpack(s.recv())
+                answers.append("ok" if reply["ok"] else reply["error"]["code"])
+            else:
+                answers.append("silent")
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+    return answers
+
+
 def connect(port):
     with socket.create_connection(("127.0.0.1", port), timeout=2):
         return "connected"
@@ -165,6 +195,7 @@ async def main(args: dict) -> dict:
         "write_own": attempt(lambda: write(__file__)),
         "scratch": attempt(lambda: write("/tmp/mine")),
         "fork": attempt(outlive),
+        "engine_connections": more_engine_connections(8),
         "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
         "me": os.getpid(),
     }
@@ -213,6 +244,9 @@ def test_the_upload_probe_gets_nothing(served, quiet):
     listed = ast.literal_eval(got["home"][1]) if got["home"][0] == "ok" else []
     assert set(listed) <= allowed, listed
     assert got["scratch"][0] == "ok" and got["fork"][0] == "ok"
+    # its uid's connections to the engine are capped: more sockets do not buy more per-client limits
+    answers = got["engine_connections"]
+    assert "limit_exceeded" in answers and answers.count("ok") < MAX_FOREIGN_CONNECTIONS, answers
     # the engine lives on, and the fork did not outlive its run: the next run's pid namespace holds only
     # the sandbox's init, its host and that run's own fork
     assert Path(f"/proc/{engine}").exists()
