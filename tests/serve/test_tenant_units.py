@@ -6,6 +6,8 @@ process, the tiny random Llama of tests/engine/test_core.py). Secrets come from 
 
 from __future__ import annotations
 
+import random
+
 import annotated_types
 import pytest
 from pydantic import ValidationError
@@ -14,6 +16,7 @@ from inferlet.args import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.runtime import load_module
 from inferlet.tree import MAX_TREE_NODES, parse_shape
 from pie_runtime.cli.secrets import secret, secret_list
+from pie_runtime.engine.ws_requests import rows_named
 from pie_runtime.launcher import SHIPPED
 from tests.engine.test_core import PROMPT, A, B, Core
 
@@ -76,3 +79,14 @@ def test_secrets_come_from_files_or_the_environment(tmp_path, monkeypatch, capsy
     assert secret(None, "--token", "PIE_ENGINE_TOKEN") == "tok"
     with pytest.raises(ValueError, match="cannot read"):
         secret(f"@{tmp_path / 'missing'}", "--token", "PIE_ENGINE_TOKEN")
+
+
+def test_an_evict_merges_its_ranges_before_it_names_rows():
+    rng = random.Random(7)
+    for _ in range(200):
+        ranges = [sorted(rng.sample(range(300), 2)) for _ in range(rng.randrange(0, 40))]
+        rows = rng.sample(range(300), rng.randrange(0, 10))
+        naive = set(rows).union(*(range(a, b) for a, b in ranges))
+        assert rows_named(rows, ranges) == naive
+    # thousands of ranges over the same rows: each row named once (the merge's work, not 4096 times its rows)
+    assert rows_named([], [[0, 8000]] * 4096) == set(range(8000))
