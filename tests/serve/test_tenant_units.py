@@ -18,6 +18,8 @@ from inferlet.tree import MAX_TREE_NODES, parse_shape
 from pie_runtime.cli.secrets import secret, secret_list
 from pie_runtime.engine.ws_requests import rows_named
 from pie_runtime.launcher import SHIPPED
+from pie_runtime.protocol import ErrorCode, PieError
+from pie_runtime.protocol import messages as m
 from tests.engine.test_core import PROMPT, A, B, Core
 
 SHIPPED_FILES = sorted(p for p in SHIPPED.glob("*.py") if not p.stem.startswith("_"))
@@ -90,3 +92,16 @@ def test_an_evict_merges_its_ranges_before_it_names_rows():
         assert rows_named(rows, ranges) == naive
     # thousands of ranges over the same rows: each row named once (the merge's work, not 4096 times its rows)
     assert rows_named([], [[0, 8000]] * 4096) == set(range(8000))
+
+
+def test_one_fires_attention_readouts_are_bounded_together(monkeypatch):
+    c = Core(num_pages=32)
+    ws = c.call(A, "ws_open")["ws"]
+    width = len(PROMPT)
+    one = {"rows": list(range(10)), "kind": "attention"}
+    monkeypatch.setattr(m, "MAX_ATTENTION_BYTES", 4 * 10 * width * 3)  # three such readouts fit, not four
+    with pytest.raises(PieError, match="MAX_ATTENTION_BYTES") as e:
+        c.request(A, "fire", ws=ws, tokens=PROMPT, readouts=[one] * 4)
+    assert e.value.code == ErrorCode.LIMIT_EXCEEDED
+    req = c.fire(A, ws, PROMPT, readouts=[one] * 3)
+    assert c.run()[req]["ok"]
