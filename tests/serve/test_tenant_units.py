@@ -16,6 +16,7 @@ from inferlet.args import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.runtime import load_module
 from inferlet.tree import MAX_TREE_NODES, parse_shape
 from pie_runtime.cli.secrets import secret, secret_list
+from pie_runtime.engine.channels import MAX_CLIENT_CHANNEL_ELEMENTS
 from pie_runtime.engine.ws_requests import rows_named
 from pie_runtime.launcher import SHIPPED
 from pie_runtime.protocol import ErrorCode, PieError
@@ -105,3 +106,14 @@ def test_one_fires_attention_readouts_are_bounded_together(monkeypatch):
     assert e.value.code == ErrorCode.LIMIT_EXCEEDED
     req = c.fire(A, ws, PROMPT, readouts=[one] * 3)
     assert c.run()[req]["ok"]
+
+
+def test_a_clients_open_channels_are_bounded_together():
+    c = Core(num_pages=32)
+    big = {"shape": [1 << 20], "dtype": "float32", "capacity": 16}  # MAX_CHANNEL_ELEMENTS: allowed alone
+    opened = [c.call(A, "channel_open", **big)["channel"] for _ in range(MAX_CLIENT_CHANNEL_ELEMENTS // (16 << 20))]
+    with pytest.raises(PieError, match="MAX_CLIENT_CHANNEL_ELEMENTS"):
+        c.call(A, "channel_open", **big)
+    assert c.call(B, "channel_open", **big)["channel"]  # another client has its own budget
+    c.call(A, "channel_close", channel=opened[0])
+    assert c.call(A, "channel_open", **big)["channel"]  # a closed channel's elements come back
