@@ -34,6 +34,7 @@ from inferlet.drafter import Drafter, Proposal
 from inferlet.model import Model
 from inferlet.suffix import Candidates, SuffixIndex
 from inferlet.tree import MAX_TREE_NODES, TokenTree
+from inferlet.working_set import CACHE_SALT
 
 
 class Args(DecodeArgs):
@@ -51,10 +52,13 @@ class Args(DecodeArgs):
 
 
 def shared_store(model: Model, args: Args) -> SuffixIndex | None:
-    """The store of earlier outputs the runs of this process share (one per model, bound and start file)."""
+    """The store of earlier outputs the runs of this process share (one per model, bound, start file and cache
+    salt: under `pie serve` each API key's runs share a store of their own, so no key drafts from another's
+    outputs)."""
     if args.store_tokens == 0:
         return None
-    key = f"suffix-store:{args.min_match}:{args.store_tokens}:{args.suffix_index or ''}"
+    salt = CACHE_SALT.get() or ""
+    key = f"suffix-store:{salt}:{args.min_match}:{args.store_tokens}:{args.suffix_index or ''}"
 
     def make() -> SuffixIndex:
         if args.suffix_index:

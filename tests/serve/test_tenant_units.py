@@ -6,6 +6,7 @@ process, the tiny random Llama of tests/engine/test_core.py). Secrets come from 
 
 from __future__ import annotations
 
+import contextvars
 import random
 
 import annotated_types
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from inferlet.args import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.runtime import load_module
 from inferlet.tree import MAX_TREE_NODES, parse_shape
+from inferlet.working_set import CACHE_SALT
 from pie_runtime.cli.secrets import secret, secret_list
 from pie_runtime.engine.channels import MAX_CLIENT_CHANNEL_ELEMENTS
 from pie_runtime.engine.ws_requests import rows_named
@@ -117,3 +119,24 @@ def test_a_clients_open_channels_are_bounded_together():
     assert c.call(B, "channel_open", **big)["channel"]  # another client has its own budget
     c.call(A, "channel_close", channel=opened[0])
     assert c.call(A, "channel_open", **big)["channel"]  # a closed channel's elements come back
+
+
+def test_each_keys_suffix_runs_share_a_store_of_their_own():
+    module, _ = load_module(SHIPPED / "suffix-speculative-decoding.py", "units_suffix")
+    stores: dict[str, object] = {}
+
+    class Stub:  # a Model's shared(): one object a key, made once
+        def shared(self, key, make):
+            return stores.setdefault(key, make())
+
+    args = module.Args(prompt="x")
+
+    def store_of(salt: str | None) -> object:
+        def get() -> object:
+            CACHE_SALT.set(salt)
+            return module.shared_store(Stub(), args)
+
+        return contextvars.copy_context().run(get)
+
+    assert store_of("key-a") is store_of("key-a")
+    assert store_of("key-a") is not store_of("key-b") and store_of(None) is not store_of("key-a")
