@@ -1,12 +1,19 @@
 """`pie serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one engine and N inferlet hosts.
 
-    pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token T] [--api-key KEY ...]
+    pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token @FILE] [--api-key @FILE ...]
               [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
               [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K |
                                      --draft-suffix K[:ROWS] [--suffix-index FILE]]
-              [--prompt-cache-dir DIR]
+              [--prompt-cache-dir DIR] [--allow-upload] [--share-prefix-cache] [--open-metrics]
+              [--stream-stall-timeout S] [--key-concurrent N --key-tokens-per-minute N --key-kv-pages N
+                                          --key-cache-mib N]
               [--drain-timeout S] [--no-engine-restart | --engine-max-restarts N --engine-restart-window S]
               [engine options]
+
+Tenants (docs/security.md): each API key's uploads, prompt caches, cached prefixes and runs are its own;
+uploads run per key in a bubblewrap sandbox, and without one ``--allow-upload`` refuses to start. Secrets come
+from ``@FILE`` or the environment (``$PIE_API_KEYS``, ``$PIE_ENGINE_TOKEN``), never argv (a literal is warned
+about).
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
 ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
