@@ -5,12 +5,14 @@ that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an
     GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /docs, /openapi.json         the API's schema
-With keys set, every route but /health needs one (/metrics too, unless ``open_metrics``).
     GET  /v1/models
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
     POST /tokenize, /detokenize
     GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
     GET, POST /v1/prompt_caches;  GET, DELETE /v1/prompt_caches/{name}   (--prompt-cache-dir: prompt_caches.py)
+
+With keys set, every route but /health needs one (/metrics too, unless ``open_metrics``); a key's uploads,
+prompt caches, cached prefixes (a salt a key cannot derive for another) and runs are its own (docs/security.md).
 """
 
 from __future__ import annotations
