@@ -198,11 +198,11 @@ class KVPages:
         if self.cache is None or ws.pages or ws.committed:
             return 0
         assert len(ws.tables) == 1, "the prefix cache serves models of one page group (engine/core.py)"
-        keys, pages = self.cache.lookup(tokens, max_rows)
+        keys, pages = self.cache.lookup(tokens, max_rows, ws.chain.root)
         self.pool.share(pages)
         ws.pages = list(pages)
         rows = len(pages) * self.page_size
-        ws.chain = PageChain(list(tokens[:rows]), keys)
+        ws.chain = PageChain(list(tokens[:rows]), keys, ws.chain.root)
         return rows
 
     def wrote(self, ws: WorkingSet, start: int, tokens: Sequence[int] | None) -> None:

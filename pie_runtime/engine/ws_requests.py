@@ -14,6 +14,7 @@ from ..protocol import messages as m
 from .channels import ChannelTable
 from .fold import settle_fold
 from .jobs import Handler, Reply
+from .prefix_cache import salted_root
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
 
@@ -46,6 +47,8 @@ class WorkingSetRequests:
         hold = served.states.open() if served.states is not None else None  # out_of_state_slots before any change
         ws = self.sets.open(client, served.name, tables=served.pages.empty_tables())
         ws.state = hold
+        if served.pages.cache is not None:  # its prefix-cache entries are its salt's own (prefix_cache.py)
+            ws.chain.root = salted_root(served.pages.cache.root, req.cache_salt)
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": served.name, "committed": 0}
 
@@ -114,7 +117,7 @@ class WorkingSetRequests:
                 ErrorCode.ROW_OUT_OF_RANGE,
                 f"evict names rows up to {last - 1}, past the {ws.committed} committed rows of working set {ws.id}",
             )
-        drop = set(req.rows).union(*(range(start, stop) for start, stop in req.ranges))
+        drop = rows_named(req.rows, req.ranges)
         kv = self.models[ws.model].pages
         freed = kv.evict(ws, drop) if drop else 0
         return {"committed": ws.committed, "dropped": ws.dropped, "pages": kv.held(ws), "freed": freed}
@@ -148,3 +151,18 @@ class WorkingSetRequests:
         for ws in mine:
             self.release(ws, notify=False)
         return len(mine)
+
+
+def rows_named(rows: list[int], ranges: list[list[int]]) -> set[int]:
+    """The rows an evict names. Its ranges are merged first, so thousands of overlapping ranges cost their
+    sort and the rows they cover once, not each range's rows again (a stall of the engine's loop)."""
+    merged: list[list[int]] = []
+    for start, stop in sorted((a, b) for a, b in ranges if b > a):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    drop = set(rows)
+    for start, stop in merged:
+        drop.update(range(start, stop))
+    return drop

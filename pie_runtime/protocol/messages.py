@@ -94,6 +94,8 @@ class GetTokenizer(_Req):
 class WsOpen(_Req):
     op: Literal["ws_open"]
     model: str | None = None
+    # its prefix-cache pages are shared only with working sets opened with the same salt (pie serve: a key's)
+    cache_salt: str | None = Field(default=None, max_length=128)
 
 
 class WsFork(_Req):
