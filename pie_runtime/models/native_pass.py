@@ -37,8 +37,15 @@ class PassArrays:
     row_skip: np.ndarray | None = None
 
     @staticmethod
-    def build(segments: tuple[Segment, ...], n_rows: int, page_size: int, write_slots: np.ndarray) -> PassArrays:
-        """Every row's whole list (a layer without a window)."""
+    def build(
+        segments: tuple[Segment, ...],
+        n_rows: int,
+        page_size: int,
+        write_slots: np.ndarray,
+        tables: list[list[int]] | None = None,
+    ) -> PassArrays:
+        """Every row's whole list (a layer without a window), read through each segment's ``page_table`` or
+        through ``tables`` (one a segment: a page group's, whose pages outside a window are never read)."""
         seg_of, limits, extra_counts, extras = [], [], [], []
         for s, seg in enumerate(segments):
             seg_of.append(np.full(seg.n_rows, s, dtype=np.int32))
@@ -56,14 +63,14 @@ class PassArrays:
         counts = np.concatenate(extra_counts) if extra_counts else np.zeros(0, np.int32)
         if len(row_limit) != n_rows:
             raise ValueError("the segments' rows do not add up to the pass's rows")
-        tables = [np.asarray(seg.page_table, dtype=np.int32) for seg in segments]
+        pages = [np.asarray(t, dtype=np.int32) for t in (tables or [seg.page_table for seg in segments])]
         return PassArrays(
             row_seg=np.concatenate(seg_of).astype(np.int32) if seg_of else np.zeros(0, np.int32),
             row_limit=row_limit,
             row_extra=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
             extras=np.concatenate(extras).astype(np.int32) if extras else np.zeros(1, np.int32),
-            seg_pages=np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
-            pages=np.concatenate(tables).astype(np.int32) if tables else np.zeros(1, np.int32),
+            seg_pages=np.concatenate([[0], np.cumsum([len(t) for t in pages])]).astype(np.int32),
+            pages=np.concatenate(pages).astype(np.int32) if pages else np.zeros(1, np.int32),
             write_slots=np.ascontiguousarray(write_slots, dtype=np.int64),
             page_size=page_size,
             max_keys=int((row_limit + counts).max()) if n_rows else 0,
