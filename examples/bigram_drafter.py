@@ -56,7 +56,7 @@ class Args(DecodeArgs):  # --prompt, --max-tokens, --temperature, --stop, --chat
 # --8<-- [start:by_hand]
 async def by_hand(model: inferlet.Model, args: Args) -> dict:
     """Greedy speculation written out: draft, verify in one fire, fold what was kept."""
-    prompt = model.tokenizer.encode(args.prompt)
+    prompt = model.tokenizer.encode_prompt(args.prompt)
     table = BigramTable()
     table.extend(None, prompt)
     ws = model.working_set()

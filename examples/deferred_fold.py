@@ -24,7 +24,7 @@ class Args(BaseModel):
 @inferlet.main
 async def main(args: Args) -> dict:
     model = inferlet.model()
-    ids = model.tokenizer.encode(args.prompt)
+    ids = model.tokenizer.encode_prompt(args.prompt)
     ws = model.working_set()
     fp = inferlet.ForwardPass(ws)
     fp.embed(ids[:-1])

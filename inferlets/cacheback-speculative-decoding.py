@@ -19,8 +19,10 @@ Sampled runs, and n > 1 (forks of the prompt, inferlet.choices), use the host lo
 
 from __future__ import annotations
 
+from pydantic import Field
+
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.device_rounds import verify_rounds
@@ -30,11 +32,13 @@ from inferlet.tree import TokenTree, parse_shape
 
 
 class Args(DecodeArgs):
-    draft_length: int = 16  # the most a round drafts; the adaptive schedule picks fewer while lookups miss
-    max_ngram: int = 3
-    min_ngram: int = 1
+    draft_length: int = Field(
+        default=16, ge=1, le=MAX_DRAFT
+    )  # the most a round drafts; the adaptive schedule picks fewer while lookups miss
+    max_ngram: int = Field(default=3, ge=1, le=MAX_NGRAM)
+    min_ngram: int = Field(default=1, ge=1, le=MAX_NGRAM)
     device_verify: bool = False  # greedy: verify and fold in the fire's epilogue
-    tree: str | None = None  # widths per depth, e.g. "4,2,1,1,1,1,1,1": draft a token tree of earlier occurrences
+    tree: TreeShape = None  # widths per depth, e.g. "4,2,1,1,1,1,1,1": draft a token tree of earlier occurrences
 
 
 class LookupDrafter(Drafter):

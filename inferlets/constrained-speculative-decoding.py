@@ -14,9 +14,10 @@ Language Models" (token masks); Leviathan et al. 2023 (verification).
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.drafter import Drafter, Proposal
@@ -28,9 +29,11 @@ class Args(DecodeArgs):
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None  # Lark
-    draft_length: int = 16  # the most a round drafts (forced tokens come in long runs)
-    max_ngram: int = 3
-    min_ngram: int = 1
+    draft_length: int = Field(
+        default=16, ge=1, le=MAX_DRAFT
+    )  # the most a round drafts (forced tokens come in long runs)
+    max_ngram: int = Field(default=3, ge=1, le=MAX_NGRAM)
+    min_ngram: int = Field(default=1, ge=1, le=MAX_NGRAM)
 
 
 class GrammarDrafter(Drafter):

@@ -24,9 +24,10 @@ windows drafting uses, and the accepted drafts are embedded again with the next 
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.drafter import Drafter, Proposal
@@ -36,8 +37,8 @@ from inferlet.tree import ROOT, TokenTree, draw_without_replacement, parse_shape
 
 class Args(DecodeArgs):
     draft: str | None = None  # a model in the store, served by the same engine (default: the attached one)
-    draft_length: int = 4
-    tree: str | None = None  # widths per depth, e.g. "2,2,1": the draft model's top-k (or draws) per depth
+    draft_length: int = Field(default=4, ge=1, le=MAX_DRAFT)
+    tree: TreeShape = None  # widths per depth, e.g. "2,2,1": the draft model's top-k (or draws) per depth
 
 
 class ModelDrafter(Drafter):

@@ -17,15 +17,17 @@ eagle:FILE``. n > 1 runs one loop per choice (inferlet.choices).
 
 from __future__ import annotations
 
+from pydantic import Field
+
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, DecodeArgs
 from inferlet.chained import ChainedDrafter
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 
 
 class Args(DecodeArgs):
-    draft_length: int = 3  # at most the head's depth
+    draft_length: int = Field(default=3, ge=1, le=MAX_DRAFT)  # at most the head's depth
 
 
 @inferlet.main

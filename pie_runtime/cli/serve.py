@@ -1,12 +1,19 @@
 """`pie serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one engine and N inferlet hosts.
 
-    pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token T] [--api-key KEY ...]
+    pie serve --model NAME [--http 127.0.0.1:8000] [--listen ADDR --token @FILE] [--api-key @FILE ...]
               [--workers N] [--engines N [--ray-address auto|HOST:PORT] [--engine-cpus C]]
               [--inferlets DIR ...] [--draft-lookup NGRAM:K | --draft-model NAME:K | --draft-mtp K |
                                      --draft-suffix K[:ROWS] [--suffix-index FILE]]
-              [--prompt-cache-dir DIR]
+              [--prompt-cache-dir DIR] [--allow-upload] [--share-prefix-cache] [--open-metrics]
+              [--stream-stall-timeout S] [--key-concurrent N --key-tokens-per-minute N --key-kv-pages N
+                                          --key-cache-mib N]
               [--drain-timeout S] [--no-engine-restart | --engine-max-restarts N --engine-restart-window S]
               [engine options]
+
+Tenants (docs/security.md): each API key's uploads, prompt caches, cached prefixes and runs are its own;
+uploads run per key in a bubblewrap sandbox, and without one ``--allow-upload`` refuses to start. Secrets come
+from ``@FILE`` or the environment (``$PIE_API_KEYS``, ``$PIE_ENGINE_TOKEN``), never argv (a literal is warned
+about).
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
 ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
@@ -49,12 +56,18 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="a model in the store (default: the default model)")
     p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT the HTTP server binds (default loopback)")
     p.add_argument("--listen", default=None, help="also expose the engine on this address (tcp needs --token)")
-    p.add_argument("--token", default=None, help="the engine's tcp token")
-    p.add_argument("--api-key", action="append", default=[], help="a Bearer key for /v1/* (repeatable)")
+    p.add_argument("--token", default=None, help="the engine's tcp token: @FILE, else $PIE_ENGINE_TOKEN")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a Bearer key (repeatable): @FILE of one key a line; also $PIE_API_KEYS. A literal is warned about",
+    )
     p.add_argument("--keys", type=Path, default=None, help="JSON file of keys and their quotas (auth.py)")
     p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
     p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
     p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
+    p.add_argument("--key-cache-mib", type=int, default=None, help="default quota: MiB of saved prompt caches per key")
     p.add_argument("--workers", type=int, default=1, help="inferlet host processes (per engine)")
     p.add_argument(
         "--engines", type=int, default=1, help="engine replicas as Ray actors behind a cache-aware router (needs [ray])"
@@ -79,6 +92,21 @@ def register(sub) -> None:
     p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
     p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
     p.add_argument("--upload-open-files", type=int, default=256, help="open files an upload host gets")
+    p.add_argument("--upload-processes", type=int, default=64, help="processes and threads a key's uploads get")
+    p.add_argument("--upload-scratch", type=int, default=64, help="MiB of private /tmp an upload sandbox gets")
+    p.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="share cached prompt prefixes across API keys (default: each key's own; a hit tells one key "
+        "what another sent)",
+    )
+    p.add_argument("--open-metrics", action="store_true", help="serve /metrics without a key when keys are set")
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may not read before its run is cancelled and its slot freed",
+    )
     p.add_argument(
         "--no-engine-restart",
         action="store_true",
@@ -149,6 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model = args.model or DEFAULT_MODEL
     try:
+        _resolve_secrets(args)
         host, port = _host_port(args.http)
         config, quotas, template = _checked(args, model)
     except PolicyRefused as e:
@@ -158,7 +187,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     models = [model] + ([config.caps.draft_model] if config.caps.draft_model else [])
-    upload_dir, uploads = _uploads(args)
+    try:
+        upload_dir, uploads = _uploads(args)
+    except ValueError as e:
+        print(f"error: --allow-upload: {e}", file=sys.stderr)
+        return 2
     spec = EngineSpec(models, engine_words(args), listen=args.listen, token=args.token)
     try:
         backend = _backend(args, spec, template, uploads)
@@ -173,7 +206,17 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if upload_dir is not None:
             upload_dir.cleanup()
+        if uploads is not None:
+            uploads.sandbox.close()
     return 0 if backend.state != "failed" else 1
+
+
+def _resolve_secrets(args: argparse.Namespace) -> None:
+    """API keys and the engine token from @FILE or the environment (secrets.py); literals are warned about."""
+    from .secrets import secret, secret_list
+
+    args.api_key = secret_list(args.api_key, "--api-key", "PIE_API_KEYS")
+    args.token = secret(args.token, "--token", "PIE_ENGINE_TOKEN")
 
 
 def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas, str | None]:
@@ -199,12 +242,15 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     template = args.chat_template.read_text() if args.chat_template else None
     policy = parse_policy(args.draft_lookup, args.draft_model, args.draft_mtp, args.draft_suffix, args.suffix_index)
     caps = check_policy(store, model, policy)
-    keys = {k: KeyQuota() for k in args.api_key}
+    default = KeyQuota(
+        concurrent=args.key_concurrent,
+        tokens_per_minute=args.key_tokens_per_minute,
+        kv_pages=args.key_kv_pages,
+        cache_bytes=None if args.key_cache_mib is None else args.key_cache_mib << 20,
+    )
+    keys = dict.fromkeys(args.api_key, default)  # an --api-key key has the default quotas (--key-*)
     if args.keys:
         keys.update(load_keys(args.keys))
-    default = KeyQuota(
-        concurrent=args.key_concurrent, tokens_per_minute=args.key_tokens_per_minute, kv_pages=args.key_kv_pages
-    )
     config = ServerConfig(
         policy=policy,
         caps=caps,
@@ -215,6 +261,9 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         max_body_bytes=args.max_body_bytes,
         served_name=args.served_model_name,
         prompt_cache_dir=_prompt_cache_dir(args.prompt_cache_dir),
+        share_prefix_cache=args.share_prefix_cache,
+        open_metrics=args.open_metrics,
+        stream_stall_timeout=args.stream_stall_timeout,
     )
     return config, Quotas(keys, default), template
 
@@ -229,21 +278,34 @@ def _prompt_cache_dir(folder: Path | None) -> Path | None:
 
 
 def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:
-    """With --allow-upload: the folder uploaded inferlets go to (removed when the server stops) and the limits
-    of the hosts that run them; else (None, None)."""
+    """With --allow-upload: the folder uploaded inferlets go to (removed when the server stops), the limits
+    of the hosts that run them and their sandbox, checked to start here; else (None, None). ValueError
+    saying why uploads cannot be served safely."""
     from ..serve.backend import Uploads
     from ..serve.limits import HostLimits
+    from ..serve.sandbox import Sandbox, SandboxUnavailable
 
     if not args.allow_upload:
         return None, None
+    if args.token:
+        raise ValueError("the engine's token would be within reach of uploaded code; uploads need no --token")
+    if args.engines > 1 or args.ray_address:
+        raise ValueError("uploaded inferlets are sandboxed on one engine only, not under --engines")
+    sandbox = Sandbox(scratch_bytes=args.upload_scratch << 20)
+    try:
+        sandbox.probe()
+    except SandboxUnavailable as e:
+        sandbox.close()
+        raise ValueError(f"no sandbox for uploaded code: {e}") from None
     folder = tempfile.TemporaryDirectory(prefix="pie-uploads-")
     limits = HostLimits(
         address_space_bytes=args.upload_memory << 20,
         cpu_seconds=args.upload_cpu_seconds,
         open_files=args.upload_open_files,
+        processes=args.upload_processes,
         clean_env=True,
     )
-    return folder, Uploads(Path(folder.name), limits)
+    return folder, Uploads(Path(folder.name), limits, sandbox)
 
 
 def _backend(args: argparse.Namespace, spec: EngineSpec, template: str | None, uploads: Uploads | None) -> Backend:

@@ -100,9 +100,7 @@ class ClusterBackend(Backend):
             hello = await self._client.request("hello", version=PROTOCOL_VERSION, client="pie-serve", token=first.token)
             self.info = next(ModelInfo.model_validate(m) for m in hello["models"] if m["name"] == self.model)
             tok_json = (await self._client.request("tokenizer", model=self.model))["tokenizer_json"]
-            self.tokenizer = Tokenizer(
-                tok_json, self.info.eos_token_ids, self.info.bos_token_id, self.chat_template or self.info.chat_template
-            )
+            self.tokenizer = Tokenizer.for_model(tok_json, self.info, self.chat_template)
             tokenizer = self.tokenizer
             slots = [EngineSlot(f"engine-{i}", a) for i, a in enumerate(self._actors)]
             self.cluster = ClusterPool(

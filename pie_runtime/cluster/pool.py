@@ -231,6 +231,7 @@ class ClusterPool:
         run_id: str | None = None,
         timeout: float | None = None,
         session: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """As ``HostPool.run``, on the engine the router picks; a lost engine fails the run ``engine_lost``
         after its one retry (see the module docstring)."""
@@ -257,7 +258,7 @@ class ClusterPool:
                 self.refusals[refused] += 1
             replay = sent
             try:
-                async for ev in self._on(slot, inferlet, args, run_id, timeout):
+                async for ev in self._on(slot, inferlet, args, run_id, timeout, cache_salt):
                     if ev.kind == "text" and replay:
                         keep = min(len(replay), len(ev.text))
                         if ev.text[:keep] != replay[:keep]:
@@ -276,7 +277,13 @@ class ClusterPool:
                 log.warning("run %s lost engine %s; running it again from its prompt", run_id, slot.name)
 
     async def _on(
-        self, slot: EngineSlot, inferlet: str, args: dict, run_id: str, timeout: float | None
+        self,
+        slot: EngineSlot,
+        inferlet: str,
+        args: dict,
+        run_id: str,
+        timeout: float | None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """The run's events from ``slot``'s hosts, cut short with ``engine_lost`` the moment it is lost."""
         pool, lost, generation = slot.pool, slot.lost, slot.generation
@@ -284,7 +291,7 @@ class ClusterPool:
             if pool is None or lost.is_set():
                 raise RunFailed("engine_lost", f"engine {slot.name} is gone")
             self._placed[run_id] = _Placed(slot, run_id)
-            events = pool.run(inferlet, args, run_id=run_id, timeout=timeout).__aiter__()
+            events = pool.run(inferlet, args, run_id=run_id, timeout=timeout, cache_salt=cache_salt).__aiter__()
             lost_wait = asyncio.ensure_future(lost.wait())
             try:
                 while True:

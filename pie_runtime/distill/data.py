@@ -207,7 +207,14 @@ def model_chat_frame(tokenizer_file: Path, info: TokenizerInfo) -> tuple[str, st
 
     if not info.chat_template:
         raise ValueError("the model has no chat template")
-    tok = Tokenizer(Path(tokenizer_file).read_text(), info.eos_token_ids, info.bos_token_id, info.chat_template)
+    tok = Tokenizer(
+        Path(tokenizer_file).read_text(),
+        info.eos_token_ids,
+        info.bos_token_id,
+        info.chat_template,
+        add_bos_token=info.add_bos_token,
+        add_eos_token=info.add_eos_token,
+    )
     return chat_frame(tok.chat)
 
 

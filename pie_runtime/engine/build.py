@@ -49,12 +49,20 @@ def build_served_model(
     weights = _weights_for(name, store, opts)
     loaded, packed_bytes = _load(name, store, opts, weights)
     mtp, eagle = _heads(store, loaded, opts, weights)
+    if eagle is not None and KVCache.layout_of(loaded.model.config, 1, opts.swa_full).sliding:
+        raise ValueError(
+            f"model {name}: an EAGLE head's draft layer reads every row of page group 0, and this model's sliding "
+            "layers keep only their window's pages; serve it with --kv-swa-full"
+        )
     shapes = state_shapes(loaded.model.config)
     kv_pages = _kv_pages(loaded, opts, ACTIVATION_DTYPE[weights], eagle is not None)
     runner, kv = _runner(name, loaded, opts, weights, kv_pages, eagle is not None)
     runner.mtp, runner.eagle = mtp, eagle
     info = _describe(loaded, opts, weights, mtp, eagle, packed_bytes)
     info.kv_bytes = kv.nbytes
+    info.page_bytes = kv.nbytes // max(kv.num_pages, 1)
+    info.page_windows = list(kv.layout.windows)
+    info.sliding = any(w is not None for w in kv.layout.layer_window)
     if opts.compiled and not _native(loaded):
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused by _weights_for for the recurrent families
         t0 = time.perf_counter()
@@ -69,7 +77,7 @@ def build_served_model(
         name=loaded.manifest.name,
         info=info,
         runner=runner,
-        pages=KVPages(PagePool(kv_pages), opts.page_size, runner.copy_pages, runner.copy_slots),
+        pages=KVPages(PagePool(kv_pages), opts.page_size, runner.copy_pages, runner.copy_slots, kv.layout.windows),
         tokenizer_json=loaded.tokenizer_path.read_text(),
         states=StateSlots(opts.state_slots, runner, rows) if shapes else None,
         pass_costs_from=costs_from,
@@ -131,7 +139,9 @@ def _kv_pages(loaded: LoadedModel, opts: ServeOptions, dtype: torch.dtype, eagle
     K/V in the same pages)."""
     if opts.kv_pages is not None:
         return opts.kv_pages
-    per_page = KVCache.bytes_per_page(loaded.model.config, opts.page_size, dtype, 1 if eagle else 0)
+    cfg, extra = loaded.model.config, 1 if eagle else 0
+    layout = KVCache.layout_of(cfg, extra, opts.swa_full)
+    per_page = KVCache.bytes_per_page(cfg, opts.page_size, dtype, extra, layout)
     # pages of a model without attention hold no bytes: the table only bounds a working set's rows
     return max(1, opts.kv_bytes // per_page) if per_page else STATELESS_PAGES
 
@@ -147,10 +157,19 @@ def _runner(
 
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused by _weights_for for the recurrent families
         return start_tensor_parallel(
-            name, loaded.model, opts.tensor_parallel, kv_pages, opts.page_size, device, torch.get_num_threads()
+            name,
+            loaded.model,
+            opts.tensor_parallel,
+            kv_pages,
+            opts.page_size,
+            device,
+            torch.get_num_threads(),
+            opts.swa_full,
         )
     dtype = ACTIVATION_DTYPE[weights]
-    kv = KVCache(cfg, kv_pages, opts.page_size, dtype, device, extra_layers=1 if eagle else 0)
+    extra = 1 if eagle else 0
+    layout = KVCache.layout_of(cfg, extra, opts.swa_full)
+    kv = KVCache(cfg, kv_pages, opts.page_size, dtype, device, extra_layers=extra, layout=layout)
     shapes = state_shapes(cfg)
     states = StateCache(shapes, opts.state_slots, torch.float32, device, opts.kept_row_states) if shapes else None
     return ModelRunner(loaded.model, kv, torch.device(device), states), kv
@@ -176,6 +195,8 @@ def _describe(
         bos_token_id=manifest.tokenizer.bos_token_id,
         eos_token_ids=list(manifest.tokenizer.eos_token_ids),
         chat_template=manifest.tokenizer.chat_template,
+        add_bos_token=manifest.tokenizer.add_bos_token,
+        add_eos_token=manifest.tokenizer.add_eos_token,
         drafters=[d.model_dump() for d in manifest.drafters],
         mtp_depth=mtp.depth if mtp is not None else 0,
         mtp_acceptance=heldout_acceptance(mtp.module.config.training) if mtp is not None else [],

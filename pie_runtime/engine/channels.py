@@ -5,7 +5,9 @@ through a :class:`Txn`, whose writes land only when the whole fire succeeds. A f
 channels it writes: the error is kept and surfaces at the next take or read, until the channel is closed.
 
 Limits, checked when a channel opens (``limit_exceeded``, naming the limit): a cell holds at most
-``MAX_CELL_ELEMENTS`` elements and a channel at most ``MAX_CHANNEL_ELEMENTS`` (cell elements times capacity).
+``MAX_CELL_ELEMENTS`` elements and a channel at most ``MAX_CHANNEL_ELEMENTS`` (cell elements times capacity);
+the channels one client holds open at once, together, at most ``MAX_CLIENT_CHANNEL_ELEMENTS`` (a client that
+opened many channels and filled them could otherwise hold any amount of the device's memory).
 A host put or set must match the channel's dtype and shape exactly (no cast: ``invalid_argument``); an
 epilogue's writes are checked by the program's rules before it runs. A host take whose ``min`` (at most its
 ``max``) exceeds the channel's capacity could never be served and is refused (``invalid_argument``).
@@ -29,6 +31,7 @@ from ..protocol.dtypes import CHANNEL_DTYPES
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CHANNEL_DTYPES}
 MAX_CELL_ELEMENTS = 1 << 20  # elements of one cell
 MAX_CHANNEL_ELEMENTS = 1 << 24  # elements of a channel: a cell's times its capacity
+MAX_CLIENT_CHANNEL_ELEMENTS = 1 << 26  # elements of the channels one client holds open, capacities summed
 
 
 @dataclass(eq=False)
@@ -182,6 +185,13 @@ class ChannelTable:
                 ErrorCode.LIMIT_EXCEEDED,
                 f"a channel holds at most MAX_CHANNEL_ELEMENTS={MAX_CHANNEL_ELEMENTS} elements "
                 f"(cell elements x capacity), got {cell} x {capacity}",
+            )
+        held = sum(math.prod(c.shape) * c.capacity for c in self.channels.values() if c.owner == owner)
+        if held + cell * capacity > MAX_CLIENT_CHANNEL_ELEMENTS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"a client's open channels hold at most MAX_CLIENT_CHANNEL_ELEMENTS={MAX_CLIENT_CHANNEL_ELEMENTS} "
+                f"elements together; it holds {held} and asks {cell * capacity} more: close one first",
             )
         ch = Channel(next(self._ids), owner, model, tuple(shape), dtype, capacity, device)
         self.channels[ch.id] = ch

@@ -72,7 +72,10 @@ class EngineCore:
             **self.programs.ops(),
         }
         for served in self.models:
-            if prefix_cache and not served.info.recurrent:  # a recurrent state is not addressable by page
+            served.pages.chunk_rows = max_batch_tokens  # a moving fire's sliding pages span a window and a chunk
+            # a recurrent state is not addressable by page; a sliding page group's hit would need the prefix's last
+            # window of rows, which the cache does not name (engine/kv_pages.py)
+            if prefix_cache and not served.info.recurrent and served.pages.windows == (None,):
                 served.pages.enable_prefix_cache(served.name)
             if not served.info.hidden_size:
                 served.info.hidden_size = served.runner.model.config.hidden_size
@@ -146,6 +149,8 @@ class EngineCore:
                     "queued": len(served.queue),
                     "prefix_cache": self._prefix_stats(served).model_dump(),
                     "kv": self._kv_stats([served]).model_dump(),
+                    "page_bytes": served.info.page_bytes,
+                    "page_groups": self._page_groups(served),
                     "state_slots": {
                         "used": served.states.used if served.states is not None else 0,
                         "total": served.states.total if served.states is not None else 0,
@@ -160,6 +165,15 @@ class EngineCore:
                 for name, by_inferlet in self.spec_totals.items()
             },
         }
+
+    def _page_groups(self, served: ServedModel) -> list[dict]:
+        """Pages the working sets of ``served`` hold, per page group (models/kv_groups.py), with its window."""
+        held = [0] * len(served.pages.windows)
+        for ws in self.sets.all():
+            if ws.model == served.name:
+                for g, n in enumerate(served.pages.held_per_group(ws)):
+                    held[g] += n
+        return [{"window": w, "pages": n} for w, n in zip(served.pages.windows, held)]
 
     @staticmethod
     def _kv_stats(models: list[ServedModel]) -> m.KVStats:

@@ -95,8 +95,18 @@ def _run_forward(served: ServedModel, chunks: list[Chunk[FireJob]]) -> torch.Ten
         parents = None if fire.parents is None else tuple(fire.parents)
         rows = lead + c.rows
         kept = _row_states(served, fire, first, rows)
+        served.pages.advance(fire.ws, fire.start, fire.start + first, fire.start + fire.done + c.rows)
         segments.append(
-            Segment(fire.ws.pages, fire.start + first, rows, parents, fire.start, state=_slot(fire), row_states=kept)
+            Segment(
+                fire.ws.pages,
+                fire.start + first,
+                rows,
+                parents,
+                fire.start,
+                state=_slot(fire),
+                row_states=kept,
+                group_tables=tuple(fire.ws.tables[1:]),
+            )
         )
         for i, row in _score_rows(fire, fire.done, fire.done + c.rows):
             wanted.append((fire, i, row))

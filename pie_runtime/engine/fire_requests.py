@@ -64,7 +64,8 @@ class FireRequests:
             if self._may_reuse(ws, req, start):
                 assert req.tokens is not None  # _may_reuse asks for token ids
                 cached = served.pages.map_prefix(ws, req.tokens, self._reusable_rows(req, program, w))
-            served.pages.reserve(ws, start + cached, w - cached)
+            moving = fold == w and req.parents is None  # every row folds: its sliding pages may move along
+            served.pages.reserve(ws, start + cached, w - cached, moving=moving)
         except PieError:
             if cached:  # the mapped prefix goes back to the cache
                 served.pages.release(ws)
@@ -198,7 +199,9 @@ class FireRequests:
     @staticmethod
     def _check_attention(served: ServedModel, req: m.Fire, width: int) -> None:
         """Bounds the attention readouts' replies (float32 (rows, [layers,] width), ``width`` the working set's
-        rows up to the window's end) to MAX_ATTENTION_BYTES each; refuses them where the model cannot read them."""
+        rows up to the window's end) to MAX_ATTENTION_BYTES, all of one fire's together (many readouts of a few
+        rows each would otherwise multiply it); refuses them where the model cannot read them."""
+        total = 0
         for r in req.readouts:
             if r.kind != "attention":
                 continue
@@ -212,11 +215,13 @@ class FireRequests:
                 raise PieError(ErrorCode.INVALID_ARGUMENT, "an attention readout takes no token mask")
             layers = served.runner.model.config.num_hidden_layers if r.per_layer else 1
             size = 4 * len(r.rows) * layers * width
-            if size > m.MAX_ATTENTION_BYTES:
+            total += size
+            if total > m.MAX_ATTENTION_BYTES:
                 raise PieError(
                     ErrorCode.LIMIT_EXCEEDED,
-                    f"an attention readout of {len(r.rows)} rows x {layers} layer(s) x {width} keys is {size} "
-                    f"bytes, past MAX_ATTENTION_BYTES={m.MAX_ATTENTION_BYTES}: read fewer rows a fire",
+                    f"the attention readouts of this fire (the last: {len(r.rows)} rows x {layers} layer(s) x "
+                    f"{width} keys) are {total} bytes, past MAX_ATTENTION_BYTES={m.MAX_ATTENTION_BYTES}: "
+                    "read fewer rows a fire",
                 )
 
     @staticmethod

@@ -8,7 +8,13 @@ were read. The prefix cache names no appended row, nor any after it: the engine 
 Refused for a model with recurrent state (its state is no row of the pool), a model served with an EAGLE head
 (its draft layer's K/V, a drafter's and not the model's, live in the same pages; a saved working set carries the
 model's own layers only, so rather than leave that layer unwritten both ops refuse), and a tensor-parallel
-engine (each rank holds its own heads)."""
+engine (each rank holds its own heads).
+
+Page groups (models/kv_groups.py): the arrays hold every KV layer in model order, whatever group it reads; a
+sliding layer's rows its group no longer holds read as zeros (no later row attends them), and an append writes
+a row into a sliding group only while it holds its page (then lets go of the pages that left the window, as a
+fold does). So a working set saved from a sliding engine loads into an all-global one (``--kv-swa-full``) and
+back, and continues exactly. The read reply names each layer's window (``layer_windows``)."""
 
 from __future__ import annotations
 
@@ -47,10 +53,11 @@ class KVTransferRequests:
                 f"set {ws.id}",
             )
         kv = served.runner.kv
-        row_bytes = 2 * kv.k[:, :, 0].numel() * kv.k.element_size()
+        row_bytes = 2 * len(kv.layout.layer_row) * kv.k[0, :, 0].numel() * kv.k.element_size()
         count = max(1, min(req.count, m.MAX_KV_TRANSFER_BYTES // row_bytes))
-        k, v = served.runner.read_slots(served.pages.slots(ws.pages, range(req.start, req.start + count)))
+        k, v = served.runner.read_slots(served.pages.group_slots(ws, range(req.start, req.start + count)))
         return {
+            "layer_windows": list(kv.layout.layer_window),
             "k": encode_array(k),
             "v": encode_array(v),
             "kv_dtype": _kv_dtype(served),
@@ -77,11 +84,12 @@ class KVTransferRequests:
         start = ws.committed
         served.pages.reserve(ws, start, rows)  # OUT_OF_PAGES here leaves ws as it was
         if rows:
-            served.runner.write_slots(served.pages.slots(ws.pages, range(start, start + rows)), k, v)
+            served.runner.write_slots(served.pages.group_slots(ws, range(start, start + rows)), k, v)
         served.pages.wrote(ws, start, None)  # the prefix cache names none of these rows, nor any after them
         served.pages.edits.restored(start, rows)
         ws.committed, ws.dropped = start + rows, dropped
-        return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages)}
+        served.pages.slide(ws)
+        return {"committed": ws.committed, "dropped": ws.dropped, "pages": served.pages.held(ws)}
 
 
 def _refusal(ws: WorkingSet, served: ServedModel) -> str | None:
@@ -91,7 +99,7 @@ def _refusal(ws: WorkingSet, served: ServedModel) -> str | None:
         return "an EAGLE head keeps its draft layer's K/V in the same pages, and only the model's own layers travel"
     if not served.runner.kv_transfer:
         return "a tensor-parallel engine holds each rank's heads apart"
-    if served.runner.kv.k.shape[0] == 0:
+    if not served.runner.kv.layout.layer_row:
         return "it has no attention layers"
     return None
 
@@ -104,7 +112,7 @@ def _check_arrays(served: ServedModel, kv_dtype: str, k: np.ndarray, v: np.ndarr
     """Refuses (KV_MISMATCH) K/V that are not exactly this pool's dtype and per-row shape."""
     pool = served.runner.kv.k
     have = _kv_dtype(served)
-    want = (pool.shape[0], pool.shape[1], pool.shape[3])
+    want = (len(served.runner.kv.layout.layer_row), pool.shape[1], pool.shape[3])
     wire = m.KV_WIRE_DTYPES.get(have)
     for name, a in (("k", k), ("v", v)):
         shape = (a.shape[0], a.shape[1], a.shape[3]) if a.ndim == 4 else None

@@ -28,7 +28,8 @@ class ServeOptions:
     rows, so a fold of that many rows or fewer is a copy, or ``replay`` restores the snapshot and runs the kept
     rows again (engine/fold.py says why per-row is the default);
     ``tensor_parallel``: shard the model over that many ranks (``tp_worker.py``; float32 and the Llama family
-    only, served without its MTP or EAGLE head, no prepacked or compiled copies)."""
+    only, served without its MTP or EAGLE head, no prepacked or compiled copies); ``swa_full``: a sliding-window
+    model's sliding layers keep every row instead of their window's pages (models/kv_groups.py)."""
 
     device: str = "cpu"
     weights: str = "fp32"  # a WeightFormat; prepare_for_serving refuses another
@@ -43,6 +44,7 @@ class ServeOptions:
     recurrent_fold: str = "per-row"
     per_row_states: int = DEFAULT_PER_ROW_STATES
     tensor_parallel: int = 1
+    swa_full: bool = False  # sliding-window layers keep every row (one page group), as llama-server's --swa-full
 
     def __post_init__(self) -> None:
         """The checks that need no model: a ValueError in the words of the flag at fault."""

@@ -78,11 +78,14 @@ def _pass_on(runner: ModelRunner, rows: int) -> Callable[[int, int], None]:
     pages (lm head and argmax included), for ``rows`` up to the given count."""
     ps = runner.kv.page_size
     table = list(range((rows + ps - 1) // ps))
+    more = (table,) * (runner.kv.layout.groups - 1)  # every page group on the same pages: timing, not content
     vocab = runner.vocab
 
     def one_pass(start: int, rows: int) -> None:
         tokens = [(i * 7919) % vocab for i in range(rows)]
-        hidden = runner.forward([Segment(table, start, rows)], tokens, list(range(start, start + rows)))
+        hidden = runner.forward(
+            [Segment(table, start, rows, group_tables=more)], tokens, list(range(start, start + rows))
+        )
         with torch.inference_mode():
             runner.model.logits(hidden).argmax(-1)
 

@@ -2,7 +2,9 @@
 (docs/architecture.md, "The working set and its deferred fold"; issue 12, section 5).
 
 A page's key is a hash chain over page-aligned token blocks: ``key(i) = H(key(i-1), tokens of page i)``, with
-``key(-1)`` the model's name, so a key names the whole prefix up to the end of its page. Only rows embedded
+``key(-1)`` the model's name, so a key names the whole prefix up to the end of its page. A working set opened
+with a ``cache_salt`` (vLLM's ``cache_salt``: `pie serve` sends one per API key) starts its chain from
+``H(root, salt)`` instead: its pages match only those of working sets with the same salt. Only rows embedded
 from token ids at their default positions (position = row index) are cacheable; the first row that is not
 ends the working set's chain.
 
@@ -37,6 +39,13 @@ def root_key(model: str) -> bytes:
     return hashlib.blake2b(model.encode(), digest_size=16, person=b"pie-prefix").digest()
 
 
+def salted_root(root: bytes, salt: str | None) -> bytes | None:
+    """The chain root of a working set opened with ``salt`` (None without one: the model's root)."""
+    if not salt:
+        return None
+    return hashlib.blake2b(salt.encode(), digest_size=16, key=root, person=b"pie-salt").digest()
+
+
 @dataclass
 class PageChain:
     """What a working set's rows hold, as far as the prefix cache can name it: the token ids of rows ``0 ..``
@@ -45,6 +54,7 @@ class PageChain:
 
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    root: bytes | None = None  # a salted chain's root (salted_root); None: the model's
 
     def wrote(self, start: int, tokens: Sequence[int] | None, page_size: int) -> None:
         """Rows ``start ..`` were (re)written with ``tokens`` (None: not cacheable, the chain ends there)."""
@@ -61,7 +71,7 @@ class PageChain:
 
     def prefix(self, rows: int, page_size: int) -> PageChain:
         """The chain of a fork that keeps ``rows`` rows."""
-        return PageChain(self.tokens[:rows], self.keys[: rows // page_size])
+        return PageChain(self.tokens[:rows], self.keys[: rows // page_size], self.root)
 
 
 @dataclass
@@ -93,13 +103,13 @@ class PrefixCache:
         """Whether ``page`` is named: its content must not change while it is."""
         return page in self._key_of
 
-    def lookup(self, tokens: Sequence[int], max_rows: int) -> tuple[list[bytes], list[int]]:
-        """The keys and pages of the longest cached chain over ``tokens``, covering at most ``max_rows`` rows.
-        Counts the query; the caller maps (shares) the pages."""
+    def lookup(self, tokens: Sequence[int], max_rows: int, root: bytes | None = None) -> tuple[list[bytes], list[int]]:
+        """The keys and pages of the longest cached chain over ``tokens``, covering at most ``max_rows`` rows,
+        from ``root`` (a salted chain's; None: the model's). Counts the query; the caller maps (shares) the pages."""
         p = self.page_size
         keys: list[bytes] = []
         pages: list[int] = []
-        parent = self.root
+        parent = root or self.root
         for i in range(max(0, max_rows) // p):
             key = page_key(parent, tokens[i * p : (i + 1) * p])
             page = self._page_of.get(key)
@@ -120,7 +130,7 @@ class PrefixCache:
         A page whose content is already cached under another page stays unnamed (it is freed on release)."""
         p = self.page_size
         for i in range(len(chain.keys), min(committed, len(chain.tokens), len(pages) * p) // p):
-            parent = chain.keys[-1] if chain.keys else self.root
+            parent = chain.keys[-1] if chain.keys else chain.root or self.root
             key = page_key(parent, chain.tokens[i * p : (i + 1) * p])
             chain.keys.append(key)
             if key not in self._page_of and pages[i] not in self._key_of:

@@ -86,7 +86,13 @@ class ModelRunner:
             segments = [replace(s, state=self.state.scratch if s.state is None else s.state) for s in segments]
         native = getattr(self.model, "attends_natively", False)  # reads the page tables itself: no torch groups
         ctx = ForwardContext.build(
-            segments, self.kv.page_size, self.device, positions, torch_groups=not native, scores=scores
+            segments,
+            self.kv.page_size,
+            self.device,
+            positions,
+            torch_groups=not native,
+            scores=scores,
+            layout=self.kv.layout,
         )
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
@@ -104,7 +110,7 @@ class ModelRunner:
     def pass_scores(self, segments: list[Segment], rows: list[ScoreRow]) -> PassScores:
         """The buffers of one pass's attention readout at ``rows`` (``forward``'s ``scores``)."""
         layers = self.model.config.num_hidden_layers
-        return PassScores(rows, segments, self.kv.page_size, layers, self.device)
+        return PassScores(rows, segments, self.kv.page_size, layers, self.device, self.kv.layout)
 
     # ---- the recurrent-state pool's tensors, by slot (engine/state_slots.py's StateOps) ------------
 
@@ -174,20 +180,34 @@ class ModelRunner:
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_slots(src, dst)
 
-    def read_slots(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of ``slots``, every layer: two (layers, kv_heads, len(slots), head_dim) host arrays holding the
-        pool's bits (a bfloat16 pool's as uint16)."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.kv.k.device)
-        return _host_bits(self.kv.k[:, :, index]), _host_bits(self.kv.v[:, :, index])
+    def read_slots(self, slots: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of some rows, every KV layer in order, from ``slots`` (per page group, one slot per row; -1: a
+        row the group no longer holds, read as zeros): two (layers, kv_heads, rows, head_dim) host arrays holding
+        the pool's bits (a bfloat16 pool's as uint16)."""
+        layout, dev = self.kv.layout, self.kv.k.device
+        index = [torch.tensor(s, dtype=torch.int64, device=dev) for s in slots]
+        out = []
+        for pool in (self.kv.k, self.kv.v):
+            rows = []
+            for row, group in zip(layout.layer_row, layout.layer_group):
+                got = pool[row][:, index[group].clamp(min=0)]
+                rows.append(got.masked_fill((index[group] < 0).view(1, -1, 1), 0))
+            out.append(_host_bits(torch.stack(rows)))
+        return out[0], out[1]
 
-    def write_slots(self, slots: list[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Writes ``k`` and ``v`` (as :meth:`read_slots` gives them) into ``slots``, every layer."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.kv.k.device)
+    def write_slots(self, slots: list[list[int]], k: np.ndarray, v: np.ndarray) -> None:
+        """Writes ``k`` and ``v`` (as :meth:`read_slots` gives them) into ``slots`` (per page group; -1: a row
+        the group does not keep, not written), every KV layer."""
+        layout, dev = self.kv.layout, self.kv.k.device
+        index = [torch.tensor(s, dtype=torch.int64, device=dev) for s in slots]
+        keep = [(i >= 0).nonzero().flatten() for i in index]
         for pool, bits in ((self.kv.k, k), (self.kv.v, v)):
             t = torch.from_numpy(np.array(bits, order="C"))  # a writable copy (wire arrays are read-only)
             if pool.dtype == torch.bfloat16:
                 t = t.view(torch.int16).view(torch.bfloat16)
-            pool[:, :, index] = t.to(pool.device)
+            t = t.to(pool.device)
+            for layer, (row, group) in enumerate(zip(layout.layer_row, layout.layer_group)):
+                pool[row][:, index[group][keep[group]]] = t[layer][:, keep[group]]
 
     @torch.inference_mode()
     def readouts(self, requests: list[ReadoutRequest]) -> tuple[list[dict[str, np.ndarray]], list[torch.Tensor | None]]:

@@ -13,7 +13,8 @@ logged and answered ``internal``; the loop goes on to the next message.
 Auth (tcp://, ``--token``): a client is unauthenticated until a hello that fully succeeds (the engine's token
 and the engine's protocol version). Until then every message is refused ``unauthorized`` after a cheap look
 at its raw map (its ``op`` and ``token``), before the full validation of ``parse_request``: an
-unauthenticated client costs the engine one msgpack unpack a message, never a schema walk or a request.
+unauthenticated client costs the engine one msgpack unpack of at most ``PRE_AUTH_BYTES`` a message (a larger
+one is refused unread), never a schema walk or a request.
 
 ``simulate_step_s`` (the hidden ``--simulate-step-ms``, for scale-out measurements on few cores): each step
 also sleeps that long before its replies go out, as if its forward ran on a device of its own. The CPU is
@@ -36,6 +37,7 @@ from .connections import Connections, message_fd
 from .core import EngineCore
 
 log = logging.getLogger("pie.engine")
+PRE_AUTH_BYTES = 4096  # the largest message an unauthenticated client may send (its hello)
 
 
 class EngineServer:
@@ -112,7 +114,12 @@ class EngineServer:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         """One message off the ROUTER: its routing id, then (for a well-formed request) one payload frame."""
         client = frames[0].bytes
-        if not self.connections.note(client, message_fd(frames[-1])):
+        fd = message_fd(frames[-1])
+        refused = self.connections.admit(fd)
+        if refused is not None:
+            self._refuse(client, ErrorCode.LIMIT_EXCEEDED, refused)
+            return
+        if not self.connections.note(client, fd):
             self._refuse(client, ErrorCode.UNSUPPORTED, "the engine cannot tell which connection this came on")
             return
         if len(frames) != 2:
@@ -163,8 +170,10 @@ class EngineServer:
     def _check_hello(self, payload: bytes) -> int | None:
         """For an unauthenticated client: refuses ``unauthorized`` anything but a hello carrying the engine's
         token, from the raw map, before any schema validation. Returns the request id it could read."""
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise PieError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if len(payload) > PRE_AUTH_BYTES:  # not even unpacked: a hello is a few hundred bytes
+            raise PieError(
+                ErrorCode.UNAUTHORIZED, f"before its hello a client sends at most {PRE_AUTH_BYTES} bytes a message"
+            )
         try:
             obj = unpack(payload)
         except Exception:  # noqa: BLE001 - msgpack raises several unrelated types

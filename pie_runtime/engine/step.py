@@ -135,7 +135,7 @@ class Step:
                 "pending_fold": ws.pending_fold,
                 "cached_rows": fire.cached_rows,
                 "step_rows": step_rows,  # the batch this fire ran in: what a draft-length planner sees as load
-                "pages": len(ws.pages),  # KV pages the working set holds now
+                "pages": served.pages.held(ws),  # KV pages the working set holds now, every page group's
             }
             if o.device_fold is not None:
                 reply["fold"] = len(o.device_fold)

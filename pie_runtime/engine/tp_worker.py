@@ -170,16 +170,24 @@ class TPGroup:
 
 
 def start_tensor_parallel(
-    name: str, model: LlamaForCausalLM, world: int, kv_pages: int, page_size: int, device: str, threads: int
+    name: str,
+    model: LlamaForCausalLM,
+    world: int,
+    kv_pages: int,
+    page_size: int,
+    device: str,
+    threads: int,
+    swa_full: bool = False,
 ) -> tuple[TPRunner, KVCache]:
-    """Spawns ranks 1..world-1, shards ``model`` as rank 0, and returns rank 0's runner and KV cache."""
+    """Spawns ranks 1..world-1, shards ``model`` as rank 0, and returns rank 0's runner and KV cache. Every rank
+    keeps the same page groups (``swa_full``: models/kv_groups.py) over its heads."""
     check_shardable(model.config, world)
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
             target=worker_main,
-            args=(rank, world, init, name, device, kv_pages, page_size, threads, os.getpid()),
+            args=(rank, world, init, name, device, kv_pages, page_size, threads, os.getpid(), swa_full),
             daemon=True,
         )
         for rank in range(1, world)
@@ -194,7 +202,8 @@ def start_tensor_parallel(
     assert isinstance(head, VocabParallelHead)
     setattr(model, "lm_head", AnnouncedHead(head, group))  # noqa: B010 - a module swap, as ``shard``'s
     dev = _rank_device(device, 0)
-    kv = KVCache(local_config(model.config, 0, world), kv_pages, page_size, torch.float32, str(dev))
+    layout = KVCache.layout_of(model.config, 0, swa_full)
+    kv = KVCache(local_config(model.config, 0, world), kv_pages, page_size, torch.float32, str(dev), layout=layout)
     dist.barrier()  # every worker has its shard and its cache
     return TPRunner(model, kv, dev, group), kv
 
@@ -209,6 +218,7 @@ def worker_main(
     page_size: int,
     threads: int,
     parent: int,
+    swa_full: bool = False,
 ) -> None:
     """Rank ``rank``: build its shard, then run what rank 0 announces until it says stop. Exits when a
     collective fails (rank 0 ended the group, or died) or its parent is gone."""
@@ -223,7 +233,8 @@ def worker_main(
     model = load_model(name, dtype=torch.float32, device=dev, keep_quantized=False).model
     assert isinstance(model, LlamaForCausalLM)  # build.py refuses tensor parallelism for the other families
     shard(model, rank, world)
-    kv = KVCache(local_config(model.config, rank, world), kv_pages, page_size, torch.float32, str(dev))
+    layout = KVCache.layout_of(model.config, 0, swa_full)
+    kv = KVCache(local_config(model.config, rank, world), kv_pages, page_size, torch.float32, str(dev), layout=layout)
     runner = ModelRunner(model, kv, dev)
     try:
         dist.barrier()

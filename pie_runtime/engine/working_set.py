@@ -32,7 +32,9 @@ class WorkingSet:
     id: int
     owner: bytes  # the client identity that opened it
     model: str
-    pages: list[int] = field(default_factory=list)
+    # one page table per KV page group (models/kv_groups.py; one group but for sliding-window models); -1 marks a
+    # page a sliding group let go (engine/kv_pages.py)
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
     committed: int = 0
     dropped: int = 0  # committed rows evicted so far: the next row's position is committed + dropped
     pending_fold: int | None = None  # window size of a fire whose fold is deferred and not yet settled
@@ -44,6 +46,15 @@ class WorkingSet:
     replayed_rows: int = 0  # rows its folds replayed so far (engine/fold.py), reported in fire and fold replies
     # an EAGLE head's features of the last rows run (engine/runner.py's FeatureTail), opaque here
     drafter_tail: object | None = None
+
+    @property
+    def pages(self) -> list[int]:
+        """Page group 0's table (the only one of a model without sliding layers)."""
+        return self.tables[0]
+
+    @pages.setter
+    def pages(self, table: list[int]) -> None:
+        self.tables[0] = table
 
     def check_settle(self, fold: Fold) -> list[int]:
         """Refuses to settle the deferred fold with ``fold`` (a count or a path) unless that fold is answered and
@@ -72,14 +83,17 @@ class WorkingSetTable:
     def __len__(self) -> int:
         return len(self._sets)
 
-    def open(self, owner: bytes, model: str, pages: list[int] | None = None, committed: int = 0) -> WorkingSet:
-        ws = WorkingSet(id=next(self._ids), owner=owner, model=model, pages=pages or [], committed=committed)
+    def open(self, owner: bytes, model: str, tables: list[list[int]] | None = None, committed: int = 0) -> WorkingSet:
+        ws = WorkingSet(id=next(self._ids), owner=owner, model=model, tables=tables or [[]], committed=committed)
         self._sets[ws.id] = ws
         return ws
 
     def remove(self, ws: WorkingSet) -> None:
         ws.released = True
         self._sets.pop(ws.id, None)
+
+    def all(self) -> list[WorkingSet]:
+        return list(self._sets.values())
 
     def owned_by(self, client: bytes) -> list[WorkingSet]:
         return [ws for ws in self._sets.values() if ws.owner == client]

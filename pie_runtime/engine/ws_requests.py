@@ -14,6 +14,7 @@ from ..protocol import messages as m
 from .channels import ChannelTable
 from .fold import settle_fold
 from .jobs import Handler, Reply
+from .prefix_cache import salted_root
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
 
@@ -44,8 +45,10 @@ class WorkingSetRequests:
         served = self.models.get(req.model)
         self._check_room(client)
         hold = served.states.open() if served.states is not None else None  # out_of_state_slots before any change
-        ws = self.sets.open(client, served.name)
+        ws = self.sets.open(client, served.name, tables=served.pages.empty_tables())
         ws.state = hold
+        if served.pages.cache is not None:  # its prefix-cache entries are its salt's own (prefix_cache.py)
+            ws.chain.root = salted_root(served.pages.cache.root, req.cache_salt)
         self._held[client] = self._held.get(client, 0) + 1
         return {"ws": ws.id, "model": served.name, "committed": 0}
 
@@ -55,8 +58,8 @@ class WorkingSetRequests:
         served = self.models[parent.model]
         kv = served.pages
         hold = served.states.fork(parent.state) if served.states is not None and parent.state is not None else None
-        pages = kv.fork(parent)
-        child = self.sets.open(client, parent.model, pages=pages, committed=parent.committed)
+        tables = kv.fork(parent)
+        child = self.sets.open(client, parent.model, tables=tables, committed=parent.committed)
         child.state = hold
         child.dropped = parent.dropped  # its rows sit where the parent's do
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
@@ -96,7 +99,7 @@ class WorkingSetRequests:
                 f"model {ws.model} carries recurrent state, which cannot be cut back to an earlier row; "
                 "fork the working set before the rows you may drop instead",
             )
-        self.models[ws.model].pages.truncate(ws, req.n)
+        self.models[ws.model].pages.truncate(ws, req.n)  # UNSUPPORTED past a sliding group's window
         return {"committed": ws.committed}
 
     def evict(self, client: bytes, req: m.WsEvict) -> dict:
@@ -114,9 +117,10 @@ class WorkingSetRequests:
                 ErrorCode.ROW_OUT_OF_RANGE,
                 f"evict names rows up to {last - 1}, past the {ws.committed} committed rows of working set {ws.id}",
             )
-        drop = set(req.rows).union(*(range(start, stop) for start, stop in req.ranges))
-        freed = self.models[ws.model].pages.evict(ws, drop) if drop else 0
-        return {"committed": ws.committed, "dropped": ws.dropped, "pages": len(ws.pages), "freed": freed}
+        drop = rows_named(req.rows, req.ranges)
+        kv = self.models[ws.model].pages
+        freed = kv.evict(ws, drop) if drop else 0
+        return {"committed": ws.committed, "dropped": ws.dropped, "pages": kv.held(ws), "freed": freed}
 
     def release(self, ws: WorkingSet, notify: bool = True) -> None:
         """Returns ``ws``'s pages; its queued fires are dropped (a run-ahead stops) and, with ``notify``,
@@ -147,3 +151,18 @@ class WorkingSetRequests:
         for ws in mine:
             self.release(ws, notify=False)
         return len(mine)
+
+
+def rows_named(rows: list[int], ranges: list[list[int]]) -> set[int]:
+    """The rows an evict names. Its ranges are merged first, so thousands of overlapping ranges cost their
+    sort and the rows they cover once, not each range's rows again (a stall of the engine's loop)."""
+    merged: list[list[int]] = []
+    for start, stop in sorted((a, b) for a, b in ranges if b > a):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    drop = set(rows)
+    for start, stop in merged:
+        drop.update(range(start, stop))
+    return drop

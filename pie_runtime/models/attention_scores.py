@@ -10,6 +10,9 @@ stays exactly 0. Row by row, from the row's query and its own keys alone, so a r
 rest of the batch: torch's path (:meth:`PassScores.add`, one matmul of one shape per row and layer) recomputes
 ``softmax(q k^T / sqrt(D))`` in float32; the native step recomputes its own scores with its own maximum and
 normaliser (kernels/native/attention.h, ``head_mass``) into :attr:`PassScores.flat`.
+
+A sliding layer (models/kv_groups.py) attends only its window: its mass covers those keys, read through its page
+group's table, and the keys before its window stay 0.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .context import Segment, ancestor_mask
+from .context import Segment, window_mask
+from .kv_groups import KVLayout
 
 
 @dataclass(frozen=True)
@@ -41,30 +45,44 @@ def locate(segments: list[Segment], row: int) -> tuple[Segment, int]:
     raise ValueError(f"row {row} is past the pass's rows")
 
 
-def visible(seg: Segment, i: int) -> np.ndarray:
-    """The sequence indices row ``i`` of ``seg`` attends, ascending (context.py's rule)."""
-    if seg.parents is None:
-        return np.arange(seg.start + i + 1)
-    w = seg.start - seg.window + i  # its row in the tree window
-    ancestors = np.flatnonzero(ancestor_mask(seg.parents)[w].numpy()) + seg.window
-    return np.concatenate([np.arange(seg.window), ancestors])
+def visible(seg: Segment, i: int, window: int | None = None) -> np.ndarray:
+    """The sequence indices row ``i`` of ``seg`` attends at ``window`` (None: a global layer), ascending
+    (context.py's rule)."""
+    keys = seg.start + seg.n_rows
+    return np.flatnonzero(window_mask(seg, window, 0, keys)[i].numpy())
 
 
 class PassScores:
     """The score rows of one pass and their outputs: row i's is ``out[i]``, (layers, width) or (1, width),
     float32, views into one zeroed buffer ``flat`` (what the native step writes)."""
 
-    def __init__(self, rows: list[ScoreRow], segments: list[Segment], page_size: int, layers: int, device):
+    def __init__(
+        self,
+        rows: list[ScoreRow],
+        segments: list[Segment],
+        page_size: int,
+        layers: int,
+        device,
+        layout: KVLayout | None = None,
+    ):
         self.rows = rows
-        self.seq, self.slots = [], []
-        for r in rows:
-            seg, i = locate(segments, r.row)
-            seq = torch.from_numpy(visible(seg, i)).to(device)
-            if int(seq[-1]) >= r.width:
-                raise ValueError(f"score row {r.row} attends sequence index {int(seq[-1])}, past its width {r.width}")
-            table = torch.tensor(seg.page_table, dtype=torch.int64, device=device)
-            self.seq.append(seq)
-            self.slots.append(table[seq // page_size] * page_size + seq % page_size)
+        layout = layout or KVLayout.single(layers)
+        # per layer, its (page group, window); each such view's keys of each row, and their slots in its pages
+        self.layer_key = list(zip(layout.layer_group, layout.layer_window))
+        self.views: dict[tuple[int, int | None], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for group, window in dict.fromkeys(self.layer_key):
+            seqs, slots = [], []
+            for r in rows:
+                seg, i = locate(segments, r.row)
+                seq = torch.from_numpy(visible(seg, i, window)).to(device)
+                if int(seq[-1]) >= r.width:
+                    raise ValueError(
+                        f"score row {r.row} attends sequence index {int(seq[-1])}, past its width {r.width}"
+                    )
+                table = torch.tensor(seg.table(group), dtype=torch.int64, device=device)
+                seqs.append(seq)
+                slots.append(table[seq // page_size] * page_size + seq % page_size)
+            self.views[(group, window)] = (seqs, slots)
         sizes = [(layers if r.per_layer else 1) * r.width for r in rows]
         self.at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.flat = torch.zeros(int(self.at[-1]), dtype=torch.float32, device=device)
@@ -74,7 +92,8 @@ class PassScores:
         """Torch's path: adds layer ``layer``'s mass, from q (N, h, D) rotated and this layer's pool keys
         k_cache (kvh, slots, D)."""
         kvh, d = k_cache.shape[0], k_cache.shape[2]
-        for r, seq, slots, out in zip(self.rows, self.seq, self.slots, self.out):
+        seqs, slot_lists = self.views[self.layer_key[layer]]
+        for r, seq, slots, out in zip(self.rows, seqs, slot_lists, self.out):
             qr = q[r.row].float().view(kvh, -1, d)  # (kvh, g, D): heads of a key head are adjacent
             kr = k_cache.index_select(1, slots).float()  # (kvh, K, D)
             p = torch.softmax(torch.matmul(qr, kr.transpose(1, 2)) * scale, dim=-1)  # (kvh, g, K)

@@ -32,6 +32,10 @@ class TokenizerInfo(BaseModel):
     eos_token_ids: list[int] = []
     chat_template: str | None = None
     special_tokens: list[str] = []
+    # whether a plain prompt starts with BOS / ends with EOS (GGUF ``tokenizer.ggml.add_bos_token``, Hugging Face
+    # tokenizer.json's post-processor); the SDK adds them once (``inferlet.Tokenizer.encode_prompt``)
+    add_bos_token: bool = False
+    add_eos_token: bool = False
 
 
 @dataclass

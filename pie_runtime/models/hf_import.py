@@ -106,12 +106,28 @@ def tokenizer_info(folder: Path, hf_config: dict[str, Any], tokenizer_json: str)
             if int(i) not in eos:
                 eos.append(int(i))
     added = json.loads(tokenizer_json).get("added_tokens", [])
+    bos = hf_config.get("bos_token_id")
+    add_bos, add_eos = adds_bos_eos(tokenizer_json, bos, eos[0] if eos else None)
     return TokenizerInfo(
-        bos_token_id=hf_config.get("bos_token_id"),
+        bos_token_id=bos,
         eos_token_ids=eos,
         chat_template=template,
         special_tokens=[t["content"] for t in added if t.get("special")],
+        add_bos_token=bool(tok_cfg.get("add_bos_token", add_bos)) and bos is not None,
+        add_eos_token=bool(tok_cfg.get("add_eos_token", add_eos)) and bool(eos),
     )
+
+
+def adds_bos_eos(tokenizer_json: str, bos: int | None, eos: int | None) -> tuple[bool, bool]:
+    """Whether the tokenizer.json's post-processor puts BOS before / EOS after a text (Llama 3's and Gemma's do);
+    tokenizer_config.json's ``add_bos_token`` / ``add_eos_token``, where present, say it instead."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    plain, framed = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
+    added_bos = bos is not None and framed[:1] == [bos] and plain[:1] != [bos]
+    added_eos = eos is not None and framed[-1:] == [eos] and plain[-1:] != [eos]
+    return added_bos, added_eos
 
 
 def convert_hf(folder: Path, *, progress: bool = True) -> Converted:

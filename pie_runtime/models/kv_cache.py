@@ -7,7 +7,11 @@ float32 attention of CPUs without bf16 units converts it in one contiguous pass,
 slower strided copy per head: docs/performance.md, "KV pool layout").
 
 ``extra_layers``: layers past the model's own, for a drafter that keeps K/V per position in the same pages
-(an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too."""
+(an EAGLE head's draft layer, models/eagle.py), so that every page operation carries them too.
+
+Page groups (models/kv_groups.py): a page holds ``layout.unit`` layers, and KV layer ``l`` lives in storage
+layer ``layout.layer_row[l]`` of the pages of its group's table. A model with one attention kind: every layer,
+one group, the layout this module always had."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 from .config import AnyConfig
+from .kv_groups import KVLayout, attention_windows
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -41,18 +46,35 @@ class KVCache:
         dtype: torch.dtype,
         device="cpu",
         extra_layers: int = 0,
+        layout: KVLayout | None = None,
     ):
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (cfg.kv_layers + extra_layers, cfg.num_key_value_heads, num_pages * page_size, cfg.head_dim)
+        # without a layout: one group keeping every row, each layer at its window (what a caller that knows no
+        # page groups lays out); the engine passes the model's page groups (engine/build.py)
+        self.layout = layout or self.layout_of(cfg, extra_layers, swa_full=True)
+        shape = (self.layout.unit, cfg.num_key_value_heads, num_pages * page_size, cfg.head_dim)
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
 
     @staticmethod
-    def bytes_per_page(cfg: AnyConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
-        """0 for a model without attention layers (and no extra layers)."""
+    def bytes_per_page(
+        cfg: AnyConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0, layout: KVLayout | None = None
+    ) -> int:
+        """0 for a model without attention layers (and no extra layers). A page holds ``layout.unit`` layers."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * (cfg.kv_layers + extra_layers) * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        layers = (layout or KVCache.layout_of(cfg, extra_layers, swa_full=True)).unit
+        return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    @staticmethod
+    def layout_of(cfg: AnyConfig, extra_layers: int = 0, swa_full: bool = False) -> KVLayout:
+        """The page groups of ``cfg``'s KV layers (models/kv_groups.py)."""
+        return KVLayout.of(attention_windows(cfg), extra_layers, swa_full)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV layer ``layer``'s K and V storage, (kv_heads, slots, head_dim) each, indexed by its group's slots."""
+        row = self.layout.layer_row[layer]
+        return self.k[row], self.v[row]
 
     @property
     def nbytes(self) -> int:

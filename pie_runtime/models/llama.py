@@ -96,9 +96,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Writes k and v into the cache, attends each row over its sequence's pages → (N, h * D)."""
         n, h, kvh, d = q.shape[0], self.heads, self.kv_heads, self.head_dim
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # (kvh, slots, D)
-        k_cache.index_copy_(1, ctx.write_slots, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, ctx.write_slots, v.transpose(0, 1).to(v_cache.dtype))
+        k_cache, v_cache = kv.layer(self.layer)  # (kvh, slots, D) of its page group's pages
+        view = ctx.view(self.layer)  # its page group's slots and its window's attention calls
+        k_cache.index_copy_(1, view.write_slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, view.write_slots, v.transpose(0, 1).to(v_cache.dtype))
         if ctx.scores is not None:  # the attention readout, only on a pass that reads it
             ctx.scores.add(self.layer, q, k_cache, self.scale)
         ps = kv.page_size
@@ -107,8 +108,8 @@ class Attention(nn.Module):
         fp32 = self.batch_invariant and _fp32_attention(q)
         window = self.window
 
-        out = None if _one_span(ctx, n) else torch.empty(n, h, d, dtype=q.dtype, device=q.device)
-        for g in ctx.groups:
+        out = None if _one_span(view.groups, n) else torch.empty(n, h, d, dtype=q.dtype, device=q.device)
+        for g in view.groups:
             b, p = g.key_pages.shape
             if g.row_span is not None:  # the rows in order: a slice, laid out as the gather would lay it out
                 first, count = g.row_span
@@ -166,10 +167,10 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(*self.project(x, cos, sin), ctx, kv))
 
 
-def _one_span(ctx: ForwardContext, n: int) -> bool:
+def _one_span(groups: tuple[AttentionGroup, ...], n: int) -> bool:
     """True when the pass is one attention group whose queries are all ``n`` rows in order (a decode step,
     one verify window): its output is the layer's, with no scatter."""
-    return len(ctx.groups) == 1 and ctx.groups[0].row_span == (0, n)
+    return len(groups) == 1 and groups[0].row_span == (0, n)
 
 
 def _fp32_attention(q: torch.Tensor) -> bool:

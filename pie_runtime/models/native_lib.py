@@ -141,6 +141,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pie_qmatmul": ([_P, _I, _L, _L, _P, _L, _P, _P], None),
         "pie_step_scratch": ([_P, _L], _L),
         "pie_decoder_step": ([_P, _P, _P], None),
+        "pie_struct_layout": ([_L, ctypes.POINTER(ctypes.c_char_p)], _L),
         "pie_profile_names": ([], ctypes.c_char_p),
         "pie_profile_read": ([_P, ctypes.c_int], ctypes.c_int),
     }

@@ -94,6 +94,8 @@ class GetTokenizer(_Req):
 class WsOpen(_Req):
     op: Literal["ws_open"]
     model: str | None = None
+    # its prefix-cache pages are shared only with working sets opened with the same salt (pie serve: a key's)
+    cache_salt: str | None = Field(default=None, max_length=128)
 
 
 class WsFork(_Req):
@@ -407,6 +409,9 @@ class ModelInfo(BaseModel):
     bos_token_id: int | None
     eos_token_ids: list[int]
     chat_template: str | None
+    # a plain prompt starts with BOS / ends with EOS (the model's tokenizer rule; the SDK adds them once)
+    add_bos_token: bool = False
+    add_eos_token: bool = False
     drafters: list[dict] = []
     mtp_depth: int = 0  # > 0 when the model serves MTP(k) readouts
     hidden_size: int = 0  # width of Hidden() readouts and of a program's hidden intrinsic
@@ -427,6 +432,10 @@ class ModelInfo(BaseModel):
     weight_bytes: int = 0  # bytes of the projections and lm head as served
     kernels: str = "torch"  # what runs the passes: "native <ISA variant>" (models/native_model.py) or "torch"
     kv_bytes: int = 0  # bytes of the KV pool, allocated at start
+    page_bytes: int = 0  # bytes of one KV page (every page group's pages are alike: models/kv_groups.py)
+    # per KV page group: the rows it keeps (None: every row); more than one, or a window, for sliding-window models
+    page_windows: list[int | None] = [None]
+    sliding: bool = False  # some layers attend only a window of rows (their pages are let go of unless --kv-swa-full)
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
     family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)
     recurrent: bool = False  # a working set carries recurrent state: a fold of fewer rows than ran restores it

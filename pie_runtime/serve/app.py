@@ -4,15 +4,22 @@ that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an
 
     GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
+    GET  /docs, /openapi.json         the API's schema
     GET  /v1/models
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
     POST /tokenize, /detokenize
     GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
     GET, POST /v1/prompt_caches;  GET, DELETE /v1/prompt_caches/{name}   (--prompt-cache-dir: prompt_caches.py)
+
+With keys set, every route but /health needs one (/metrics too, unless ``open_metrics``); a key's uploads,
+prompt caches, cached prefixes (a salt a key cannot derive for another) and runs are its own (docs/security.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
@@ -27,8 +35,9 @@ from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
 from .disconnect import unless_disconnected
-from .errors import invalid_request, not_found, unavailable
+from .errors import invalid_request, not_found, run_failed, unavailable
 from .generation import Job, Limits, build_job, chat_prompt, check_text, completion_prompt, count_tokens
+from .host_pool import RunFailed
 from .inferlet_routes import add_inferlet_routes
 from .metrics import Metrics
 from .openai_api import (
@@ -50,9 +59,12 @@ from .policies import Capabilities, Policy
 from .prompt_cache_routes import add_prompt_cache_routes
 from .prompt_caches import PromptCaches, disabled, start_from
 from .runs import Runs
+from .sandbox import key_dir
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
+from .tenants import RunOwners
 
 DEFAULT_MAX_BODY = 8 << 20
+DEFAULT_RUN_TOKENS = 128  # CompletionArgs.max_tokens' default: what a run that does not say is charged
 # every route's refusals and failures, as published in the OpenAPI schema
 ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorResponse, "description": "a refused request"},
@@ -77,6 +89,9 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
     served_name: str | None = None  # the model id clients use (default: the store name)
     prompt_cache_dir: Path | None = None  # saved prompt caches (prompt_caches.py); None: off
+    share_prefix_cache: bool = False  # cached prefixes shared across keys (else each key's own: a salt)
+    open_metrics: bool = False  # /metrics without a key when keys are set
+    stream_stall_timeout: float = Field(default=60.0, gt=0)  # s a stream's client may not read before it ends
 
 
 class Server:
@@ -89,7 +104,9 @@ class Server:
         self.metrics = Metrics()
         self.created = int(time.time())
         self._runs: Runs | None = None
-        self._upload_runs: Runs | None = None
+        self._upload_runs: dict[str, Runs] = {}
+        self.owners = RunOwners()
+        self._salt_secret = os.urandom(32)  # salts no key can derive for another key
         folder = config.prompt_cache_dir
         self.prompt_caches = PromptCaches(folder) if folder is not None else None
 
@@ -113,23 +130,36 @@ class Server:
         self._runs.pool = b.pool  # a restarted engine's
         return self._runs
 
-    def upload_runs(self) -> Runs | None:
-        """The runs of uploaded inferlets (their own limited hosts), or None when uploads are off."""
-        pool = self.backend.upload_pool
-        if pool is None:
-            return None
-        if self._upload_runs is None:
+    async def upload_runs(self, key: str) -> Runs:
+        """The runs of ``key``'s uploaded inferlets, in its own sandboxed hosts (started on first use)."""
+        uploads = self.backend.uploads
+        assert uploads is not None  # the routes check uploads are on
+        try:
+            pool = await uploads.hosts.pool(key)
+        except RunFailed as e:
+            raise run_failed(e.code, e.message) from None
+        runs = self._upload_runs.get(key)
+        if runs is None:
             c = self.config
-            self._upload_runs = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
-        self._upload_runs.pool = pool
-        return self._upload_runs
+            runs = self._upload_runs[key] = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
+        runs.pool = pool
+        return runs
 
-    def prompt_cache(self, name: str) -> Path:
-        """The saved prompt cache ``name``, checked against the served model (prompt_caches.py's refusals)."""
+    def caches_of(self, key: str) -> PromptCaches:
+        """``key``'s saved prompt caches: a folder of its own (the anonymous client's is the folder itself);
+        another key's are not there to list, load, overwrite or delete."""
         if self.prompt_caches is None:
             raise disabled()
+        if not key:
+            return self.prompt_caches
+        folder = self.prompt_caches.folder / key_dir(key)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return PromptCaches(folder)
+
+    def prompt_cache(self, key: str, name: str) -> Path:
+        """``key``'s saved prompt cache ``name``, checked against the served model (prompt_caches.py's refusals)."""
         assert self.backend.info is not None  # runs() checked the backend is ready
-        return self.prompt_caches.checked(name, self.backend.info, "prompt_cache")
+        return self.caches_of(key).checked(name, self.backend.info, "prompt_cache")
 
     def limits(self) -> Limits:
         info = self.backend.info
@@ -140,18 +170,47 @@ class Server:
         if name is not None and name not in (self.model_id, self.backend.model):
             raise not_found(f"the model {name!r} does not exist (served: {self.model_id})", "model_not_found", "model")
 
+    def salt(self, key: str) -> str | None:
+        """The prefix-cache salt of ``key``'s runs: cached prefixes are each key's own unless
+        ``share_prefix_cache`` (or there are no keys), so a hit tells no key what another sent."""
+        if self.config.share_prefix_cache or not key:
+            return None
+        return hmac.new(self._salt_secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def admit_run(self, key: str, args: dict[str, Any]) -> Lease:
+        """An inferlet run's admission, as a completion's: its ``n`` and ``max_tokens`` (the SDK's defaults
+        when absent) within the server's limits (a 400), and its prompt, token budget and KV pages charged to
+        the key's quotas (a 429 over one) before it starts."""
+        limits = self.limits()
+        n = _int_arg(args, "n", 1)
+        max_tokens = _int_arg(args, "max_tokens", min(DEFAULT_RUN_TOKENS, limits.max_tokens))
+        if n > limits.max_n:
+            raise invalid_request(f"n is at most {limits.max_n} on this server", "args.n")
+        if max_tokens > limits.max_tokens:
+            raise invalid_request(f"max_tokens is at most {limits.max_tokens} on this server", "args.max_tokens")
+        ids, text = args.get("prompt_token_ids"), args.get("prompt")
+        if isinstance(ids, list):
+            prompt = len(ids)
+        elif isinstance(text, str):
+            prompt = count_tokens(_tokenizer(self.backend), text, limits.max_model_len)
+        else:
+            prompt = 0
+        pages = pages_needed(prompt, max_tokens, n, limits.page_size)
+        return self.quotas.admit(key, prompt, pages, max_tokens * n)
+
     def admit(self, key: str, job: Job) -> Lease:
         pages = pages_needed(job.prompt_tokens, job.max_tokens, job.n, self.limits().page_size)
         return self.quotas.admit(key, job.prompt_tokens, pages, job.max_tokens * job.n)
 
 
 def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAPI:
+    keyed = quotas.required  # with keys, nothing but /health answers without one (/metrics: --open-metrics)
     app = FastAPI(
         title="pie serve",
         description="An OpenAI-compatible API over inferlet runs, and runs of custom inferlets.",
-        docs_url="/docs",
+        docs_url=None if keyed else "/docs",
         redoc_url=None,
-        openapi_url="/openapi.json",
+        openapi_url=None if keyed else "/openapi.json",
         responses=ERRORS,
     )
     server = Server(backend, config, quotas)
@@ -162,9 +221,12 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     def api_key(authorization: str | None = Header(default=None)) -> str:
         return quotas.authenticate(authorization)
 
-    _add_probe_routes(app, server)
-    _add_token_routes(app, server)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
+    guard = [Depends(api_key)]
+    _add_probe_routes(app, server, [] if config.open_metrics else guard)
+    _add_token_routes(app, server, guard)
+    if keyed:
+        _add_keyed_docs(app, guard)
+    v1 = APIRouter(prefix="/v1", dependencies=guard)
     _add_openai_routes(v1, server, api_key)
     add_inferlet_routes(v1, server, api_key)
     add_prompt_cache_routes(v1, server, api_key)
@@ -172,7 +234,19 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     return app
 
 
-def _add_probe_routes(app: FastAPI, server: Server) -> None:
+def _add_keyed_docs(app: FastAPI, guard: list[Any]) -> None:
+    """/openapi.json and /docs behind the keys (the schema names every route and limit of this server)."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=guard)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=guard)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pie serve")
+
+
+def _add_probe_routes(app: FastAPI, server: Server, guard: list[Any]) -> None:
     """/health (200 serving; 503 loading, restarting the engine, failed or draining; the engine's life in
     ``engine``) and /metrics (Prometheus text)."""
     backend = server.backend
@@ -183,7 +257,7 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
         body = Health(status=state, error=backend.error, engine=backend.engine_health())
         return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if state == "ready" else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS, dependencies=guard)
     async def metrics() -> Response:
         runs = server._runs
         model = backend.model
@@ -193,11 +267,11 @@ def _add_probe_routes(app: FastAPI, server: Server) -> None:
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _add_token_routes(app: FastAPI, server: Server) -> None:
+def _add_token_routes(app: FastAPI, server: Server, guard: list[Any]) -> None:
     """/tokenize (a prompt or chat messages, rendered in the model's template) and /detokenize."""
     backend = server.backend
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=guard)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.runs()
         server.check_model(req.model)
@@ -214,10 +288,10 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
             raise invalid_request(
                 f"the text has more than {limit} tokens, this model's context", "prompt", "context_length_exceeded"
             )
-        ids = tok.encode(text)
+        ids = tok.encode_prompt(text)  # what the model reads: its BOS included
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=guard)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         server.runs()
         server.check_model(req.model)
@@ -256,13 +330,15 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         tok = _tokenizer(backend)
         job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
         if req.prompt_cache is not None:
-            job = start_from(job, req, server.prompt_cache(req.prompt_cache))
+            job = start_from(job, req, server.prompt_cache(key, req.prompt_cache))
         lease = server.admit(key, job)
-        events = runs.events(job.inferlet, job.args, lease, arrival=arrival, session=session or req.user)
+        events = runs.events(
+            job.inferlet, job.args, lease, arrival=arrival, session=session or req.user, cache_salt=server.salt(key)
+        )
         rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
         if req.stream:
             first = await unless_disconnected(request, prime(events))
-            return sse_response(stream(rid, model, req, tok, job, first, events))
+            return sse_response(stream(rid, model, req, tok, job, first, events), None, config.stream_stall_timeout)
         result = await unless_disconnected(request, runs.collect(events))
         return JSONResponse(respond(rid, model, tok, job, result, req.return_token_ids).model_dump(exclude_none=True))
 
@@ -282,6 +358,12 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         request: Request, req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
         return await generate(request, req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+
+
+def _int_arg(args: dict[str, Any], name: str, default: int) -> int:
+    """An integer run argument, or its default when absent or not an integer (the host's Args refuse that)."""
+    value = args.get(name, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
 def _tokenizer(backend: Backend):

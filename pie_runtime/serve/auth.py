@@ -8,12 +8,16 @@ request is admitted (over one: 429, the request never starts):
 - ``concurrent``: runs in flight;
 - ``tokens_per_minute``: prompt and completion tokens charged in the last 60 s (a sliding window). A request
   is admitted only if its prompt and its whole token budget (``max_tokens`` for each choice) fit under the
-  quota beside what the window holds; it is charged its prompt at admission and what it generated at its end;
+  quota beside what the window holds, and it is charged both at admission, so streams running at once or
+  abandoned halfway cannot generate past the quota; a run that ends with a result is then charged what it
+  generated instead of its budget (``Lease.settle``), one that is cancelled or fails keeps its budget charged;
 - ``kv_pages``: KV pages held. A request holds, from admission to its end, the pages its working sets can
   grow to: ``ceil((prompt + max_tokens) / page_size)`` for the prompt's set plus, for ``n > 1``, the
   completion pages of each fork. Counting the bound rather than the engine's live per-client pages makes
   admission exact and immediate (a run never fails halfway with ``out_of_pages`` because another key grew),
-  and a key at its page quota is refused without touching what other keys hold.
+  and a key at its page quota is refused without touching what other keys hold;
+- ``cache_bytes``: bytes of saved prompt caches the key keeps (``POST /v1/prompt_caches``): a save is refused
+  when the key's caches already fill it, and a save that takes it past it is removed again (both 429).
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class KeyQuota(BaseModel):
     concurrent: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
     kv_pages: int | None = Field(default=None, ge=1)
+    cache_bytes: int | None = Field(default=None, ge=1)  # bytes of saved prompt caches the key may keep
+
+
+def check_cache_bytes(quota: KeyQuota, used: int, adding: int = 0) -> None:
+    """429 ``cache_bytes`` when the key's saved caches (``used`` bytes, plus ``adding``) go past its quota."""
+    limit = quota.cache_bytes
+    if limit is not None and (used + adding > limit if adding else used >= limit):
+        raise rate_limited(
+            f"this key's saved prompt caches take {used + adding} bytes (quota {quota.cache_bytes})", "cache_bytes"
+        )
 
 
 class KeyFile(BaseModel):
@@ -58,25 +72,34 @@ def pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) ->
 class KeyUsage:
     running: int = 0
     pages: int = 0
-    window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens charged)
+    window: deque[list[float]] = field(default_factory=deque)  # [time, tokens charged]: settle() edits one
 
     def tokens_last_minute(self, now: float) -> int:
         while self.window and self.window[0][0] <= now - 60.0:
             self.window.popleft()
-        return sum(t for _, t in self.window)
+        return int(sum(t for _, t in self.window))
 
 
 class Lease:
     """A request's hold on its key's quotas, from admission until ``release()``."""
 
-    def __init__(self, usage: KeyUsage, pages: int) -> None:
+    def __init__(self, usage: KeyUsage, pages: int, prompt_tokens: int = 0, budget: int = 0) -> None:
         self._usage = usage
         self._pages = pages
         self._open = True
+        self._prompt = prompt_tokens
+        self._budget = budget
+        self._entry = [time.monotonic(), float(prompt_tokens + budget)]  # charged at admission
+        usage.window.append(self._entry)
 
     def charge(self, tokens: int) -> None:
         if tokens > 0:
-            self._usage.window.append((time.monotonic(), tokens))
+            self._usage.window.append([time.monotonic(), float(tokens)])
+
+    def settle(self, generated: int) -> None:
+        """The run ended with ``generated`` tokens: charged them instead of its whole budget."""
+        self._entry[1] = float(self._prompt + min(generated, self._budget))
+        self.charge(generated - self._budget)
 
     def release(self) -> None:
         if self._open:
@@ -135,6 +158,4 @@ class Quotas:
                 )
         use.running += 1
         use.pages += pages
-        lease = Lease(use, pages)
-        lease.charge(prompt_tokens)
-        return lease
+        return Lease(use, pages, prompt_tokens, max_new_tokens)

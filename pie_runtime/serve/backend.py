@@ -8,8 +8,9 @@ Once up, a watcher waits on the engine process. When it dies (state ``restarting
 once with ``engine_lost`` (503), the hosts and the server's connection go with it, and a new engine, connection
 and pools are brought up as the ``RestartPolicy`` allows (``engine_life.py``); past it the state is ``failed``.
 
-With uploads allowed (``Uploads``), a second pool runs the uploaded files, from a folder of the server's own,
-in hosts under resource limits and without the server's environment (no keys, no tokens but the engine's).
+With uploads allowed (``Uploads``), each key's uploaded files run in a pool of that key's own, in hosts inside
+the OS sandbox (sandbox.py, tenants.py), which reach the engine through an extra ``ipc://`` listener in the
+sandbox's private folder (``--also-listen``); those pools start on a key's first run and go with the engine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from .engine_life import EngineExit, EngineState, EngineStatus, RestartPolicy, R
 from .host_pool import HostPool, RunFailed
 from .limits import HostLimits
 from .metrics import ClusterCounts
+from .sandbox import Sandbox
+from .tenants import UploadHosts
 
 log = logging.getLogger("pie.serve")
 
@@ -40,10 +43,15 @@ State = Literal["starting", "ready", "restarting", "draining", "failed"]
 
 @dataclass
 class Uploads:
-    """Where uploaded inferlets are written, and the limits of the hosts that run them."""
+    """Where uploaded inferlets are written (a folder per key), the limits of the hosts that run them and the
+    sandbox they run in."""
 
     folder: Path
     limits: HostLimits
+    sandbox: Sandbox
+
+    def __post_init__(self) -> None:
+        self.hosts = UploadHosts(self.folder, self.sandbox, self.limits)
 
 
 @dataclass
@@ -79,7 +87,6 @@ class Backend:
         self.engine: EmbeddedEngine | None = None
         self.pool: HostPool | None = None
         self.uploads = uploads
-        self.upload_pool: HostPool | None = None
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self._client: Client | None = None
@@ -119,19 +126,11 @@ class Backend:
         infos = [ModelInfo.model_validate(m) for m in hello["models"]]
         self.info = next(i for i in infos if i.name == self.model)
         tok_json = (await self._client.request("tokenizer", model=self.model))["tokenizer_json"]
-        self.tokenizer = Tokenizer(
-            tok_json, self.info.eos_token_ids, self.info.bos_token_id, self.chat_template or self.info.chat_template
-        )
+        self.tokenizer = Tokenizer.for_model(tok_json, self.info, self.chat_template)
         self.pool = HostPool(
             address, self.workers, token=self.spec.token, inferlet_dirs=self.inferlet_dirs, limits=self.limits
         )
         await self.pool.start()
-        if self.uploads is not None:
-            self.uploads.folder.mkdir(parents=True, exist_ok=True)
-            self.upload_pool = HostPool(
-                address, 1, token=self.spec.token, inferlet_dirs=[self.uploads.folder], limits=self.uploads.limits
-            )
-            await self.upload_pool.start()
 
     def engine_health(self) -> EngineStatus | None:
         """``/health``'s ``engine`` object (None: engines are watched elsewhere, as Ray's under --engines N)."""
@@ -157,9 +156,11 @@ class Backend:
 
     async def _drop(self, failure: RunFailed) -> None:
         """Ends everything that stood on the dead engine: its runs (with ``failure``), hosts and connection."""
-        pools = [p for p in (self.pool, self.upload_pool) if p is not None]
-        self.pool = self.upload_pool = None
+        pools = [p for p in (self.pool,) if p is not None]
+        self.pool = None
         await asyncio.gather(*(p.close(kill=True, failure=failure) for p in pools))
+        if self.uploads is not None:
+            await self.uploads.hosts.drop(failure)
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -205,9 +206,12 @@ class Backend:
         if self.spec.listen:
             # the engine's one listener becomes the tcp address (argparse: the last --listen wins)
             extra += ["--listen", self.spec.listen]
+        env = dict(self.spec.env or {})
         if self.spec.token:
-            extra += ["--token", self.spec.token]
-        engine = EmbeddedEngine(self.spec.models, extra, env=self.spec.env)
+            env["PIE_ENGINE_TOKEN"] = self.spec.token  # never on argv (`pie engine` reads it from there)
+        if self.uploads is not None:
+            extra += ["--also-listen", self.uploads.sandbox.engine_address]
+        engine = EmbeddedEngine(self.spec.models, extra, env=env)
         if self.spec.listen:
             engine.address = self.spec.listen
         return engine
@@ -240,12 +244,14 @@ class Backend:
             started = (await asyncio.gather(self._starting, return_exceptions=True))[0]
             if isinstance(started, EmbeddedEngine) and started is not self.engine:
                 await asyncio.to_thread(started.stop)
-        pools = [p for p in (self.pool, self.upload_pool) if p is not None]
+        pools = [p for p in (self.pool,) if p is not None]
         try:
             await asyncio.gather(*(p.drain(drain_timeout) for p in pools))
         finally:
             for p in pools:
                 await p.close()
+            if self.uploads is not None:
+                await self.uploads.hosts.drop(drain_timeout=drain_timeout)
         if self._client is not None:
             self._client.close()
         if self.engine is not None:

@@ -34,6 +34,7 @@ class StartRun(_Msg):
     inferlet: str  # the name the run reports under (engine stats), also the module's cache key with ``path``
     path: str
     args: dict[str, Any]
+    cache_salt: str | None = None  # the prefix-cache salt of its working sets (its API key's)
 
 
 class CancelRun(_Msg):

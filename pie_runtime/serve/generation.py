@@ -76,18 +76,18 @@ def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str | list[int]
 
 
 def count_tokens(tok: Tokenizer, text: str, most: int) -> int:
-    """``len(tok.encode(text))``; for a text that cannot fit in ``most`` tokens, a count past ``most`` found
-    from its first pieces, so a huge prompt costs the memory and time of tokenizing ``most`` tokens, not all
-    of it. Summed over pieces a count runs over the whole's by at most a token or two a cut (a cut splits a
-    word), hence the slack per piece."""
+    """``len(tok.encode_prompt(text))`` (the model's BOS counted); for a text that cannot fit in ``most`` tokens, a
+    count past ``most`` found from its first pieces, so a huge prompt costs the memory and time of tokenizing
+    ``most`` tokens, not all of it. Summed over pieces a count runs over the whole's by at most a token or two a
+    cut (a cut splits a word), hence the slack per piece."""
     if len(text) <= COUNT_PIECE:
-        return len(tok.encode(text))
+        return len(tok.encode_prompt(text))
     seen = 0
     for cut, start in enumerate(range(0, len(text), COUNT_PIECE)):
         seen += len(tok.encode(text[start : start + COUNT_PIECE]))
         if seen > most + 2 * (cut + 1):
             return seen - 2 * (cut + 1)
-    return len(tok.encode(text))
+    return len(tok.encode_prompt(text))
 
 
 def build_job(

@@ -13,6 +13,7 @@ Changes to the interface agreed with the APP helper (all additive):
 - ``launcher`` (``host_launcher.py``) starts the hosts: as the server's children by default, or on another
   machine (``cluster/host_actor.py``); ``control_ip`` then binds the control socket on ``tcp://IP:PORT``
   instead of ``ipc://``, and each host's spawn id carries 128 random bits (the only identities it answers).
+- ``control_dir``: the folder of the ``ipc://`` control socket (a sandbox's private one, sandbox.py).
 
 ``HostPool`` binds a ROUTER control socket on a fresh ``ipc://`` address (``control.py``) and keeps ``workers``
 hosts (``inferlet_host.py``) alive: one supervisor task a slot spawns its host, waits for it to exit, fails the runs it
@@ -118,6 +119,7 @@ class HostPool:
         start_timeout_s: float = 120.0,
         launcher: HostLauncher | None = None,
         control_ip: str | None = None,
+        control_dir: Path | None = None,
     ):
         if workers < 1:
             raise ValueError("a pool needs at least one host")
@@ -133,7 +135,8 @@ class HostPool:
         self.start_timeout_s = start_timeout_s
         self.launcher: HostLauncher = launcher or LocalLauncher()
         self.control_ip = control_ip
-        self.control_address = f"ipc://{tempfile.gettempdir()}/pie-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+        folder = control_dir or Path(tempfile.gettempdir())  # control_dir: a sandbox's private folder
+        self.control_address = f"ipc://{folder}/pie-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._sock: zmq.asyncio.Socket | None = None
         self._hosts: dict[str, _Host] = {}  # spawn id → host (alive, or dead and not yet reaped)
         self._slots: list[_Host | None] = [None] * workers
@@ -192,10 +195,12 @@ class HostPool:
         run_id: str | None = None,
         timeout: float | None = None,
         session: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Streams the run's "text" events, then exactly one "result"; raises RunFailed. Leaving the loop
         early (or the consumer being cancelled) cancels the run. ``session`` (a routing key) means nothing
-        with one engine; ``cluster.pool.ClusterPool`` routes by it."""
+        with one engine; ``cluster.pool.ClusterPool`` routes by it. ``cache_salt``: its working sets' prefix-cache
+        salt (its API key's)."""
         if self._draining:
             raise self._failure or RunFailed("overloaded", "the server is shutting down")
         path = self.inferlets().get(inferlet)
@@ -206,7 +211,7 @@ class HostPool:
         run_id = run_id or uuid.uuid4().hex
         if run_id in self._runs:
             raise RunFailed("bad_arguments", f"run id {run_id!r} is in use")
-        start = _check_carried(run_id, inferlet, path, args)
+        start = _check_carried(run_id, inferlet, path, args, cache_salt)
         run = PooledRun(run_id, inferlet, path, dict(args), start=start)
         self._runs[run_id] = run
         self._idle.clear()
@@ -500,12 +505,12 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def _check_carried(run_id: str, inferlet: str, path: Path, args: dict) -> bytes:
+def _check_carried(run_id: str, inferlet: str, path: Path, args: dict, cache_salt: str | None = None) -> bytes:
     """The run's StartRun, encoded; raises RunFailed when the arguments would not arrive: a message that does
     not encode, or that a host drops because it does not decode (map keys that are not strings, say), would
     leave the run waiting."""
     try:
-        data = c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args))
+        data = c.encode(c.StartRun(run=run_id, inferlet=inferlet, path=str(path), args=args, cache_salt=cache_salt))
         c.decode_to_host(data)
         return data
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int past 64 bits

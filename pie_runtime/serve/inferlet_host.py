@@ -35,7 +35,7 @@ from inferlet.errors import UsageError
 from inferlet.runtime import Entry, Session, jsonable, load_module, run_in_context
 
 from . import control as c
-from .limits import HostLimits, apply, die_with_parent
+from .limits import HostLimits, apply, die_with_parent, reap_strays
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Host:
     session: Session
     sock: zmq.asyncio.Socket
     heartbeat_s: float
+    reap: bool = False  # after each run, kill what it forked (a sandboxed host: alone in its pid namespace)
     modules: dict[str, _Loaded] = field(default_factory=dict)
     runs: dict[str, asyncio.Task] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)  # runs whose task was cancelled (once)
@@ -84,17 +85,20 @@ class Host:
         except ValueError as e:  # pydantic's ValidationError is one
             self.outbox.put_nowait(c.Error(run=msg.run, code="bad_arguments", message=str(e)))
             return
-        task = asyncio.get_running_loop().create_task(self._run(msg.run, msg.inferlet, fn, args))
+        task = asyncio.get_running_loop().create_task(self._run(msg.run, msg.inferlet, fn, args, msg.cache_salt))
         task.add_done_callback(lambda t, run_id=msg.run: self._cancelled_before_start(t, run_id))
         self.runs[msg.run] = task
 
-    async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any) -> None:
+    async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any, salt: str | None = None) -> None:
         def sink(text: str, logprobs: list[dict] | None = None) -> None:
             if text:
                 self.outbox.put_nowait(c.Text(run=run_id, text=text, logprobs=logprobs))
 
         try:
-            result = await run_in_context(fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id)
+            salted = {"cache_salt": salt} if salt else {}  # unsalted runs ask nothing new of the SDK
+            result = await run_in_context(
+                fn, args, session=self.session, inferlet=inferlet, sink=sink, run_id=run_id, **salted
+            )
             reply: c.Result | c.Error = c.Result(run=run_id, result=jsonable(result))
         except asyncio.CancelledError:
             reply = c.Error(run=run_id, code="cancelled", message="the run was cancelled")
@@ -106,6 +110,8 @@ class Host:
         finally:
             self.runs.pop(run_id, None)
             self.cancelled.discard(run_id)
+            if self.reap:
+                reap_strays()
         try:
             c.encode(reply)
         except (TypeError, ValueError) as e:  # a result msgpack cannot carry
@@ -174,13 +180,15 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-async def serve(control: str, engine: str, host_id: str, heartbeat_s: float, token: str | None) -> None:
+async def serve(
+    control: str, engine: str, host_id: str, heartbeat_s: float, token: str | None, reap: bool = False
+) -> None:
     session = await Session.open(engine, token)
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, host_id.encode())
     sock.connect(control)
-    host = Host(session, sock, heartbeat_s)
+    host = Host(session, sock, heartbeat_s, reap)
     host.outbox.put_nowait(c.Ready(pid=os.getpid()))
     workers = [asyncio.create_task(w) for w in (host.receive(), host.send(), host.heartbeat())]
     stop = asyncio.create_task(host.stopping.wait())
@@ -212,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the pid of who started it (the server, or its host actor): die with it",
     )
     p.add_argument("--limits", default=None, help="HostLimits as JSON")
+    p.add_argument("--reap", action="store_true", help="after each run, kill every other process of its pid namespace")
     a = p.parse_args(argv)
     if a.parent is not None:
         die_with_parent(a.parent)
     if a.limits:
         apply(HostLimits.model_validate_json(a.limits))
-    asyncio.run(serve(a.control, a.engine, a.id, a.heartbeat, os.environ.get("PIE_TOKEN")))
+    asyncio.run(serve(a.control, a.engine, a.id, a.heartbeat, os.environ.get("PIE_TOKEN"), a.reap))
     return 0
 
 

@@ -11,6 +11,7 @@ without the server's environment variables (API keys, tokens): the mode for uplo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -28,6 +29,7 @@ class HostLimits(BaseModel):
     address_space_bytes: int | None = Field(default=None, gt=0)
     cpu_seconds: int | None = Field(default=None, gt=0)
     open_files: int | None = Field(default=None, gt=0)
+    processes: int | None = Field(default=None, gt=0)  # RLIMIT_NPROC: processes and threads of the host's uid
     clean_env: bool = False  # start the host without the server's environment variables
 
     def rlimits(self) -> list[tuple[int, int, int]]:
@@ -40,6 +42,8 @@ class HostLimits(BaseModel):
             out.append((resource.RLIMIT_CPU, self.cpu_seconds, self.cpu_seconds + 1))
         if self.open_files is not None:
             out.append((resource.RLIMIT_NOFILE, self.open_files, self.open_files))
+        if self.processes is not None:
+            out.append((resource.RLIMIT_NPROC, self.processes, self.processes))
         return out
 
 
@@ -56,6 +60,21 @@ def apply(limits: HostLimits) -> None:
     """Sets this process's limits (the host calls it at start)."""
     for res, soft, hard in limits.rlimits():
         resource.setrlimit(res, (soft, hard))
+
+
+def reap_strays() -> int:
+    """Kills every process of this pid namespace but this one and its init (pid 1): what a run forked. Only
+    for a host alone in a pid namespace of its own (the sandbox's). Returns how many it signalled."""
+    me, killed = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (1, me):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    for pid in killed:  # our own children wait here so no zombie keeps its slot (init reaps the others)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return len(killed)
 
 
 def die_with_parent(parent_pid: int) -> None:

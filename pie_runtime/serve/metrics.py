@@ -45,6 +45,9 @@ class EngineCollector(Collector):
         by = ["engine"] if any(self.stats) else []
         used = GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", labels=[*by, "model"])
         ratio = GaugeMetricFamily("pie_kv_usage_ratio", "KV pages in use over the pool", labels=[*by, "model"])
+        groups = GaugeMetricFamily(
+            "pie_kv_group_pages", "KV pages working sets hold per page group", labels=[*by, "model", "group", "window"]
+        )
         queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
         hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
         spec = _Speculation(by)
@@ -61,8 +64,11 @@ class EngineCollector(Collector):
                 queries.add_metric([*key, name], float(cache.get("queries", 0)))
                 hits.add_metric([*key, name], float(cache.get("hits", 0)))
                 edits.add([*key, name], m.get("kv") or {})
+                for g, group in enumerate(m.get("page_groups") or []):
+                    window = "" if group.get("window") is None else str(group["window"])
+                    groups.add_metric([*key, name, str(g), window], float(group.get("pages", 0)))
             spec.add(key, s.get("speculation") or {})
-        yield from (used, ratio, queries, hits)
+        yield from (used, ratio, groups, queries, hits)
         yield from edits.families()
         yield from spec.families()
 

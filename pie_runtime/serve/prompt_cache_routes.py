@@ -17,23 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import pages_needed
+from .auth import check_cache_bytes, pages_needed
 from .disconnect import unless_disconnected
 from .errors import invalid_request
 from .generation import check_text, count_tokens
 from .openai_api import PromptCacheCard, PromptCacheDeleted, PromptCacheList, SavePromptCache
-from .prompt_caches import PROMPT_CACHE, PromptCaches, disabled
+from .prompt_caches import PROMPT_CACHE, PromptCaches
 
 if TYPE_CHECKING:
     from .app import Server
 
 
-def run_args(server: Server, args: dict[str, Any]) -> dict[str, Any]:
-    """A prompt-cache run's arguments with its cache name resolved to the server's file (checked against the
+def run_args(server: Server, key: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-cache run's arguments with its cache name resolved to ``key``'s file (checked against the
     model); a 400 for ``save`` (saves go through ``POST /v1/prompt_caches``, which writes atomically)."""
-    caches = server.prompt_caches
-    if caches is None:
-        raise disabled()
+    caches = server.caches_of(key)
     if "save" in args:
         raise invalid_request("save a prompt cache with POST /v1/prompt_caches", param="args.save")
     if "load" in args:
@@ -64,31 +62,29 @@ def _prompt(server: Server, req: SavePromptCache) -> tuple[str, list[int] | None
 
 
 def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
-    def caches() -> PromptCaches:
+    def caches(key: str) -> PromptCaches:
         server.runs()  # 503 while the model loads
-        if server.prompt_caches is None:
-            raise disabled()
-        return server.prompt_caches
+        return server.caches_of(key)
 
     @v1.get("/prompt_caches")
-    async def listing() -> PromptCacheList:
-        folder = caches()
+    async def listing(key: str = Depends(api_key)) -> PromptCacheList:
+        folder = caches(key)
         return PromptCacheList(data=[folder.card(name) for name in folder.names()])
 
     @v1.get("/prompt_caches/{name}")
-    async def card(name: str) -> PromptCacheCard:
-        folder = caches()
+    async def card(name: str, key: str = Depends(api_key)) -> PromptCacheCard:
+        folder = caches(key)
         folder.existing(name, "name")
         return folder.card(name)
 
     @v1.delete("/prompt_caches/{name}")
-    async def delete(name: str) -> PromptCacheDeleted:
-        caches().existing(name, "name").unlink()
+    async def delete(name: str, key: str = Depends(api_key)) -> PromptCacheDeleted:
+        caches(key).existing(name, "name").unlink()
         return PromptCacheDeleted(id=name, deleted=True)
 
     @v1.post("/prompt_caches")
     async def save(request: Request, req: SavePromptCache, key: str = Depends(api_key)) -> PromptCacheCard:
-        folder = caches()
+        folder = caches(key)
         runs = server.runs()
         server.check_model(req.model)
         text, ids = _prompt(server, req)
@@ -98,13 +94,19 @@ def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[...
         if count == 0 or count >= limits.max_model_len:
             why = "the prompt is empty" if count == 0 else f"the prompt fills this model's {limits.max_model_len}"
             raise invalid_request(why, param="prompt", code="empty_prompt" if count == 0 else "context_length_exceeded")
+        quota = server.quotas.quota(key)
+        check_cache_bytes(quota, folder.bytes_used())  # full already: refused before any work
         scratch = folder.scratch()
         args: dict[str, Any] = {"prompt": text, "chat": False, "save": str(scratch)}
         if ids is not None:
             args["prompt_token_ids"] = ids
         lease = server.quotas.admit(key, count, pages_needed(count, 0, 1, limits.page_size))
         try:
-            await unless_disconnected(request, runs.collect(runs.events(PROMPT_CACHE, args, lease)))
+            events = runs.events(PROMPT_CACHE, args, lease, cache_salt=server.salt(key))
+            await unless_disconnected(request, runs.collect(events))
+            replaced = folder.path(req.name, "name")
+            old = replaced.stat().st_size if replaced.is_file() else 0
+            check_cache_bytes(quota, folder.bytes_used() - old, scratch.stat().st_size)
             folder.commit(scratch, req.name)
         finally:
             scratch.unlink(missing_ok=True)

@@ -91,6 +91,10 @@ class PromptCaches:
             kv_dtype=meta.get("kv_dtype"),
         )
 
+    def bytes_used(self) -> int:
+        """Bytes of the caches saved here (a key's folder: its share of the disk)."""
+        return sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}") if p.is_file())
+
     def names(self) -> list[str]:
         return sorted(p.name.removesuffix(SUFFIX) for p in self.folder.glob(f"*{SUFFIX}") if NAME.fullmatch(p.stem))
 

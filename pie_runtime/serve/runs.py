@@ -51,10 +51,12 @@ class Runs:
         run_id: str | None = None,
         arrival: float | None = None,
         session: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RunEvent]:
         """The run's events (text, then one result); a failure raises the APIError for it. The lease is
         released and the run cancelled in its host (if it still runs) when this iterator ends, however.
-        ``session``: the routing key of ``pie serve --engines N`` (the ``x-session-id`` header or ``user``)."""
+        ``session``: the routing key of ``pie serve --engines N`` (the ``x-session-id`` header or ``user``);
+        ``cache_salt``: the prefix-cache salt of its working sets (its key's, Server.salt)."""
         labels = {"model": self.model, "inferlet": inferlet}
         st = RunStats(arrival=arrival or time.monotonic())
         run_id = run_id or self.new_id()
@@ -71,7 +73,7 @@ class Runs:
             try:
                 st.started = time.monotonic()
                 self.metrics.queue.labels(**labels).observe(st.started - st.arrival)
-                async for ev in self.pool.run(inferlet, args, run_id=run_id, session=session):
+                async for ev in self.pool.run(inferlet, args, run_id=run_id, session=session, cache_salt=cache_salt):
                     if ev.kind == "text":
                         self._text(st, labels)
                     elif ev.result is not None:
@@ -122,7 +124,7 @@ class Runs:
             self.metrics.prompt_tokens.labels(**labels).inc(prompt)
             self.metrics.generation_tokens.labels(**labels).inc(generated)
             if lease is not None:
-                lease.charge(generated)
+                lease.settle(generated)
 
     async def collect(self, events: AsyncIterator[RunEvent]) -> dict[str, Any]:
         """The result of a run, its text events dropped."""

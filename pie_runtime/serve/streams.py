@@ -12,12 +12,15 @@ does: OpenAI's clients raise the error.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from inferlet.tokenizer import Tokenizer
 
@@ -46,6 +49,8 @@ from .openai_api import (
     CompletionRequest,
     CompletionResponse,
 )
+
+log = logging.getLogger("pie.serve")
 
 
 def sse(obj: Any) -> str:
@@ -228,7 +233,40 @@ async def prime(events: AsyncIterator[Any]) -> Any:
         return None
 
 
-def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
-    return StreamingResponse(
-        chunks, media_type="text/event-stream", headers={"cache-control": "no-cache", **(headers or {})}
+class StallGuardedStream(StreamingResponse):
+    """A streaming response that ends when its client stops reading: a chunk the connection would not take
+    within ``stall_s`` seconds (the socket's buffers full) closes the chunk iterator, which cancels the run and
+    frees its slot and pages, and the connection is dropped."""
+
+    def __init__(self, content: AsyncIterator[str], stall_s: float | None, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.stall_s = stall_s
+        self.stalled = False
+
+    async def stream_response(self, send: Send) -> None:
+        async def guarded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except TimeoutError:
+                self.stalled = True
+                raise
+
+        try:
+            await super().stream_response(guarded)
+        except TimeoutError:
+            if not self.stalled:
+                raise
+            log.warning("a streaming client read nothing for %.0f s: its run is cancelled", self.stall_s)
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                await closer()  # the run's events end here: it is cancelled in its host, its lease released
+
+
+def sse_response(
+    chunks: AsyncIterator[str], headers: dict[str, str] | None = None, stall_s: float | None = None
+) -> StreamingResponse:
+    """An SSE response; ``stall_s``: a client that reads nothing for that long loses its run."""
+    return StallGuardedStream(
+        chunks, stall_s, media_type="text/event-stream", headers={"cache-control": "no-cache", **(headers or {})}
     )

@@ -7,7 +7,7 @@
         model = inferlet.model()
         ws = model.working_set()
         fp = inferlet.ForwardPass(ws)
-        fp.embed(model.tokenizer.encode(args["prompt"]))
+        fp.embed(model.tokenizer.encode_prompt(args["prompt"]))
         fp.readout([0], inferlet.Argmax())
         res = await fp.submit()
 

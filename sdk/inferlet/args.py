@@ -11,10 +11,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
-from typing import TYPE_CHECKING, Any, Literal, Self, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, get_args, get_origin
 
 import numpy as np
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from .errors import ArgumentError
 
@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 MAX_CHOICES = 64  # n: forks of one prompt
+# upper bounds of what one run may ask (a server's --max-n/--max-tokens are usually lower): no argument sizes
+# a run's work or memory past what a host can hold for every tenant beside it
+MAX_NEW_TOKENS = 1 << 17  # max_tokens
+MAX_LIST = 1024  # stop strings, stop token ids, logit_bias entries
+MAX_PROMPT_IDS = 1 << 20  # prompt_token_ids
+MAX_DRAFT = 64  # draft_length and lookup: tokens one round drafts
+MAX_NGRAM = 16  # n-gram sizes of the lookup drafters
+MAX_MATCH = 1024  # the suffix drafter's match lengths
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's default limit
 LOGIT_BIAS_RANGE = 100.0
 
@@ -36,20 +44,23 @@ class CompletionArgs(BaseModel):
     Penalties and the logit bias make the run sample on the host from each step's logits (inferlet.sampler)."""
 
     prompt: str
-    prompt_token_ids: list[int] | None = None  # the prompt as token ids (OpenAI allows it): used as they are
-    max_tokens: int = Field(default=128, ge=1)
+    # the prompt as token ids (OpenAI allows it): used as they are
+    prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_PROMPT_IDS)
+    max_tokens: int = Field(default=128, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(default=0.0, ge=0.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=1 << 20)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # stored as seed mod 2**63 (numpy needs >= 0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: list[str] = Field(default=[], max_length=MAX_LIST)
+    stop_token_ids: list[int] = Field(default=[], max_length=MAX_LIST)
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # subtracted once from every generated token
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # subtracted per occurrence in the output
     repetition_penalty: float = Field(default=1.0, ge=0.0)  # Hugging Face's: seen tokens (prompt too) / r or * r
-    logit_bias: dict[int, float] = {}  # token id → added to its logit; JSON text on the command line
+    logit_bias: dict[int, float] = Field(
+        default={}, max_length=MAX_LIST
+    )  # token id → added to its logit; JSON text on the command line
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # bare flag or true: 0 alternatives
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs; overrides its count
     chat: bool = False
@@ -85,12 +96,12 @@ class CompletionArgs(BaseModel):
         return self
 
     def prompt_ids(self, tok: Tokenizer) -> list[int]:
-        """The prompt's token ids: ``prompt_token_ids`` when given, else ``prompt``'s (rendered with the chat
-        template first with ``--chat``)."""
+        """The prompt's token ids: ``prompt_token_ids`` when given (as they are), else ``prompt``'s (rendered with
+        the chat template first with ``--chat``) with the model's BOS once (:meth:`Tokenizer.encode_prompt`)."""
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         text = tok.chat([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
-        return tok.encode(text)
+        return tok.encode_prompt(text)
 
     @property
     def top_count(self) -> int | None:
@@ -132,6 +143,19 @@ class DecodeArgs(CompletionArgs):
     # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
     # at most the inferlet's draft length; fixed: always the draft length
     draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
+
+
+def check_tree(shape: str | None) -> str | None:
+    """A ``tree`` argument (widths per depth, ``"3,2,1"``), checked before the run starts (tree.parse_shape's
+    bounds: depth and nodes)."""
+    if shape is not None:
+        from .tree import parse_shape
+
+        parse_shape(shape)
+    return shape
+
+
+TreeShape = Annotated[str | None, AfterValidator(check_tree)]
 
 
 def split_words(words: list[str]) -> dict[str, Any]:

@@ -98,6 +98,8 @@ class Run:
             "cached_tokens": min(self.ws.cached_rows, len(self.prompt)),
             "kv_pages": self.ws.pages,  # KV pages held at the end (the last fire's), and the most held at once
             "kv_pages_max": self.ws.pages_max,
+            "kv_bytes": self.ws.kv_bytes,  # bytes of KV held at the end, and the most held at once
+            "kv_bytes_max": self.ws.kv_bytes_max,
             **self.stats.as_dict(rate, round(self.prefill_ms, 2)),
         }
         if self.args.timing:

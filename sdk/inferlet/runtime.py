@@ -35,6 +35,7 @@ from .client import Client, Holdings, holding, release_holding
 from .errors import EngineUnreachable, UsageError
 from .model import Model
 from .tokenizer import Tokenizer
+from .working_set import CACHE_SALT
 
 Entry = Callable[[Any], Awaitable[Any]]
 
@@ -68,7 +69,7 @@ class Session:
             for fields in hello["models"]:
                 info = ModelInfo.model_validate(fields)
                 tok_json = (await client.request("tokenizer", model=info.name))["tokenizer_json"]
-                tok = Tokenizer(tok_json, info.eos_token_ids, info.bos_token_id, info.chat_template)
+                tok = Tokenizer.for_model(tok_json, info)
                 models[info.name] = Model(info, client, tok)
         except BaseException:
             client.close()
@@ -174,10 +175,13 @@ async def run_in_context(
     inferlet: str,
     sink: Callable[[str, list[dict] | None], None],
     run_id: str = "",
+    cache_salt: str | None = None,
 ) -> Any:
     """Awaits ``fn(args)`` as one run: ``inferlet.model()``, ``emit()`` and ``inferlet_name()`` resolve to this
-    run's context, and the working sets and channels it leaves open are released when it ends (cancelled too)."""
+    run's context, and the working sets and channels it leaves open are released when it ends (cancelled too).
+    ``cache_salt``: the prefix-cache salt of the working sets it opens (working_set.CACHE_SALT)."""
     ctx = RunContext(session, inferlet, sink, run_id)
+    CACHE_SALT.set(cache_salt)  # this run's task has a context of its own: set for it alone
     run_token = _current.set(ctx)
     hold_token = holding(ctx.holdings)
     try:

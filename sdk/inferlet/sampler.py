@@ -157,6 +157,8 @@ class StepSampler:
                 "decode_tokens_per_s": rate,
                 "kv_pages": ws.pages,
                 "kv_pages_max": ws.pages_max,
+                "kv_bytes": ws.kv_bytes,
+                "kv_bytes_max": ws.kv_bytes_max,
             },
         }
         if self.args.top_count is not None:

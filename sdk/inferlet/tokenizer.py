@@ -1,5 +1,11 @@
 """The model's tokenizer on the inferlet side (the engine sends its tokenizer.json), with the chat template
-rendered by jinja2 the way Hugging Face renders it."""
+rendered by jinja2 the way Hugging Face renders it.
+
+Two encodings: :meth:`Tokenizer.encode` gives a text's own ids (pieces of a prompt, stop strings, counts);
+:meth:`Tokenizer.encode_prompt` gives what the model reads for a whole prompt, with the BOS (and EOS) the
+model asks for (``add_bos_token``: Llama, Gemma) added once. A prompt whose ids already start with BOS (a
+chat template that writes ``{{ bos_token }}``, or a prompt rendered so) does not get a second one: llama.cpp
+strips the template's BOS and adds its own, the same ids."""
 
 from __future__ import annotations
 
@@ -7,16 +13,45 @@ from functools import cached_property
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pie_runtime.protocol import ModelInfo
+
+from .errors import UsageError
+
+
+class NoChatTemplate(UsageError, ValueError):
+    """The model has no chat template, so chat messages cannot be rendered (``--chat``, /v1/chat/completions)."""
+
 
 class Tokenizer:
     def __init__(
-        self, tokenizer_json: str, eos_token_ids: list[int], bos_token_id: int | None, chat_template: str | None
+        self,
+        tokenizer_json: str,
+        eos_token_ids: list[int],
+        bos_token_id: int | None,
+        chat_template: str | None,
+        *,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
     ):
         self._json = tokenizer_json
         self._tok = _HFTokenizer.from_str(tokenizer_json)
         self.eos_token_ids = list(eos_token_ids)
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.add_eos_token = add_eos_token and bool(eos_token_ids)
+
+    @classmethod
+    def for_model(cls, tokenizer_json: str, info: ModelInfo, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer of a served model (``hello``'s model info), its chat template or ``chat_template``."""
+        return cls(
+            tokenizer_json,
+            info.eos_token_ids,
+            info.bos_token_id,
+            chat_template or info.chat_template,
+            add_bos_token=info.add_bos_token,
+            add_eos_token=info.add_eos_token,
+        )
 
     def to_json(self) -> str:
         """The tokenizer.json text the engine sent (for tools that build their own tokenizer, e.g. llguidance)."""
@@ -27,8 +62,18 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids."""
+        """Token ids of ``text`` alone, no BOS; special-token strings in it (``<|im_start|>``) become their ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids the model reads for the whole prompt ``text``: :meth:`encode`'s, with BOS first where the model
+        adds it and the ids do not already start with it, and EOS last likewise."""
+        ids = self.encode(text)
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        if self.add_eos_token and ids[-1:] != [self.eos_token_ids[0]]:
+            ids.append(self.eos_token_ids[0])
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -44,7 +89,11 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise NoChatTemplate(
+                "this model has no chat template (its GGUF or tokenizer_config.json carries none): give the prompt "
+                "as plain text in the model's own format instead of chat messages (no --chat), or serve it with "
+                "`pie serve --chat-template FILE`"
+            )
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template)
 

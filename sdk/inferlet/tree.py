@@ -34,12 +34,21 @@ import numpy as np
 ROOT = -1  # the parent of a depth-1 node: the last emitted token (window row 0)
 
 
+MAX_TREE_DEPTH = 64  # a draft tree's depths
+MAX_TREE_NODES = 512  # a draft tree's nodes (its full shape's)
+
+
 def parse_shape(shape: str) -> list[int]:
     """``--tree`` widths per depth, e.g. ``"3,2,1"``: at most 3 children of the root, 2 of each depth-1 node,
     1 of each depth-2 node (so at most 3 + 6 + 6 nodes)."""
-    widths = [int(w) for w in shape.split(",") if w.strip()]
+    try:
+        widths = [int(w) for w in shape.split(",") if w.strip()]
+    except ValueError:
+        widths = []
     if not widths or any(w < 1 for w in widths):
         raise ValueError(f"a tree shape is positive widths per depth, like 3,2,1; got {shape!r}")
+    if len(widths) > MAX_TREE_DEPTH or shape_rows(widths) > MAX_TREE_NODES:
+        raise ValueError(f"a tree shape is at most {MAX_TREE_DEPTH} deep and {MAX_TREE_NODES} nodes; got {shape!r}")
     return widths
 
 

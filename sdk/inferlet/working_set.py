@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,10 @@ from pie_runtime.protocol import decode_array, encode_array
 from pie_runtime.protocol.messages import KV_WIRE_DTYPES, MAX_KV_TRANSFER_BYTES
 
 from .kv_file import SavedKV, write_saved
+
+# the prefix-cache salt of the run in this context (runtime.run_in_context: `pie serve` gives each API key one):
+# the working sets it opens share cached prefixes only with those opened under the same salt
+CACHE_SALT: ContextVar[str | None] = ContextVar("pie_cache_salt", default=None)
 
 if TYPE_CHECKING:
     from .model import Model
@@ -42,7 +47,9 @@ class WorkingSet:
 
     async def handle(self) -> int:
         if self._handle is None:
-            reply = await self.model.client.request("ws_open", model=self.model.name)
+            salt = CACHE_SALT.get()
+            extra = {"cache_salt": salt} if salt else {}
+            reply = await self.model.client.request("ws_open", model=self.model.name, **extra)
             self._handle = reply["ws"]
         return self._handle
 
@@ -58,6 +65,16 @@ class WorkingSet:
     def position(self) -> int:
         """The position the next row is written at: rows kept plus rows ever evicted."""
         return self.committed + self.dropped
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV the engine holds for it (``pages`` of ``ModelInfo.page_bytes``: every page group's pages
+        are alike, so a sliding-window model's window-sized groups count what they hold)."""
+        return self.pages * self.model.info.page_bytes
+
+    @property
+    def kv_bytes_max(self) -> int:
+        return self.pages_max * self.model.info.page_bytes
 
     def held_pages(self, pages: int) -> None:
         """Notes the engine's count of the pages this working set holds (a fire or eviction reply's)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pie_runtime.engine.server import EngineServer
+from pie_runtime.engine.server import PRE_AUTH_BYTES, EngineServer
 from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol.arrays import decode_array
 from pie_runtime.protocol.codec import pack
@@ -90,7 +90,15 @@ def test_tcp_auth_comes_first_and_only_a_fully_successful_hello_authenticates(mo
             server._handle(A, payload)
         assert calls == []  # refused before any validation
         assert [r["error"]["code"] for r in sent] == ["unauthorized"] * 4
-        assert [r["id"] for r in sent] == [1, None, None, 2]
+        # a message past PRE_AUTH_BYTES is refused unread: not even its id is looked at
+        assert [r["id"] for r in sent] == [None, None, None, 2]
+        unpacked = []
+        monkeypatch.setattr("pie_runtime.engine.server.unpack", lambda p: unpacked.append(p) or {})
+        server._handle(A, pack({"id": 9, "op": "hello", "token": "x" * PRE_AUTH_BYTES}))
+        assert unpacked == [] and sent[-1]["error"]["code"] == "unauthorized"
+        sent.clear()
+        monkeypatch.undo()
+        monkeypatch.setattr(server, "_send", lambda client, reply: sent.append(reply))
         monkeypatch.undo()
         monkeypatch.setattr(server, "_send", lambda client, reply: sent.append(reply))
         sent.clear()

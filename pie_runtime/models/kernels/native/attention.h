@@ -3,8 +3,11 @@
  *
  * What a row sees is a list of sequence indices in increasing order: every index below `limit` (the rows
  * before it, or before its tree window) and then its `extras` (a tree row's ancestors inside the window, itself
- * last). Index j of a sequence lives in slot pages[j / page_size] * page_size + j % page_size; each row's slots
- * are listed once a pass (they are the same for every layer and head). A row's result is a function of its
+ * last): its path, positions increasing along it. A sliding layer's layout drops the keys at the front of that
+ * list that left its window (row_skip: a query at position p keeps the keys at positions q with p - q < W,
+ * counted by the caller), so only the window's keys are listed and read, however the rows are stored.
+ * Index j of a sequence lives in slot pages[j / page_size] * page_size + j % page_size; each row's slots are
+ * listed once a pass per layout (they are the same for every layer and head that reads the layout). A row's result is a function of its
  * query and of that list's keys and values alone: the same bits whatever the batch, the chunking of a prompt,
  * where in a window its ancestors sit, or which thread runs it.
  *
@@ -27,15 +30,18 @@ typedef struct {
     long slots;        /* slots per head */
 } KVLayer;
 
-typedef struct {              /* where every row of a pass sits (built once a pass, shared by its layers) */
-    const int32_t *row_seg;   /* (N,) the row's segment */
-    const int32_t *row_limit; /* (N,) it sees sequence indices 0 .. limit-1 */
-    const int32_t *row_extra; /* (N + 1,) offsets into extras: the row's extra indices */
-    const int32_t *extras;    /* extra sequence indices, ascending per row */
-    const int32_t *seg_pages; /* (segments + 1,) offsets into pages */
-    const int32_t *pages;     /* physical page ids of every segment's table */
+typedef struct {                /* where every row of a pass sits for one attention group of layers (built once a
+                                 * pass, shared by the group's layers: its page tables, its window) */
+    const int32_t *row_seg;     /* (N,) the row's segment */
+    const int32_t *row_limit;   /* (N,) it sees sequence indices 0 .. limit-1 */
+    const int32_t *row_extra;   /* (N + 1,) offsets into extras: the row's extra indices */
+    const int32_t *extras;      /* extra sequence indices, ascending per row */
+    const int32_t *seg_pages;   /* (segments + 1,) offsets into pages */
+    const int32_t *pages;       /* physical page ids of every segment's table */
+    const int64_t *write_slots; /* (N,) the slot each row's K/V is written to */
+    const int32_t *row_skip;    /* (N,) keys at the front of the row's list its window drops, or NULL: none */
     int32_t page_size;
-    int32_t max_keys; /* the most keys a row sees */
+    int32_t max_keys; /* the most keys a row's list holds (before its window) */
 } PassLayout;
 
 #define MAX_HEAD_DIM 256
@@ -45,18 +51,31 @@ typedef struct { /* each row's visible slots, in order: row r's are slots[off[r]
     int32_t *slots;
 } RowSlots;
 
-INLINE long row_keys(const PassLayout *p, long r) { return p->row_limit[r] + p->row_extra[r + 1] - p->row_extra[r]; }
+/* The first key of row r's list that its window keeps (0: the whole list). */
+INLINE long row_first_key(const PassLayout *p, long r) { return p->row_skip ? p->row_skip[r] : 0; }
 
-/* Row r's slots: the prefix page by page, then its extras. */
+/* Keys row r sees: its list from row_first_key on. */
+INLINE long row_keys(const PassLayout *p, long r) {
+    return p->row_limit[r] + p->row_extra[r + 1] - p->row_extra[r] - row_first_key(p, r);
+}
+
+/* The sequence index of key i of row r's list (the window's first key is i = 0). */
+INLINE long key_index(const PassLayout *p, long r, long i) {
+    const long j = row_first_key(p, r) + i, limit = p->row_limit[r];
+    return j < limit ? j : p->extras[p->row_extra[r] + j - limit];
+}
+
+/* Row r's slots: the prefix page by page from the window's first key, then its extras. Only the pages the
+ * window reaches are read. */
 static void list_slots(const PassLayout *p, long r, int32_t *out) {
     const int32_t *pages = p->pages + p->seg_pages[p->row_seg[r]];
-    const long limit = p->row_limit[r], ps = p->page_size;
+    const long limit = p->row_limit[r], ps = p->page_size, first = row_first_key(p, r);
     long i = 0;
-    for (long pg = 0; i < limit; pg++) {
-        const int32_t base = (int32_t)(pages[pg] * ps);
-        for (long o = 0; o < ps && i < limit; o++, i++) out[i] = base + (int32_t)o;
+    for (long j = first; j < limit;) {
+        const int32_t base = (int32_t)(pages[j / ps] * ps);
+        for (long o = j % ps; o < ps && j < limit; o++, j++) out[i++] = base + (int32_t)o;
     }
-    for (long e = p->row_extra[r]; e < p->row_extra[r + 1]; e++) {
+    for (long e = p->row_extra[r] + (first > limit ? first - limit : 0); e < p->row_extra[r + 1]; e++) {
         const long j = p->extras[e];
         out[i++] = (int32_t)(pages[j / ps] * ps + j % ps);
     }
