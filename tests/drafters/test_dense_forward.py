@@ -99,7 +99,7 @@ def paged_hidden(model: LlamaForCausalLM, ids: torch.Tensor, chunks: list[int]) 
     tables = [list(range(i, b * per, b)) for i in range(b)]
     out, start = [], 0
     for n in chunks:
-        ctx = ForwardContext.build([Segment(tables[i], start, n) for i in range(b)], PAGE)
+        ctx = ForwardContext.build([Segment(tables[i], start, n) for i in range(b)], PAGE, layout=kv.layout)
         out.append(model(model.embed(ids[:, start : start + n].reshape(-1)), ctx, kv).view(b, n, -1))
         start += n
     return torch.cat(out, dim=1)
@@ -112,13 +112,13 @@ def paged_greedy(model: LlamaForCausalLM, prompts: torch.Tensor, n_new: int) -> 
     per = -(-(p + n_new) // PAGE)
     kv = KVCache(model.config, b * per, PAGE, torch.float32)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-    ctx = ForwardContext.build([Segment(tables[i], 0, p) for i in range(b)], PAGE)
+    ctx = ForwardContext.build([Segment(tables[i], 0, p) for i in range(b)], PAGE, layout=kv.layout)
     hid = [model(model.embed(prompts.reshape(-1)), ctx, kv).view(b, p, -1)]
     toks = [prompts]
     for step in range(n_new):
         nxt = model.logits(hid[-1][:, -1]).argmax(dim=-1)
         toks.append(nxt.unsqueeze(1))
-        ctx = ForwardContext.build([Segment(tables[i], p + step, 1) for i in range(b)], PAGE)
+        ctx = ForwardContext.build([Segment(tables[i], p + step, 1) for i in range(b)], PAGE, layout=kv.layout)
         hid.append(model(model.embed(nxt), ctx, kv).view(b, 1, -1))
     return torch.cat(toks, dim=1), torch.cat(hid, dim=1)
 

@@ -93,7 +93,7 @@ def run(model: LlamaForCausalLM, ids: list[int], chunks: list[int], rows: list[i
     kv = KVCache(model.config, pages, PAGE, torch.float32)
     done, out = 0, []
     for n in chunks:
-        ctx = ForwardContext.build([Segment(table, done, n)], PAGE)
+        ctx = ForwardContext.build([Segment(table, done, n)], PAGE, layout=kv.layout)
         hidden = model.forward(model.embed(torch.tensor(ids[done : done + n])), ctx, kv)
         keep = [r - done for r in rows if done <= r < done + n]
         if keep:
@@ -108,7 +108,7 @@ def greedy(model: LlamaForCausalLM, ids: list[int], n: int) -> list[int]:
     table = list(range(pages))
     seq, new, feed = list(ids), [], len(ids)
     for _ in range(n):
-        ctx = ForwardContext.build([Segment(table, len(seq) - feed, feed)], PAGE)
+        ctx = ForwardContext.build([Segment(table, len(seq) - feed, feed)], PAGE, layout=kv.layout)
         hidden = model.forward(model.embed(torch.tensor(seq[-feed:])), ctx, kv)
         token = int(model.logits(hidden[-1:]).argmax())
         seq.append(token)
