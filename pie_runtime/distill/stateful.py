@@ -36,7 +36,7 @@ class _Batch:
         """(B, T) the next T tokens of each sequence → (B, T, H) final normed hidden states."""
         b, t = ids.shape
         segments = [Segment(list(range(i * self.pages, (i + 1) * self.pages)), self.done, t, state=i) for i in range(b)]
-        ctx = ForwardContext.build(segments, PAGE)
+        ctx = ForwardContext.build(segments, PAGE, layout=self.kv.layout)
         hidden = self.model(self.model.embed(ids.reshape(-1)), ctx, self.kv, self.state)  # type: ignore[arg-type]
         self.done += t
         return hidden.view(b, t, -1)
