@@ -1,10 +1,14 @@
 """Builds a stored Llama-family model on the native step (models/native_model.py) straight from the store's
 blocks: each tensor is read from the safetensors file when it is packed, so no float32 copy of the model exists
-at any time (a float tensor is quantized here one tensor at a time).
+at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time).
 
     format  projections                                       lm head and embedding (tied: one table)
+    gguf    every tensor in its own stored kind (quant_kinds:  its own stored kind; a float table as Q8_0
+            Q4_0/Q4_1 alone on the 4-bit kernel, Q8_0 alone
+            on the 8-bit one, any other mix on WX); float
+            tensors quantized to Q8_0
     int4    the stored Q4_0/Q4_1 blocks as they are;           the stored Q8_0 blocks as they are;
-            float (or Q8_0) tensors quantized to Q4_1          float tensors quantized to Q8_0
+            Q8_0 as it is; anything else requantized to Q4_1   anything else requantized to Q8_0
     int8    Q8_0: stored Q8_0 as it is, others requantized
 
 Norms and biases are float32.
@@ -20,34 +24,34 @@ from .models.config import ModelConfig
 from .models.native_linear import PackedWeight
 from .models.native_model import NativeLayer, NativeLlama, unsupported
 from .models.quant import GroupQuant
-from .store import _BITS, _GROUP, _QUANT_PARTS, TOKENIZER_FILE, WEIGHTS_FILE, LoadedModel, ModelStore, StoreError
+from .models.quant_kinds import BlockTensor
+from .store import TOKENIZER_FILE, WEIGHTS_FILE, LoadedModel, ModelStore, StoreError, read_blocks
 
-NATIVE_FORMATS = ("int4", "int8")
+NATIVE_FORMATS = ("gguf", "int4", "int8")
 
 
 @dataclass
 class _Stored:
-    """One stored tensor: float, or the packed parts of a quantized one (kind, q, d, m)."""
+    """One stored tensor: float, or a quantized one's GGUF blocks."""
 
     float_value: torch.Tensor | None = None
-    kind: str = ""
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    blocks: BlockTensor | None = None
 
     def dequantized(self) -> torch.Tensor:
         if self.float_value is not None:
             return self.float_value.float()
-        assert self.parts is not None
-        gq = GroupQuant.from_packed(*self.parts, bits=_BITS[self.kind], group=_GROUP, kind=self.kind)  # type: ignore[index]
-        return gq.dequantize()
+        assert self.blocks is not None
+        return self.blocks.dequantize()
 
 
 class _Reader:
     """Tensors by Hugging Face name, one at a time: from the store's safetensors file (``handle``, with the
-    manifest's quantized names) or from a float state dict (``handle`` a dict)."""
+    manifest's quantized names and format version) or from a float state dict (``handle`` a dict)."""
 
-    def __init__(self, handle, quantized: dict[str, str]):
+    def __init__(self, handle, quantized: dict[str, str], version: int = 3):
         self.f = handle
         self.quantized = quantized
+        self.version = version
         self.names = set(handle) if isinstance(handle, dict) else set(handle.keys())
         self.names |= set(quantized)
 
@@ -58,8 +62,7 @@ class _Reader:
         kind = self.quantized.get(name)
         if kind is None:
             return _Stored(float_value=self._tensor(name))
-        q, d, m = (self._tensor(f"{name}{p}") for p in _QUANT_PARTS)
-        return _Stored(kind=kind, parts=(q, d, m))
+        return _Stored(blocks=read_blocks(self._tensor, name, kind, self.version))
 
     def float32(self, name: str) -> torch.Tensor:
         # a copy, always: a tensor read from the file may map it, and one kept would keep the whole file mapped
@@ -67,14 +70,18 @@ class _Reader:
 
 
 def _pack(parts: list[_Stored], fmt: str) -> PackedWeight:
-    """Parts stacked along output rows, packed for ``fmt``: their own blocks when they are all of the format's
-    kind, else their float values quantized here."""
-    kinds = {p.kind for p in parts}
-    if fmt == "int4" and kinds <= {"q4_0", "q4_1"} and "" not in kinds:
-        q, d, m = (torch.cat([p.parts[i] for p in parts]) for i in range(3))  # type: ignore[index]
-        return PackedWeight.pack_q4(q, d, m)
+    """Parts stacked along output rows, packed for ``fmt``: their own blocks where the format keeps their kinds,
+    else their float values quantized here (module docstring)."""
+    blocks = [p.blocks for p in parts]
+    kinds = {b.kind if b is not None else "" for b in blocks}
+    if fmt in ("gguf", "int4") and kinds <= {"q4_0", "q4_1"}:
+        gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
+        return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
     if kinds == {"q8_0"}:
-        return PackedWeight.pack_q8(torch.cat([p.parts[0] for p in parts]), torch.cat([p.parts[1] for p in parts]))  # type: ignore[index]
+        gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
+        return PackedWeight.pack_q8(gq.q, gq.d.to(torch.float16))
+    if fmt == "gguf" and kinds != {""}:
+        return PackedWeight.pack_blocks([b if b is not None else p.dequantized() for b, p in zip(blocks, parts)])
     return PackedWeight.from_float(torch.cat([p.dequantized() for p in parts]), 4 if fmt == "int4" else 8)
 
 
@@ -126,7 +133,7 @@ class _FileTensors:
 
 
 def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedModel:
-    """The stored model ``name`` on the native step in ``fmt`` (int4 or int8), checked against its digests."""
+    """The stored model ``name`` on the native step in ``fmt`` (gguf, int4 or int8), checked against its digests."""
     if fmt not in NATIVE_FORMATS:
         raise ValueError(f"the native step serves {', '.join(NATIVE_FORMATS)}, not {fmt}")
     store = store or ModelStore()
@@ -140,7 +147,7 @@ def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedM
     folder = store.path(name)
     f = _FileTensors(folder / WEIGHTS_FILE)
     try:
-        model = _build(cfg, _Reader(f, dict(manifest.quantized)), fmt)
+        model = _build(cfg, _Reader(f, dict(manifest.quantized), manifest.format_version), fmt)
     finally:
         f.close()
     return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE)  # type: ignore[arg-type]
@@ -154,8 +161,9 @@ def native_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], fmt: str
 def _build(cfg: ModelConfig, reader: _Reader, fmt: str) -> NativeLlama:
     layers = [_layer(reader, cfg, i, fmt) for i in range(cfg.num_hidden_layers)]
     final_norm = reader.float32("model.norm.weight")
-    embed = _pack([reader.get("model.embed_tokens.weight")], "int8")
-    head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], "int8")
+    table_fmt = "gguf" if fmt == "gguf" else "int8"
+    embed = _pack([reader.get("model.embed_tokens.weight")], table_fmt)
+    head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], table_fmt)
     return NativeLlama(cfg, layers, final_norm, embed, head)
 
 

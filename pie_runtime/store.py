@@ -2,12 +2,13 @@
 with Hugging Face tensor names, tokenizer.json), the import that fills it, and ``load_model``, which checks
 every file against the manifest's sha256 digests before building the model.
 
-Weights a GGUF held as Q4_0, Q4_1 or Q8_0 blocks are stored as they are (format version 2): tensor ``NAME``
-becomes ``NAME.q`` (4-bit: two values a uint8, low nibble first, (N, K/2); 8-bit: int8 (N, K)), ``NAME.d`` and
-``NAME.m`` (float16, exact: GGUF's scales are float16), and the manifest's ``quantized`` maps NAME to its
-block type. ``load_model`` builds the float model from their dequantization and hands the blocks over as
-``LoadedModel.quantized`` for int4/int8 layers. Stores written before version 2 hold only float tensors and
-load as they did.
+Weights a GGUF held quantized, of any kind in ``models/quant_kinds.KINDS``, are stored as their GGUF bytes
+(format version 3): tensor ``NAME`` becomes ``NAME.blocks`` (uint8 (N, row bytes), the blocks of weight row i in
+row i) and the manifest's ``quantized`` maps NAME to its kind. Format 2 stored Q4_0/Q4_1/Q8_0 only, as ``NAME.q``
+(4-bit: two values a uint8, low nibble first; 8-bit: int8), ``NAME.d`` and ``NAME.m`` (float16); such stores
+load as they did (:func:`read_blocks` turns them into blocks). Stores written before version 2 hold only float
+tensors. ``load_model`` builds the float model from the blocks' dequantization (one tensor at a time, into the
+asked dtype) and hands the Q4_0/Q4_1/Q8_0 ones over as ``LoadedModel.quantized`` for torch's int4/int8 layers.
 
 An import converts in memory, writes into ``models/.tmp-<name>-<random>/`` and renames that folder into
 place, so a refused or failed import leaves the store as it was.
@@ -36,7 +37,8 @@ from .models.families import CausalLM, build_causal_lm, embedding_weight
 from .models.formats import WeightFormat
 from .models.llama import LlamaForCausalLM
 from .models.mamba import MambaForCausalLM
-from .models.quant import GGUF_KINDS, GroupQuant, QuantError
+from .models.quant import GroupQuant, QuantError
+from .models.quant_kinds import BlockTensor, kind_summary
 from .models.rope import Rotary
 from .paths import pie_home, sha256_file
 
@@ -48,12 +50,13 @@ PACKAGED: dict[str, tuple[str, str]] = {
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
-# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights kept as blocks (NAME.q, NAME.d, NAME.m)
-FORMAT_VERSION = 2
-_QUANT_PARTS = (".q", ".d", ".m")
-QuantKind = Literal["q4_0", "q4_1", "q8_0"]
-_BITS: dict[QuantKind, int] = {"q4_0": 4, "q4_1": 4, "q8_0": 8}
-_GROUP = 32  # every GGUF kind kept here has blocks of 32 weights
+# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights as NAME.q, NAME.d, NAME.m; 3: GGUF bytes, NAME.blocks
+FORMAT_VERSION = 3
+_QUANT_PARTS = (".q", ".d", ".m")  # format 2
+_BLOCKS = ".blocks"  # format 3
+QuantKind = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]  # quant_kinds.QUANTIZED_KINDS
+_BITS = {"q4_0": 4, "q4_1": 4, "q8_0": 8}  # format 2's kinds
+_GROUP = 32
 # size + mtime of files already hashed, so a load does not re-hash unchanged weights
 VERIFIED_CACHE = ".verified.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
@@ -111,8 +114,7 @@ class Manifest(BaseModel):
 
     def quantized_summary(self) -> str:
         """e.g. "210 q4_1, 1 q8_0", or "none"."""
-        counts = {k: sum(1 for v in self.quantized.values() if v == k) for k in GGUF_KINDS}
-        return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
+        return kind_summary(self.quantized.values())
 
 
 @dataclass
@@ -239,7 +241,7 @@ class ModelStore:
                 tokenizer=converted.tokenizer,
                 drafters=drafters,
                 format_version=FORMAT_VERSION,
-                quantized={n: _kind(n, g) for n, g in converted.quantized.items()},
+                quantized={n: b.kind for n, b in converted.quantized.items()},  # type: ignore[misc]
             )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
             _write_cache(tmp / VERIFIED_CACHE, {f: _stamp(tmp / f, d) for f, d in files.items()})
@@ -272,23 +274,27 @@ class ModelStore:
         return True
 
 
-def _kind(name: str, gq: GroupQuant) -> QuantKind:
-    for kind, bits in _BITS.items():
-        if (gq.kind, gq.bits, gq.group) == (kind, bits, _GROUP):
-            return kind
-    raise ImportRefused(f"tensor {name}: only GGUF {', '.join(GGUF_KINDS)} blocks can be stored quantized")
-
-
 def _stored_tensors(converted: Converted) -> dict[str, torch.Tensor]:
-    """The safetensors content: float tensors as they are, quantized ones as NAME.q/.d/.m."""
+    """The safetensors content: float tensors as they are, quantized ones as NAME.blocks (their GGUF bytes)."""
     out = dict(converted.tensors)
-    for name, gq in converted.quantized.items():
-        _kind(name, gq)
-        d, m = gq.d.to(torch.float16), gq.m.to(torch.float16)
-        if not (torch.equal(d.float(), gq.d) and torch.equal(m.float(), gq.m)):
-            raise ImportRefused(f"tensor {name}: its block scales do not fit float16 exactly")
-        out.update({f"{name}.q": gq.packed_q().contiguous(), f"{name}.d": d, f"{name}.m": m})
+    for name, blocks in converted.quantized.items():
+        out[f"{name}{_BLOCKS}"] = blocks.data.contiguous()
     return out
+
+
+def read_blocks(get: Callable[[str], torch.Tensor], name: str, kind: str, version: int) -> BlockTensor:
+    """Stored tensor ``name`` of ``kind`` as blocks, ``get`` reading one stored tensor by name: format 3's
+    NAME.blocks (the tensor's shape from the config: n rows, k from the row bytes), or format 2's NAME.q/.d/.m."""
+    if version >= 3:
+        from .models.quant_kinds import KINDS
+
+        data = get(f"{name}{_BLOCKS}")
+        spec = KINDS[kind]
+        k = data.shape[1] // spec.block_bytes * spec.block
+        return BlockTensor(kind, int(data.shape[0]), k, data)
+    q, d, m = (get(f"{name}{p}") for p in _QUANT_PARTS)
+    gq = GroupQuant.from_packed(q, d, m, bits=_BITS[kind], group=_GROUP, kind=kind)
+    return BlockTensor.from_group_quant(gq)
 
 
 def _stamp(path: Path, digest: str) -> list:
@@ -427,16 +433,18 @@ def _read_weights(
 
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, GroupQuant] = {}
+    parts = (_BLOCKS,) if manifest.format_version >= 3 else _QUANT_PARTS
     with safe_open(str(path), framework="pt", device="cpu") as f:
         keys = set(f.keys())
         for name, kind in manifest.quantized.items():
-            parts = [f"{name}{p}" for p in _QUANT_PARTS]
-            if not keys.issuperset(parts):
-                raise CheckpointError(f"missing tensor {name}.q/.d/.m")
-            keys.difference_update(parts)
-            gq = GroupQuant.from_packed(*(f.get_tensor(p) for p in parts), bits=_BITS[kind], group=_GROUP, kind=kind)
-            state[name] = gq.dequantize(dtype)
-            if keep_quantized:
+            names = [f"{name}{p}" for p in parts]
+            if not keys.issuperset(names):
+                raise CheckpointError(f"missing tensor {name}{'/'.join(parts)}")
+            keys.difference_update(names)
+            blocks = read_blocks(f.get_tensor, name, kind, manifest.format_version)
+            state[name] = blocks.dequantize(dtype)  # float32 one tensor at a time, then the asked dtype
+            gq = blocks.group_quant() if keep_quantized else None
+            if gq is not None:
                 quantized[name] = gq
         for name in sorted(keys):
             state[name] = f.get_tensor(name).to(dtype)
