@@ -46,12 +46,11 @@ class _Stored:
 
 class _Reader:
     """Tensors by Hugging Face name, one at a time: from the store's safetensors file (``handle``, with the
-    manifest's quantized names and format version) or from a float state dict (``handle`` a dict)."""
+    manifest's quantized names) or from a float state dict (``handle`` a dict)."""
 
-    def __init__(self, handle, quantized: dict[str, str], version: int = 3):
+    def __init__(self, handle, quantized: dict[str, str]):
         self.f = handle
         self.quantized = quantized
-        self.version = version
         self.names = set(handle) if isinstance(handle, dict) else set(handle.keys())
         self.names |= set(quantized)
 
@@ -62,7 +61,7 @@ class _Reader:
         kind = self.quantized.get(name)
         if kind is None:
             return _Stored(float_value=self._tensor(name))
-        return _Stored(blocks=read_blocks(self._tensor, name, kind, self.version))
+        return _Stored(blocks=read_blocks(self._tensor, name, kind))
 
     def float32(self, name: str) -> torch.Tensor:
         # a copy, always: a tensor read from the file may map it, and one kept would keep the whole file mapped
@@ -147,7 +146,7 @@ def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedM
     folder = store.path(name)
     f = _FileTensors(folder / WEIGHTS_FILE)
     try:
-        model = _build(cfg, _Reader(f, dict(manifest.quantized), manifest.format_version), fmt)
+        model = _build(cfg, _Reader(f, dict(manifest.quantized)), fmt)
     finally:
         f.close()
     return LoadedModel(manifest=manifest, model=model, tokenizer_path=folder / TOKENIZER_FILE)  # type: ignore[arg-type]

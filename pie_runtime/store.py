@@ -2,13 +2,14 @@
 with Hugging Face tensor names, tokenizer.json), the import that fills it, and ``load_model``, which checks
 every file against the manifest's sha256 digests before building the model.
 
-Weights a GGUF held quantized, of any kind in ``models/quant_kinds.KINDS``, are stored as their GGUF bytes
-(format version 3): tensor ``NAME`` becomes ``NAME.blocks`` (uint8 (N, row bytes), the blocks of weight row i in
-row i) and the manifest's ``quantized`` maps NAME to its kind. Format 2 stored Q4_0/Q4_1/Q8_0 only, as ``NAME.q``
-(4-bit: two values a uint8, low nibble first; 8-bit: int8), ``NAME.d`` and ``NAME.m`` (float16); such stores
-load as they did (:func:`read_blocks` turns them into blocks). Stores written before version 2 hold only float
-tensors. ``load_model`` builds the float model from the blocks' dequantization (one tensor at a time, into the
+Weights a GGUF held quantized, of any kind in ``models/quant_kinds.KINDS``, are stored as they are. Q4_0,
+Q4_1 and Q8_0 (format 2): tensor ``NAME`` becomes ``NAME.q`` (4-bit: two values a uint8, low nibble first, (N,
+K/2); 8-bit: int8 (N, K)), ``NAME.d`` and ``NAME.m`` (float16, exact: GGUF's scales are float16). Every other
+kind (format 3, written only where a model holds one): ``NAME.blocks``, uint8 (N, row bytes), the GGUF blocks of
+weight row i in row i. The manifest's ``quantized`` maps NAME to its kind; :func:`read_blocks` gives either form
+back as blocks. ``load_model`` builds the float model from their dequantization (one tensor at a time, into the
 asked dtype) and hands the Q4_0/Q4_1/Q8_0 ones over as ``LoadedModel.quantized`` for torch's int4/int8 layers.
+Stores written before version 2 hold only float tensors and load as they did.
 
 An import converts in memory, writes into ``models/.tmp-<name>-<random>/`` and renames that folder into
 place, so a refused or failed import leaves the store as it was.
@@ -50,10 +51,13 @@ PACKAGED: dict[str, tuple[str, str]] = {
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
-# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights as NAME.q, NAME.d, NAME.m; 3: GGUF bytes, NAME.blocks
-FORMAT_VERSION = 3
-_QUANT_PARTS = (".q", ".d", ".m")  # format 2
-_BLOCKS = ".blocks"  # format 3
+# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights as NAME.q, NAME.d, NAME.m; 3: other kinds as well, as
+# their GGUF bytes (NAME.blocks). A store without such kinds is written as format 2, byte for byte as before, so
+# that its weights' digest (what an MTP head names its target by) does not change.
+FORMAT_VERSION = 2
+BLOCKS_FORMAT_VERSION = 3
+_QUANT_PARTS = (".q", ".d", ".m")  # format 2's kinds
+_BLOCKS = ".blocks"  # format 3's other kinds
 QuantKind = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]  # quant_kinds.QUANTIZED_KINDS
 _BITS = {"q4_0": 4, "q4_1": 4, "q8_0": 8}  # format 2's kinds
 _GROUP = 32
@@ -240,7 +244,9 @@ class ModelStore:
                 parameters=count_parameters(converted.tensors, converted.quantized),
                 tokenizer=converted.tokenizer,
                 drafters=drafters,
-                format_version=FORMAT_VERSION,
+                format_version=BLOCKS_FORMAT_VERSION
+                if any(b.kind not in _BITS for b in converted.quantized.values())
+                else FORMAT_VERSION,
                 quantized={n: b.kind for n, b in converted.quantized.items()},  # type: ignore[misc]
             )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
@@ -278,14 +284,19 @@ def _stored_tensors(converted: Converted) -> dict[str, torch.Tensor]:
     """The safetensors content: float tensors as they are, quantized ones as NAME.blocks (their GGUF bytes)."""
     out = dict(converted.tensors)
     for name, blocks in converted.quantized.items():
-        out[f"{name}{_BLOCKS}"] = blocks.data.contiguous()
+        gq = blocks.group_quant()
+        if gq is None:
+            out[f"{name}{_BLOCKS}"] = blocks.data.contiguous()
+            continue
+        d, m = gq.d.to(torch.float16), gq.m.to(torch.float16)  # exact: the blocks' own float16 scales
+        out.update({f"{name}.q": gq.packed_q().contiguous(), f"{name}.d": d, f"{name}.m": m})
     return out
 
 
-def read_blocks(get: Callable[[str], torch.Tensor], name: str, kind: str, version: int) -> BlockTensor:
-    """Stored tensor ``name`` of ``kind`` as blocks, ``get`` reading one stored tensor by name: format 3's
-    NAME.blocks (the tensor's shape from the config: n rows, k from the row bytes), or format 2's NAME.q/.d/.m."""
-    if version >= 3:
+def read_blocks(get: Callable[[str], torch.Tensor], name: str, kind: str) -> BlockTensor:
+    """Stored tensor ``name`` of ``kind`` as blocks, ``get`` reading one stored tensor by name: NAME.blocks (k
+    from the row bytes) for the kinds beyond format 2's, else NAME.q/.d/.m."""
+    if kind not in _BITS:
         from .models.quant_kinds import KINDS
 
         data = get(f"{name}{_BLOCKS}")
@@ -433,15 +444,15 @@ def _read_weights(
 
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, GroupQuant] = {}
-    parts = (_BLOCKS,) if manifest.format_version >= 3 else _QUANT_PARTS
     with safe_open(str(path), framework="pt", device="cpu") as f:
         keys = set(f.keys())
         for name, kind in manifest.quantized.items():
+            parts = _QUANT_PARTS if kind in _BITS else (_BLOCKS,)
             names = [f"{name}{p}" for p in parts]
             if not keys.issuperset(names):
                 raise CheckpointError(f"missing tensor {name}{'/'.join(parts)}")
             keys.difference_update(names)
-            blocks = read_blocks(f.get_tensor, name, kind, manifest.format_version)
+            blocks = read_blocks(f.get_tensor, name, kind)
             state[name] = blocks.dequantize(dtype)  # float32 one tensor at a time, then the asked dtype
             gq = blocks.group_quant() if keep_quantized else None
             if gq is not None:

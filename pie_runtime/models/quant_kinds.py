@@ -206,6 +206,8 @@ class BlockTensor:
     @staticmethod
     def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> BlockTensor:
         """The reader's uint8 data of a tensor of PyTorch ``shape`` (GGUF's dims reversed), copied."""
+        if kind not in QUANTIZED_KINDS:
+            raise QuantError(f"{kind!r} is not a quantized kind ({', '.join(QUANTIZED_KINDS)})")
         if len(shape) != 2:
             raise QuantError(f"{kind} tensor of shape {tuple(shape)}: quantized weights are 2-d")
         n, k = int(shape[0]), int(shape[1])
