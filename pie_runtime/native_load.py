@@ -68,20 +68,61 @@ class _Reader:
         return self._tensor(name).detach().to(torch.float32, copy=True).contiguous()
 
 
+def plan(kinds: list[str], fmt: str) -> str:
+    """How parts of stored ``kinds`` ("" for float) fused into one weight run in ``fmt``: "q4" (the 4-bit kernel,
+    blocks as stored), "q8" (the 8-bit one, as stored), "wx" (each part in its own kind), or "q4 requantized" /
+    "q8 requantized" (from the float values, at load)."""
+    kset = set(kinds)
+    if fmt in ("gguf", "int4") and kset <= {"q4_0", "q4_1"}:
+        return "q4"
+    if kset == {"q8_0"}:
+        return "q8"
+    if fmt == "gguf" and kset != {""}:
+        return "wx"
+    return "q4 requantized" if fmt == "int4" else "q8 requantized"
+
+
 def _pack(parts: list[_Stored], fmt: str) -> PackedWeight:
-    """Parts stacked along output rows, packed for ``fmt``: their own blocks where the format keeps their kinds,
-    else their float values quantized here (module docstring)."""
+    """Parts stacked along output rows, packed for ``fmt`` as :func:`plan` says."""
     blocks = [p.blocks for p in parts]
-    kinds = {b.kind if b is not None else "" for b in blocks}
-    if fmt in ("gguf", "int4") and kinds <= {"q4_0", "q4_1"}:
+    how = plan([b.kind if b is not None else "" for b in blocks], fmt)
+    if how in ("q4", "q8"):
         gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
-        return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
-    if kinds == {"q8_0"}:
-        gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
+        if how == "q4":
+            return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
         return PackedWeight.pack_q8(gq.q, gq.d.to(torch.float16))
-    if fmt == "gguf" and kinds != {""}:
+    if how == "wx":
         return PackedWeight.pack_blocks([b if b is not None else p.dequantized() for b, p in zip(blocks, parts)])
     return PackedWeight.from_float(torch.cat([p.dequantized() for p in parts]), 4 if fmt == "int4" else 8)
+
+
+WEIGHT_GROUPS = {  # what `pie model info` lists: the step's weights, by the Hugging Face names of their parts
+    "q/k/v": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate/up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def describe(quantized: dict[str, str], layers: int, tied: bool, fmt: str) -> dict[str, str]:
+    """Per group of tensors, the stored kinds of its layers and how ``fmt`` runs them, e.g. {"q/k/v": "24x
+    q5_0+q5_0+q8_0 -> wx, 6x q4_k+q4_k+q6_k -> wx", ...}: what `pie model info` says."""
+    out: dict[str, str] = {}
+    for group, parts in WEIGHT_GROUPS.items():
+        seen: dict[str, int] = {}
+        for i in range(layers):
+            kinds = [quantized.get(f"model.layers.{i}.{p}.weight", "") for p in parts]
+            label = f"{'+'.join(k or 'float' for k in kinds)} -> {plan(kinds, fmt)}"
+            seen[label] = seen.get(label, 0) + 1
+        out[group] = ", ".join(f"{n}x {label}" for label, n in seen.items())
+    table_fmt = "gguf" if fmt == "gguf" else "int8"
+    for name, key in (("embedding", "model.embed_tokens.weight"), ("lm head", "lm_head.weight")):
+        if name == "lm head" and tied:
+            out[name] = "the embedding (tied)"
+            continue
+        kind = quantized.get(key, "")
+        out[name] = f"{kind or 'float'} -> {plan([kind], table_fmt)}"
+    return out
 
 
 def _bias(reader: _Reader, names: list[str]) -> torch.Tensor | None:

@@ -167,7 +167,10 @@ class PackedWeight:
         return PackedWeight(out, self.kind, ids.numel(), self.k)
 
 
-def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray | None]:
+_Part = tuple[str, np.ndarray, np.ndarray, np.ndarray | None]  # sub-kind, values, scales and offsets per 16
+
+
+def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> _Part:
     """Rows r0..r1-1 of a part as (sub-kind name, values, scales per 16, offsets per 16 or None)."""
     if isinstance(p, BlockTensor):
         sub = BlockTensor(p.kind, r1 - r0, p.k, p.data[r0:r1])
@@ -176,7 +179,7 @@ def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> tuple[str, np
     return "s16", q.numpy().astype(np.int16), np.repeat(d.float().numpy(), 2, axis=1), None
 
 
-def _x_records(part: tuple[str, np.ndarray, np.ndarray, np.ndarray | None]) -> tuple[int, np.ndarray]:
+def _x_records(part: _Part) -> tuple[int, np.ndarray]:
     """A part's rows as WX records (groups, blocks, record bytes), rows padded to a multiple of 8 with zeros."""
     name, q, s16, o16 = part
     n, k = q.shape

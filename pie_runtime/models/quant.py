@@ -1,6 +1,6 @@
 """Weight-only quantization: grouped 4- and 8-bit weights (:class:`GroupQuant`), from GGUF blocks as they
-are (``quant_kinds.BlockTensor.group_quant``: Q4_0, Q4_1, Q8_0) or quantized here from float weights (:func:`quantize_int4`,
-:func:`quantize_int8`), and the linear layers that run them on torch's CPU weight-only kernels
+are (``quant_kinds.BlockTensor.group_quant``: Q4_0, Q4_1, Q8_0) or quantized here from float weights
+(:func:`quantize_int4`, :func:`quantize_int8`), and the linear layers that run them on torch's CPU weight-only kernels
 (:class:`Int4Linear`, :class:`Int8Linear`). Activations stay bfloat16; norms, softmax and logits are the
 model's business and stay float32.
 

@@ -223,7 +223,7 @@ class BlockTensor:
         if gq.kind not in ("q4_0", "q4_1", "q8_0"):
             raise QuantError(f"only GGUF Q4_0/Q4_1/Q8_0 GroupQuants have blocks, not {gq.kind or 'one made here'}")
         n, k = gq.shape
-        parts = [gq.d.to(torch.float16).numpy().reshape(n, -1, 1).view(np.uint8)]
+        parts: list[np.ndarray] = [gq.d.to(torch.float16).numpy().reshape(n, -1, 1).view(np.uint8)]
         if gq.kind == "q4_1":
             parts.append(gq.m.to(torch.float16).numpy().reshape(n, -1, 1).view(np.uint8))
         q = gq.q.numpy().reshape(n, -1, 32)

@@ -27,6 +27,8 @@ def from_gguf(raw: np.ndarray, ggml_type: QT, shape: tuple[int, ...]) -> GroupQu
     gq = BlockTensor.from_gguf(raw, ggml_type.name.lower(), shape).group_quant()
     assert gq is not None
     return gq
+
+
 # Relative L2 error of a quantized layer's bf16 output against float32 x @ dequantize().T: bf16 activations
 # and bf16 scales/zeros cost about 0.3% (measured 0.30% int4, 0.27% for a plain bf16 F.linear).
 LAYER_RTOL = 0.01

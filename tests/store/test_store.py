@@ -372,7 +372,7 @@ K_TYPES = {**TINY_GGUF_TYPES, "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_
            "ffn_gate": "Q5_1", "ffn_down": "Q6_K"}  # fmt: skip
 
 
-def test_every_kind_is_stored_as_its_bytes_and_runs_as_stored(home, tmp_path):
+def test_every_kind_is_stored_as_its_bytes_and_runs_as_stored(home, tmp_path, capsys):
     """A GGUF of K kinds (rows of 256) and Q5_x: the store keeps each tensor's bytes (its size about the
     file's; format 3); the float model is gguf's dequantization (q/k rows unpermuted as whole blocks); the
     native step in the gguf format computes the float model's logits within its 8-bit activations' rounding."""
@@ -393,6 +393,11 @@ def test_every_kind_is_stored_as_its_bytes_and_runs_as_stored(home, tmp_path):
     for name, w in want.items():
         assert bitwise_equal(state[name], w), name
     assert {loaded.quantized[n].kind for n in loaded.quantized} == {"q4_1", "q8_0"}  # what torch's int layers take
+    capsys.readouterr()
+    assert pie(["model", "info", "tk"]) == 0
+    info = capsys.readouterr().out
+    assert "q/k/v       2x q4_k+q5_k+q6_k -> wx" in info and "o           2x q4_1 -> q4" in info
+    assert "gate/up     2x q5_1+q5_0 -> q4 requantized" in info  # --weights int4
     if not native_lib.available():
         return
     ids = list(range(1, 200, 3))
