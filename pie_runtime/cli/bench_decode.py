@@ -46,7 +46,10 @@ class DecodeOptions(BaseModel):
     """`pie bench decode`'s options, checked."""
 
     model: str = DEFAULT_MODEL
-    formats: list[WeightFormat] = Field(default_factory=lambda: list(WEIGHT_FORMATS), min_length=1)
+    # gguf runs the default model's blocks as int4 does (its Q4_1/Q8_0 on the same kernels): asked for, not default
+    formats: list[WeightFormat] = Field(
+        default_factory=lambda: [f for f in WEIGHT_FORMATS if f != "gguf"], min_length=1
+    )
     tokens: int = Field(default=128, ge=2)
     threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     peers: list[Peer] = Field(default_factory=lambda: ["transformers", "llama.cpp"])
