@@ -256,17 +256,20 @@ class BlockTensor:
         return BlockTensor(self.kind, self.n, self.k, self.data[torch.as_tensor(index, dtype=torch.long)].contiguous())
 
     def group_quant(self) -> GroupQuant | None:
-        """The weight as a GroupQuant for torch's int4/int8 layers (Q4_0, Q4_1, Q8_0 as they are), else None."""
+        """The weight as a GroupQuant for torch's int4/int8 layers and the 4/8-bit kernels (Q4_0, Q4_1, Q8_0 as
+        they are, read from the bytes without widening: the largest tables are Q8_0), else None."""
         if self.kind not in ("q4_0", "q4_1", "q8_0"):
             return None
-        q, s, o = self.decompose()
-        d = torch.from_numpy(np.ascontiguousarray(s[:, ::2]))
+        n, k = self.shape
+        b = self.data.numpy().reshape(n, k // 32, -1)
+        d = torch.from_numpy(_f16(b[..., 0:2]).reshape(n, -1))
         if self.kind == "q8_0":
-            return GroupQuant(torch.from_numpy(q.astype(np.int8)), d, torch.zeros_like(d), 8, 32, "q8_0")
-        if self.kind == "q4_0":
-            return GroupQuant(torch.from_numpy((q + 8).astype(np.uint8)), d, d * -8.0, 4, 32, "q4_0")
-        assert o is not None
-        return GroupQuant(torch.from_numpy(q.astype(np.uint8)), d, torch.from_numpy(o[:, ::2].copy()), 4, 32, "q4_1")
+            q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))
+            return GroupQuant(q, d, torch.zeros_like(d), 8, 32, "q8_0")
+        at = 4 if self.kind == "q4_1" else 2
+        q = torch.from_numpy(np.concatenate([b[..., at:] & 0x0F, b[..., at:] >> 4], axis=-1).reshape(n, k))
+        m = torch.from_numpy(_f16(b[..., 2:4]).reshape(n, -1)) if self.kind == "q4_1" else d * -8.0
+        return GroupQuant(q, d, m, 4, 32, self.kind)
 
 
 def kind_summary(kinds: Iterable[str]) -> str:
