@@ -15,7 +15,14 @@ from pathlib import Path
 
 # bytes per weight of each form a runner holds weights in (the native step's x8 records: values + scales per
 # 32 weights of 8 outputs; qmatmul.h)
-NATIVE_BYTES = {"q4": 160 / 256, "q8": 288 / 256, "wx a4": 192 / 256, "wx a8": 320 / 256, "wx s16": 320 / 256}
+NATIVE_BYTES = {
+    "q4": 160 / 256,
+    "q8": 288 / 256,
+    "wx a4": 192 / 256,
+    "wx a5": 224 / 256,
+    "wx a8": 320 / 256,
+    "wx s16": 320 / 256,
+}
 TORCH_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 _FLOOR = 512 << 20  # the smallest buffer streamed, whatever the cache
 

@@ -24,7 +24,7 @@ from .quant_kinds import BlockTensor
 
 Q4, Q8, WX = 0, 1, 2  # the kernel's weight kinds
 BLOCK = 32
-XSUB = {"a4": 0, "a8": 1, "s16": 2}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
+XSUB = {"a4": 0, "a8": 1, "s16": 2, "a5": 3}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
 _X_CHUNK = 4096  # rows repacked at a time: the int16 values of a large table are never all in memory
 
 
@@ -187,12 +187,17 @@ def _x_records(part: _Part) -> tuple[int, np.ndarray]:
     if name == "s16":
         s0, s1 = s16[:, 0::2], s16[:, 1::2]  # values 0..15 and 16..31 of each block
     else:
-        assert o16 is not None
-        s0, s1 = s16[:, 0::2], o16[:, 0::2]  # a4 / a8: one scale and one offset a block
+        if o16 is None:  # Q5_0's signed q - 16 on an affine record: q + 16 and an offset of -16 d (both exact)
+            q, o16 = q + 16, s16 * np.float32(-16)
+        s0, s1 = s16[:, 0::2], o16[:, 0::2]  # a4 / a5 / a8: one scale and one offset a block
     q = np.pad(q, ((0, pad), (0, 0)))
-    if name == "a4":
-        v = q.astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
+    if name in ("a4", "a5"):
+        v = (q & 15).astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
         values = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 128)
+        if name == "a5":  # the fifth bits: 4 bytes an output, bit v = value v
+            bits = ((q >> 4) & 1).astype(np.uint8).reshape(groups, 8, nb, 32)
+            plane = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3).reshape(groups, nb, 32)
+            values = np.concatenate([values, plane], axis=-1)
     else:
         v = q.astype(np.int8).view(np.uint8).reshape(groups, 8, nb, 8, 4)
         values = v.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)

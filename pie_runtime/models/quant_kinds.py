@@ -5,11 +5,11 @@ kept as its GGUF bytes: one row of ``row_bytes`` a weight row, blocks running al
     |------|---------------|-------------|----------------|---------------------------------------------|
     | q4_0 | 32            | 18          | d (q - 8)      | WQ4 (alone) / WX s16 (mixed)                 |
     | q4_1 | 32            | 20          | d q + m        | WQ4 (alone) / WX a4 (mixed)                  |
-    | q5_0 | 32            | 22          | d (q - 16)     | WX s16                                      |
-    | q5_1 | 32            | 24          | d q + m        | WX a8                                       |
+    | q5_0 | 32            | 22          | d (q - 16)     | WX a5 (q + 16, offset -16 d)                 |
+    | q5_1 | 32            | 24          | d q + m        | WX a5                                       |
     | q8_0 | 32            | 34          | d q            | WQ8 (alone) / WX s16 (mixed)                 |
     | q4_k | 256           | 144         | d sc q - dmin m (sub-blocks of 32) | WX a4                   |
-    | q5_k | 256           | 176         | d sc q - dmin m (sub-blocks of 32) | WX a8                   |
+    | q5_k | 256           | 176         | d sc q - dmin m (sub-blocks of 32) | WX a5                   |
     | q6_k | 256           | 210         | d sc (q - 32) (sub-blocks of 16)   | WX s16                  |
     | f16, bf16, f32 | 1   | 2, 2, 4     | the float      | quantized to Q8_0 at load                    |
 
@@ -120,7 +120,7 @@ class Kind:
     ggml_type: int
     block: int
     block_bytes: int
-    native: str  # "s16" (signed values, a scale per 16), "a4" / "a8" (unsigned 4 / 8-bit, scale + offset per 32)
+    native: str  # "s16" (signed values, a scale per 16), "a4" / "a5" (unsigned 4 / 5-bit, scale + offset per 32)
     decompose: Callable[[np.ndarray], Decomposed] | None = None
     float_dtype: torch.dtype | None = None
 
@@ -139,11 +139,11 @@ KINDS: dict[str, Kind] = {
     for k in (
         Kind("q4_0", 2, 32, 18, "s16", _q4_0),
         Kind("q4_1", 3, 32, 20, "a4", _q4_1),
-        Kind("q5_0", 6, 32, 22, "s16", _q5_0),
-        Kind("q5_1", 7, 32, 24, "a8", _q5_1),
+        Kind("q5_0", 6, 32, 22, "a5", _q5_0),
+        Kind("q5_1", 7, 32, 24, "a5", _q5_1),
         Kind("q8_0", 8, 32, 34, "s16", _q8_0),
         Kind("q4_k", 12, 256, 144, "a4", _q4_k),
-        Kind("q5_k", 13, 256, 176, "a8", _q5_k),
+        Kind("q5_k", 13, 256, 176, "a5", _q5_k),
         Kind("q6_k", 14, 256, 210, "s16", _q6_k),
         Kind("f32", 0, 1, 4, "", float_dtype=torch.float32),
         Kind("f16", 1, 1, 2, "", float_dtype=torch.float16),

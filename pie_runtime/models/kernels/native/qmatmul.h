@@ -393,14 +393,32 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
  * records hold the GGUF values as they are, scales float32 (exact: a K-kind's d * sc is a float16 times a small
  * integer):
  *     XA4  4-bit values as WQ4's record, then dw[8], mw[8]        w = dw q + mw        (Q4_1, Q4_K)
- *     XA8  8-bit values (0..31) as WQ8's, then dw[8], mw[8]         w = dw q + mw        (Q5_1, Q5_K)
- *     XS16 signed 8-bit values as WQ8's, then d_lo[8], d_hi[8]      w = d_half q         (Q4_0, Q5_0, Q8_0, Q6_K)
+ *     XA5  XA4's low 4 bits, then the fifth bits (4 bytes an output: bit v = value v), then dw[8], mw[8]
+ *                                                                  w = dw q + mw        (Q5_0 as q + 16 with
+ *                                                                  mw = -16 dw, Q5_1, Q5_K)
+ *     XA8  8-bit values (0..63) as WQ8's, then dw[8], mw[8]         w = dw q + mw        (none at present)
+ *     XS16 signed 8-bit values as WQ8's, then d_lo[8], d_hi[8]      w = d_half q         (Q4_0, Q8_0, Q6_K)
  * XS16's values 0..15 of a block take d_lo and 16..31 d_hi (Q6_K's sub-blocks of 16); the sign moves onto x as
  * on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates), on every variant, so its integer sums and
  * hence its bits are the same on every variant. A row's operations never depend on the other rows of a call. */
-enum { XA4 = 0, XA8 = 1, XS16 = 2 };
+enum { XA4 = 0, XA8 = 1, XS16 = 2, XA5 = 3 };
 
-INLINE long x_record_bytes(int sub) { return (sub == XA4 ? 128 : 256) + 64; }
+INLINE long x_record_bytes(int sub) { return (sub == XA4 ? 128 : sub == XA5 ? 160 : 256) + 64; }
+
+/* XA5: ORs each value's fifth bit (16) into the 8 value registers of load_values(WQ4). Chunk j's byte 4o + t is
+ * value 4j + t of output o, whose bit sits at bit 4j + t of output o's 32-bit word: shift the words right by
+ * 4j, spread byte 0 of each word over its 4 bytes, and test bit t of byte t. */
+INLINE void or_fifth_bits(const uint8_t *plane, __m256i w[8]) {
+    const __m256i words = _mm256_loadu_si256((const __m256i *)plane);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                            8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i bit = _mm256_set1_epi32(0x08040201), sixteen = _mm256_set1_epi8(16);
+    for (int j = 0; j < 8; j++) {
+        const __m256i b = _mm256_shuffle_epi8(_mm256_srli_epi32(words, 4 * j), spread);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(set, sixteen));
+    }
+}
 
 INLINE void x_group(const QWeight *w, long g, int *sub, const uint8_t **rec) {
     const int64_t h = ((const int64_t *)w->data)[g];
@@ -413,7 +431,8 @@ INLINE void x_rows(const uint8_t *rec, const int sub, long nb, const QAct *a, lo
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++, rec += rb) {
         __m256i v[8], sv[8];
-        load_values(rec, sub == XA4 ? WQ4 : WQ8, v);
+        load_values(rec, sub == XA4 || sub == XA5 ? WQ4 : WQ8, v);
+        if (sub == XA5) or_fifth_bits(rec + 128, v);
         if (sub == XS16)
             for (int j = 0; j < 8; j++) {
                 sv[j] = v[j];
@@ -463,6 +482,7 @@ INLINE void x_group_rows(const QWeight *w, long g, const QAct *a, long m0, const
     switch (sub) { /* a constant sub-kind: each its own loop */
     case XA4: x_rows(rec, XA4, nb, a, m0, R, acc); break;
     case XA8: x_rows(rec, XA8, nb, a, m0, R, acc); break;
+    case XA5: x_rows(rec, XA5, nb, a, m0, R, acc); break;
     default: x_rows(rec, XS16, nb, a, m0, R, acc); break;
     }
     store_group(w, g, acc, m0, R, y, ldy, bias, add);

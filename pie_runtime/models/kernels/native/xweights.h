@@ -8,9 +8,10 @@
 
 /* One value of output o (0..7) at position v (0..31) of a record. */
 INLINE int x_value(const uint8_t *rec, int sub, int o, int v) {
-    if (sub == XA4) {
+    if (sub == XA4 || sub == XA5) {
         const uint8_t byte = rec[32 * ((v % 16) / 4) + 4 * o + v % 4];
-        return v < 16 ? byte & 0x0f : byte >> 4;
+        const int fifth = sub == XA5 ? ((rec[128 + 4 * o + v / 8] >> (v % 8)) & 1) << 4 : 0;
+        return (v < 16 ? byte & 0x0f : byte >> 4) | fifth;
     }
     const uint8_t byte = rec[32 * (v / 4) + 4 * o + v % 4];
     return sub == XS16 ? (int)(int8_t)byte : (int)byte;
