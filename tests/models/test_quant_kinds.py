@@ -132,3 +132,11 @@ def test_the_gemma_3_files_tensors_run_as_stored(gemma_file):
         got = PackedWeight.pack_blocks([bt]).matmul(x)
         assert ((got - want).norm() / want.norm()).item() < NATIVE_RTOL, t.name
     assert seen == {"q5_0", "q4_k", "q6_k", "q8_0"}
+
+
+def test_the_store_names_the_tables_kinds():
+    from typing import get_args
+
+    from pie_runtime.store import QuantKind
+
+    assert get_args(QuantKind) == QUANTIZED_KINDS
