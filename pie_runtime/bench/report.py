@@ -45,6 +45,8 @@ class Row(BaseModel):
     vs_llama_cpp: float | None = None  # decode rate / llama.cpp plain's, same prompt
     vs_transformers_fp32: float | None = None
     same_tokens_as_pie_fp32: bool | None = None
+    token_mb: float | None = None  # MB of weights a decode token streams (bench/bandwidth.py)
+    bandwidth_share: float | None = None  # decode tok/s x token_mb over the measured read bandwidth
 
     @property
     def label(self) -> str:
@@ -93,6 +95,7 @@ class Report(BaseModel):
     speculation: list[Row] = Field(default_factory=list)
     skipped: list[Skipped] = Field(default_factory=list)
     note: str = ""
+    read_gb_s: float | None = None  # the machine's streaming read bandwidth, measured in the run
 
     def add_ratios(self) -> None:
         """Fills each row's ratios against llama.cpp's plain decode and transformers fp32 (same table)."""
@@ -145,6 +148,8 @@ def print_report(report: Report, console=None) -> None:
         "pass 16 / 1",
         "tokens",
         "= pie fp32",
+        "MB/token",
+        "of read bw",
     ):
         table.add_column(name, justify="left" if name == "runner" else "right")
     for r in report.rows:
@@ -161,8 +166,12 @@ def print_report(report: Report, console=None) -> None:
             _num(r.pass_cost_over_1(16), ".2f", "x"),
             str(r.generated_tokens),
             _same(r.same_tokens_as_pie_fp32),
+            _num(r.token_mb, ".0f"),
+            _num(None if r.bandwidth_share is None else 100 * r.bandwidth_share, ".0f", "%"),
         )
     console.print(table)
+    if report.read_gb_s:
+        console.print(f"read bandwidth {report.read_gb_s:.1f} GB/s ({report.threads} threads, streaming float32 sum)")
     if report.speculation:
         spec = Table(title=f"speculation on the {report.speculation_prompt} prompt, batch 1, greedy")
         for name in ("runner", "decode tok/s", "vs llama.cpp plain", "acceptance", "tokens", "digest"):
