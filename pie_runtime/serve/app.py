@@ -28,7 +28,7 @@ from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
 from .disconnect import unless_disconnected
 from .errors import invalid_request, not_found, unavailable
-from .generation import Job, Limits, build_job, chat_prompt, check_text, completion_prompt, count_tokens
+from .generation import Job, Limits, build_job, check_text, completion_prompt, count_tokens
 from .inferlet_routes import add_inferlet_routes
 from .metrics import Metrics
 from .openai_api import (
@@ -51,6 +51,8 @@ from .prompt_cache_routes import add_prompt_cache_routes
 from .prompt_caches import PromptCaches, disabled, start_from
 from .runs import Runs
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
+from .tool_stream import tool_chat_response, tool_chat_stream
+from .tools import plan_tools
 
 DEFAULT_MAX_BODY = 8 << 20
 # every route's refusals and failures, as published in the OpenAPI schema
@@ -246,6 +248,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         stream: Callable[..., AsyncIterator[str]],
         respond: Callable[..., BaseModel],
         session: str | None = None,
+        grammar: str | None = None,
     ) -> Response:
         """A completion or chat request (``prompt``, ``stream`` and ``respond`` are its dialect's): admit, run,
         and answer whole or as a stream. ``session`` (the ``x-session-id`` header, else the request's ``user``)
@@ -254,7 +257,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         runs = server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
-        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps, grammar)
         if req.prompt_cache is not None:
             job = start_from(job, req, server.prompt_cache(req.prompt_cache))
         lease = server.admit(key, job)
@@ -281,7 +284,11 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
     async def chat(
         request: Request, req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
-        return await generate(request, req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        plan = plan_tools(req)  # tools.py: the prompt shows the tools, a grammar holds the calls
+        if not plan.calls:
+            return await generate(request, req, key, plan.prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        stream, respond = tool_chat_stream, tool_chat_response
+        return await generate(request, req, key, plan.prompt, "chatcmpl", stream, respond, x_session_id, plan.grammar)
 
 
 def _tokenizer(backend: Backend):

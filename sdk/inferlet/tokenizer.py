@@ -98,7 +98,7 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        return self._env.from_string(self.chat_template)
+        return self._env.from_string(self.chat_template or "")
 
     @cached_property
     def takes_tools(self) -> bool:

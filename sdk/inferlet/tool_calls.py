@@ -24,6 +24,7 @@ model cannot wander into blank space.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,7 +58,7 @@ def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return schema
 
 
-def tool_call_grammar(functions: dict[str, dict[str, Any] | None], mode: Mode, parallel: bool) -> str:
+def tool_call_grammar(functions: Mapping[str, dict[str, Any] | None], mode: Mode, parallel: bool) -> str:
     """The Lark grammar (llguidance's dialect) of the module docstring for ``functions`` (name → parameters
     schema, in order); ``mode`` "auto" adds the free-text branch; ``parallel`` allows several calls."""
     if not functions:
