@@ -101,6 +101,12 @@ def register(sub) -> None:
         default=None,
         help="a folder of saved prompt caches: requests save and start from them by name (off without it)",
     )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=["mean", "last"],
+        default="mean",
+        help="how /v1/embeddings pools the final hidden states (a request's `pooling` overrides it)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: NAME)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_options(p)
@@ -215,6 +221,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         max_body_bytes=args.max_body_bytes,
         served_name=args.served_model_name,
         prompt_cache_dir=_prompt_cache_dir(args.prompt_cache_dir),
+        embedding_pooling=args.embedding_pooling,
     )
     return config, Quotas(keys, default), template
 

@@ -5,7 +5,9 @@ that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an
     GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /v1/models
-    POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
+    POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE]; tools: tools.py)
+    POST /v1/embeddings                          (embedding_routes.py)
+    POST /v1/responses                           (responses_routes.py)
     POST /tokenize, /detokenize
     GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
     GET, POST /v1/prompt_caches;  GET, DELETE /v1/prompt_caches/{name}   (--prompt-cache-dir: prompt_caches.py)
@@ -27,6 +29,7 @@ from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
 from .disconnect import unless_disconnected
+from .embedding_routes import Pooling, add_embedding_routes
 from .errors import invalid_request, not_found, unavailable
 from .generation import Job, Limits, build_job, check_text, completion_prompt, count_tokens
 from .inferlet_routes import add_inferlet_routes
@@ -49,6 +52,7 @@ from .openai_api import (
 from .policies import Capabilities, Policy
 from .prompt_cache_routes import add_prompt_cache_routes
 from .prompt_caches import PromptCaches, disabled, start_from
+from .responses_routes import add_responses_routes
 from .runs import Runs
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
 from .tool_stream import tool_chat_response, tool_chat_stream
@@ -79,6 +83,7 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
     served_name: str | None = None  # the model id clients use (default: the store name)
     prompt_cache_dir: Path | None = None  # saved prompt caches (prompt_caches.py); None: off
+    embedding_pooling: Pooling = "mean"  # /v1/embeddings' default pooling (embedding_routes.py)
 
 
 class Server:
@@ -170,6 +175,7 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     _add_openai_routes(v1, server, api_key)
     add_inferlet_routes(v1, server, api_key)
     add_prompt_cache_routes(v1, server, api_key)
+    add_embedding_routes(v1, server, api_key, config.embedding_pooling)
     app.include_router(v1)
     return app
 
@@ -230,7 +236,7 @@ def _add_token_routes(app: FastAPI, server: Server) -> None:
 
 
 def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
-    """/v1/models, /v1/completions and /v1/chat/completions."""
+    """/v1/models, /v1/completions, /v1/chat/completions and /v1/responses."""
     backend, config = server.backend, server.config
 
     @v1.get("/models")
@@ -289,6 +295,8 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
             return await generate(request, req, key, plan.prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
         stream, respond = tool_chat_stream, tool_chat_response
         return await generate(request, req, key, plan.prompt, "chatcmpl", stream, respond, x_session_id, plan.grammar)
+
+    add_responses_routes(v1, api_key, generate)  # /v1/responses runs through chat's path
 
 
 def _tokenizer(backend: Backend):

@@ -112,8 +112,10 @@ class ParsedCall:
 class ToolCallParser:
     """Reads calls out of a model's text as it grows (``feed``), for text written in the format above (as the
     grammar holds it): the text is either all content, or calls only. ``feed`` returns what the new text
-    completes; ``finish`` what is left at the end. Text that leaves the format is content from there on."""
+    completes; ``finish`` what is left at the end. Text that leaves the format is content from there on;
+    ``text_only``: all of it is content (an output generated without tools)."""
 
+    text_only: bool = False
     calls: list[ParsedCall] = field(default_factory=list)
     content: str = ""
     _buf: str = ""
@@ -122,6 +124,10 @@ class ToolCallParser:
     _depth: int = 0
     _in_string: bool = False
     _escape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.text_only:
+            self._state = "text"
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -225,9 +231,9 @@ class ToolCallParser:
         return done
 
 
-def parse_tool_calls(text: str) -> ToolCallParser:
+def parse_tool_calls(text: str, text_only: bool = False) -> ToolCallParser:
     """``text`` parsed whole: ``.content`` and ``.calls`` (``complete`` False for a call the text cut off)."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(text_only)
     parser.feed(text)
     parser.finish()
     return parser
