@@ -31,7 +31,7 @@ from inferlet.tool_calls import CallArguments, CallStart, Content, Event, ToolCa
 
 from .errors import APIError, invalid_request, not_found
 from .generation import Job, choices_of, usage
-from .openai_api import ChatMessage, ChatRequest, Usage
+from .openai_api import ChatMessage, ChatRequest, Usage, sse_or
 from .responses_api import (
     ResponsesRequest,
     call_item,
@@ -165,7 +165,7 @@ def add_responses_routes(v1: APIRouter, api_key: Callable[..., str], generate: G
     """``POST /v1/responses``, run through chat's ``generate`` (app.py)."""
     conversations = Conversations()
 
-    @v1.post("/responses", response_model=None)
+    @v1.post("/responses", response_model=None, responses=sse_or(ResponseBody))
     async def responses(
         request: Request,
         req: ResponsesRequest,

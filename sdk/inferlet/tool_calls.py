@@ -38,7 +38,7 @@ _END = "}" + CLOSE
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # free text in "auto": anything that does not hold the opening tag (a call is a call, never text)
 TEXT_RULE = r"TEXT: /(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"
-EMPTY_ARGS = {"type": "object", "properties": {}}
+EMPTY_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
 
 Mode = Literal["auto", "required"]
 

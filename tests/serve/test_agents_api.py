@@ -241,3 +241,28 @@ def test_responses_function_tools_two_steps(client):
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"}
     second = client.responses.create(input=[output], previous_response_id=first.id, tool_choice="none", **kw)  # type: ignore[arg-type]
     assert second.output[0].type == "message" and second.output_text
+
+
+def test_langchain_drives_a_two_step_tool_loop(server):
+    """An agent framework nobody here wrote: langchain-openai's ChatOpenAI.bind_tools forces a call, the tool
+    runs, its result goes back as a ToolMessage and the model answers."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """Get the current weather in a city."""
+        return f"22 degrees {unit} and sunny in {city}"
+
+    llm = ChatOpenAI(
+        model=DEFAULT_MODEL, base_url=f"{server.base}/v1", api_key="unused", temperature=0, max_tokens=60, max_retries=0
+    )
+    messages = [HumanMessage("What is the weather in Paris?")]
+    ai = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(messages)
+    assert ai.response_metadata["finish_reason"] == "tool_calls" and len(ai.tool_calls) == 1
+    call = ai.tool_calls[0]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    messages += [ai, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert final.response_metadata["finish_reason"] in ("stop", "length") and final.content and not final.tool_calls
