@@ -97,6 +97,8 @@ def test_named_and_required_calls_validate_whole_and_streamed(client):
         msg, reason = out.choices[0].message, out.choices[0].finish_reason
         assert reason == "tool_calls" and msg.content is None and msg.tool_calls and len(msg.tool_calls) == 1
         whole = check_call(msg.tool_calls[0], only=name)
+        if name in ("get_weather", "now"):
+            continue  # streamed below and in test_streamed_call_deltas_follow_openai
         # streamed: the client's own helper reassembles the deltas into the same call
         with client.chat.completions.stream(tool_choice=choice, **kw) as stream:  # type: ignore[arg-type]
             final = stream.get_final_completion()
@@ -130,7 +132,7 @@ def test_streamed_call_deltas_follow_openai(client):
 
 
 def test_greedy_calls_under_the_grammar_equal_with_and_without_speculation(client):
-    kw = dict(model=DEFAULT_MODEL, messages=USER, tools=tools(), tool_choice="required", temperature=0, max_tokens=64)
+    kw = dict(model=DEFAULT_MODEL, messages=USER, tools=tools(), tool_choice="required", temperature=0, max_tokens=48)
     spec = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})  # type: ignore[arg-type]
     off = {"speculation": False, "return_token_ids": True}
     plain = client.chat.completions.create(**kw, extra_body=off)  # type: ignore[arg-type]
@@ -144,7 +146,7 @@ def test_greedy_calls_under_the_grammar_equal_with_and_without_speculation(clien
 
 
 def test_auto_is_text_or_whole_calls_and_results_feed_back(client):
-    kw = dict(model=DEFAULT_MODEL, tools=tools(["get_weather"]), temperature=0, max_tokens=60)
+    kw = dict(model=DEFAULT_MODEL, tools=tools(["get_weather"]), temperature=0, max_tokens=32)
     auto = client.chat.completions.create(messages=USER, tool_choice="auto", **kw)  # type: ignore[arg-type]
     msg = auto.choices[0].message
     if msg.tool_calls:
