@@ -258,7 +258,12 @@ def test_langchain_drives_a_two_step_tool_loop(server):
         return f"22 degrees {unit} and sunny in {city}"
 
     llm = ChatOpenAI(
-        model=DEFAULT_MODEL, base_url=f"{server.base}/v1", api_key="unused", temperature=0, max_tokens=60, max_retries=0
+        model=DEFAULT_MODEL,
+        base_url=f"{server.base}/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=60,  # pyright: ignore[reportCallIssue]  (a field langchain's stubs show by its alias only)
+        max_retries=0,
     )
     messages = [HumanMessage("What is the weather in Paris?")]
     ai = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(messages)
