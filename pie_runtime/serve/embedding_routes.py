@@ -80,7 +80,7 @@ def input_ids(server: Server, req: EmbeddingRequest) -> list[list[int]]:
     for i, item in enumerate(items):
         if isinstance(item, str):
             check_text(item, "input")
-            ids = tok.encode(item)
+            ids = tok.encode_prompt(item)  # what the model reads: its BOS included
         else:
             ids = [int(t) for t in item]
             if any(t < 0 or t >= tok.vocab_size for t in ids):
