@@ -132,7 +132,15 @@ def test_streamed_call_deltas_follow_openai(client):
 
 
 def test_greedy_calls_under_the_grammar_equal_with_and_without_speculation(client):
-    kw = dict(model=DEFAULT_MODEL, messages=USER, tools=tools(), tool_choice="required", temperature=0, max_tokens=48)
+    kw = dict(
+        model=DEFAULT_MODEL,
+        messages=USER,
+        tools=tools(),
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the output ends
+        temperature=0,
+        max_tokens=96,
+    )
     spec = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})  # type: ignore[arg-type]
     off = {"speculation": False, "return_token_ids": True}
     plain = client.chat.completions.create(**kw, extra_body=off)  # type: ignore[arg-type]
@@ -154,7 +162,8 @@ def test_auto_is_text_or_whole_calls_and_results_feed_back(client):
         check_call(msg.tool_calls[0])
     else:
         assert "<tool_call>" not in (msg.content or "")
-    first = client.chat.completions.create(messages=USER, tool_choice="required", parallel_tool_calls=False, **kw)  # type: ignore[arg-type]
+    one_call = {**kw, "max_tokens": 96, "parallel_tool_calls": False}
+    first = client.chat.completions.create(messages=USER, tool_choice="required", **one_call)  # type: ignore[arg-type]
     call = (first.choices[0].message.tool_calls or [])[0]
     history = [
         *USER,
