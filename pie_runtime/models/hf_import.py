@@ -1,10 +1,12 @@
 """Convert a Hugging Face checkpoint folder (config.json, one or sharded safetensors, tokenizer.json) of a
-Llama-family model (llama, mistral, qwen2, qwen3), a Mamba or an LFM2 into the store's layout: float32 tensors
-under their own names, checked name by name and shape by shape against the config before any weight is read."""
+Llama-family model (llama, mistral, qwen2, qwen3, gemma3_text, the text part of a gemma3), a Mamba or an LFM2
+into the store's layout: float32 tensors under their own names (a gemma3's text model under
+Gemma3ForCausalLM's), checked name by name and shape by shape against the config before any weight is read."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,31 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise CheckpointError(f"cannot read {single}: {e}") from e
 
 
-def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+# Gemma3ForConditionalGeneration's text model: "language_model.model.*" (checkpoints saved by transformers 4)
+# or "model.language_model.*" (5); the vision tower and projector are dropped
+_TEXT_PART = (
+    (re.compile(r"^language_model\.model\.(.*)$"), r"model.\1"),
+    (re.compile(r"^model\.language_model\.(.*)$"), r"model.\1"),
+    (re.compile(r"^language_model\.(lm_head\..*)$"), r"\1"),
+    (re.compile(r"^(lm_head\..*)$"), r"\1"),
+)
+
+
+def text_part(files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """The text model's tensors of a multimodal Gemma 3 checkpoint under Gemma3ForCausalLM's names: (name →
+    file, name → its name in the file)."""
+    out: dict[str, Path] = {}
+    source: dict[str, str] = {}
+    for name, path in files.items():
+        for pattern, repl in _TEXT_PART:
+            if pattern.match(name):
+                new = pattern.sub(repl, name)
+                out[new], source[new] = path, name
+                break
+    return out, source
+
+
+def _shapes(files: dict[str, Path], source: dict[str, str]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
@@ -52,7 +78,7 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
         try:
             with safe_open(path, "pt") as f:
                 for name in names:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    shapes[name] = tuple(f.get_slice(source.get(name, name)).get_shape())
         except FileNotFoundError:
             raise CheckpointError(f"missing file {path}") from None
         except Exception as e:
@@ -122,8 +148,11 @@ def convert_hf(folder: Path, *, progress: bool = True) -> Converted:
         cfg = cfg.model_copy(update={"eos_token_ids": tuple(info.eos_token_ids)})
 
     files = weight_files(folder)
+    source: dict[str, str] = {}  # a tensor's name in its file, where it is not the store's
+    if hf_config.get("model_type") == "gemma3":  # the text part of a multimodal checkpoint
+        files, source = text_part(files)
     keep = drop_ignored(list(files), cfg)
-    shapes = _shapes({n: files[n] for n in keep})
+    shapes = _shapes({n: files[n] for n in keep}, source)
     check_shapes(cfg, shapes)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -134,7 +163,7 @@ def convert_hf(folder: Path, *, progress: bool = True) -> Converted:
         for path, names in by_file.items():
             with safe_open(path, "pt") as f:
                 for name in names:
-                    tensors[name] = f.get_tensor(name).to(torch.float32).contiguous()
+                    tensors[name] = f.get_tensor(source.get(name, name)).to(torch.float32).contiguous()
                     bar.update()
     return Converted(
         family=cfg.family,

@@ -13,7 +13,7 @@ Norms accumulate and logits come out in float32 in every format. A GGUF's own bl
 by the store) become the int4/int8 layers as they are; a float checkpoint is quantized here, at load.
  The lm head stays 8-bit in int4: several times faster than bf16's at 1 row, for a point or less of top-1 agreement
 with fp32 on held-out text (docs/performance.md, "The int8 lm head of int4"). Batch invariance is what keeps greedy
-speculation exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/llama.py,
+speculation exact outside fp32: row i of a verify window gets the bits a 1-row pass gives it (models/attention_math.py,
 ``attend_invariant``); the int matmuls are invariant by themselves, bf16's once every matmul has one shape
 (``Linear.invariant_rows``: slices of 16 rows, the last padded; oneDNN sums a partial tile's rows, a single row, and
 on AMX the lm head at 33-300 rows, in other orders), fp32's MKL ones are not (fp32's differences are ~1e-7, below

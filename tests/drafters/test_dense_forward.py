@@ -53,6 +53,23 @@ CONFIGS = {
     "llama3-mha-obias": config(
         num_key_value_heads=4, head_dim=16, attention_bias=True, o_proj_bias=True, rope_scaling=LLAMA3_ROPE
     ),
+    "mistral-window": config(family="mistral", num_key_value_heads=2, head_dim=16, sliding_window=6),
+    "gemma3-recipe": config(
+        family="gemma3",
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        sliding_window=6,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        hidden_activation="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        qk_norm=True,
+        query_pre_attn_scalar=24,
+    ),
 }
 
 
@@ -82,7 +99,7 @@ def paged_hidden(model: LlamaForCausalLM, ids: torch.Tensor, chunks: list[int]) 
     tables = [list(range(i, b * per, b)) for i in range(b)]
     out, start = [], 0
     for n in chunks:
-        ctx = ForwardContext.build([Segment(tables[i], start, n) for i in range(b)], PAGE)
+        ctx = ForwardContext.build([Segment(tables[i], start, n) for i in range(b)], PAGE, layout=kv.layout)
         out.append(model(model.embed(ids[:, start : start + n].reshape(-1)), ctx, kv).view(b, n, -1))
         start += n
     return torch.cat(out, dim=1)
@@ -95,13 +112,13 @@ def paged_greedy(model: LlamaForCausalLM, prompts: torch.Tensor, n_new: int) -> 
     per = -(-(p + n_new) // PAGE)
     kv = KVCache(model.config, b * per, PAGE, torch.float32)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-    ctx = ForwardContext.build([Segment(tables[i], 0, p) for i in range(b)], PAGE)
+    ctx = ForwardContext.build([Segment(tables[i], 0, p) for i in range(b)], PAGE, layout=kv.layout)
     hid = [model(model.embed(prompts.reshape(-1)), ctx, kv).view(b, p, -1)]
     toks = [prompts]
     for step in range(n_new):
         nxt = model.logits(hid[-1][:, -1]).argmax(dim=-1)
         toks.append(nxt.unsqueeze(1))
-        ctx = ForwardContext.build([Segment(tables[i], p + step, 1) for i in range(b)], PAGE)
+        ctx = ForwardContext.build([Segment(tables[i], p + step, 1) for i in range(b)], PAGE, layout=kv.layout)
         hid.append(model(model.embed(nxt), ctx, kv).view(b, 1, -1))
     return torch.cat(toks, dim=1), torch.cat(hid, dim=1)
 
@@ -122,7 +139,7 @@ def test_dense_forward_matches_paged(name):
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm", "gemma3-recipe"])
 def test_greedy_generate_matches_paged_decode(name):
     model = random_model(CONFIGS[name], seed=2)
     prompts = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3))

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pie_runtime.models.llama import attend_invariant, attend_invariant_fp32
+from pie_runtime.models.attention_math import attend_invariant, attend_invariant_fp32
 
 KVH, HEADS, D = 3, 9, 64
 FORMS = {"bf16": attend_invariant, "fp32": attend_invariant_fp32}

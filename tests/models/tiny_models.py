@@ -152,7 +152,7 @@ def run_chunks(
             ids += prompt[done[p] : done[p] + n]
             owners.append((p, n))
             done[p] += n
-        ctx = ForwardContext.build(segments, page_size)
+        ctx = ForwardContext.build(segments, page_size, layout=kv.layout)
         hidden = model.forward(model.embed(torch.tensor(ids)), ctx, kv, state)  # type: ignore[arg-type]
         logits = model.logits(hidden)
         row = 0
