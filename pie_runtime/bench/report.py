@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -33,7 +34,7 @@ class Row(BaseModel):
     """A table row: one runner in one weight format (or one decoding method, in the speculation table)."""
 
     runner: str  # pie, transformers, llama.cpp
-    variant: str  # fp32 / bf16 / int8 / int4 / Q4_1, or "bf16 cacheback", "Q4_1 prompt lookup (10)", ...
+    variant: str  # fp32 / bf16 / int8 / int4 / the GGUF's kind (Q4_1, Q4_K_M), or "bf16 cacheback", ...
     decode_tokens_per_s: float
     prefill_tokens_per_s: float | None = None
     prompt_tokens: int
@@ -99,15 +100,16 @@ class Report(BaseModel):
 
     def add_ratios(self) -> None:
         """Fills each row's ratios against llama.cpp's plain decode and transformers fp32 (same table)."""
-        _ratios(self.rows, plain_llama=f"{LLAMA_CPP} Q4_1")
-        _ratios(self.speculation, plain_llama=f"{LLAMA_CPP} Q4_1 plain")
+        _ratios(self.rows, plain=lambda r: True)
+        _ratios(self.speculation, plain=lambda r: r.variant.endswith(" plain"))
         fp32 = next((r for r in self.rows if r.runner == PIE and r.variant == "fp32"), None)
         for r in self.rows:
             r.same_tokens_as_pie_fp32 = None if fp32 is None or r is fp32 else r.digest == fp32.digest
 
 
-def _ratios(rows: list[Row], plain_llama: str) -> None:
-    llama = next((r for r in rows if r.label == plain_llama), None)
+def _ratios(rows: list[Row], plain: Callable[[Row], bool]) -> None:
+    """Each row against llama.cpp's plain decode (its row ``plain`` picks: the variant names the GGUF's kind)."""
+    llama = next((r for r in rows if r.runner == LLAMA_CPP and plain(r)), None)
     hf = next((r for r in rows if r.label == f"{TRANSFORMERS} fp32"), None)
     for r in rows:
         if llama and llama.decode_tokens_per_s:

@@ -184,7 +184,7 @@ def _add_streamed(report: Report, manifest) -> None:
             size = pie_token_bytes(manifest, fmt, False)
         elif r.runner == LLAMA_CPP:
             try:
-                size = gguf_token_bytes(llama_cpp_env.packaged_gguf(report.model))
+                size = gguf_token_bytes(llama_cpp_env.model_gguf(report.model))
             except llama_cpp_env.LlamaCppUnavailable:
                 size = None
         if size:
@@ -282,15 +282,16 @@ class DecodeBench:
 
         o, report = self.o, self.report
         try:
-            gguf = llama_cpp_env.packaged_gguf(o.model)
+            gguf = llama_cpp_env.model_gguf(o.model)
             python = llama_cpp_env.ensure_llama_cpp(self.progress)
         except llama_cpp_env.LlamaCppUnavailable as e:
-            self.skip(LLAMA_CPP, "Q4_1", str(e))
+            self.skip(LLAMA_CPP, "GGUF", str(e))
             return
-        runs = [("Q4_1", DECODE_PROMPT, 0, report.rows)]
+        kind = llama_cpp_env.gguf_label(gguf)  # the file's own quantization names llama.cpp's rows
+        runs = [(kind, DECODE_PROMPT, 0, report.rows)]
         if o.speculation:
-            runs += [("Q4_1 plain", SPECULATION_PROMPT, 0, report.speculation)]
-            runs += [(f"Q4_1 prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
+            runs += [(f"{kind} plain", SPECULATION_PROMPT, 0, report.speculation)]
+            runs += [(f"{kind} prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
         for variant, prompt, lookup, rows in runs:
             self.progress(f"llama.cpp {variant} ({prompt} prompt)")
             job = {
