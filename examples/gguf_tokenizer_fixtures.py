@@ -106,10 +106,10 @@ class Vocabulary:
 
 
 def smollm_gguf() -> Path:
-    from pie_runtime.bench.llama_cpp_env import packaged_gguf
+    from pie_runtime.bench.llama_cpp_env import model_gguf
     from pie_runtime.store import DEFAULT_MODEL
 
-    return packaged_gguf(DEFAULT_MODEL)
+    return model_gguf(DEFAULT_MODEL)
 
 
 def gemma_gguf(folder: Path | None = None) -> Path | None:

@@ -1,10 +1,14 @@
 """Builds a stored Llama-family or Gemma 3 model on the native step (models/native_model.py) straight from the store's
 blocks: each tensor is read from the safetensors file when it is packed, so no float32 copy of the model exists
-at any time (a float tensor is quantized here one tensor at a time).
+at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time).
 
     format  projections                                       lm head and embedding (tied: one table)
+    gguf    every tensor in its own stored kind (quant_kinds:  its own stored kind; a float table as Q8_0
+            Q4_0/Q4_1 alone on the 4-bit kernel, Q8_0 alone
+            on the 8-bit one, any other mix on WX); float
+            tensors quantized to Q8_0
     int4    the stored Q4_0/Q4_1 blocks as they are;           the stored Q8_0 blocks as they are;
-            float (or Q8_0) tensors quantized to Q4_1          float tensors quantized to Q8_0
+            Q8_0 as it is; anything else requantized to Q4_1   anything else requantized to Q8_0
     int8    Q8_0: stored Q8_0 as it is, others requantized
 
 Norms and biases are float32; a norm of the form ``x * (1 + w)`` (Gemma) gets its 1 added here, so the step
@@ -21,25 +25,24 @@ from .models.config import ModelConfig
 from .models.native_linear import PackedWeight
 from .models.native_model import NativeLayer, NativeLlama, unsupported
 from .models.quant import GroupQuant
-from .store import _BITS, _GROUP, _QUANT_PARTS, TOKENIZER_FILE, WEIGHTS_FILE, LoadedModel, ModelStore, StoreError
+from .models.quant_kinds import BlockTensor
+from .store import TOKENIZER_FILE, WEIGHTS_FILE, LoadedModel, ModelStore, StoreError, read_blocks
 
-NATIVE_FORMATS = ("int4", "int8")
+NATIVE_FORMATS = ("gguf", "int4", "int8")
 
 
 @dataclass
 class _Stored:
-    """One stored tensor: float, or the packed parts of a quantized one (kind, q, d, m)."""
+    """One stored tensor: float, or a quantized one's GGUF blocks."""
 
     float_value: torch.Tensor | None = None
-    kind: str = ""
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    blocks: BlockTensor | None = None
 
     def dequantized(self) -> torch.Tensor:
         if self.float_value is not None:
             return self.float_value.float()
-        assert self.parts is not None
-        gq = GroupQuant.from_packed(*self.parts, bits=_BITS[self.kind], group=_GROUP, kind=self.kind)  # type: ignore[index]
-        return gq.dequantize()
+        assert self.blocks is not None
+        return self.blocks.dequantize()
 
 
 class _Reader:
@@ -59,24 +62,68 @@ class _Reader:
         kind = self.quantized.get(name)
         if kind is None:
             return _Stored(float_value=self._tensor(name))
-        q, d, m = (self._tensor(f"{name}{p}") for p in _QUANT_PARTS)
-        return _Stored(kind=kind, parts=(q, d, m))
+        return _Stored(blocks=read_blocks(self._tensor, name, kind))
 
     def float32(self, name: str) -> torch.Tensor:
         # a copy, always: a tensor read from the file may map it, and one kept would keep the whole file mapped
         return self._tensor(name).detach().to(torch.float32, copy=True).contiguous()
 
 
+def plan(kinds: list[str], fmt: str) -> str:
+    """How parts of stored ``kinds`` ("" for float) fused into one weight run in ``fmt``: "q4" (the 4-bit kernel,
+    blocks as stored), "q8" (the 8-bit one, as stored), "wx" (each part in its own kind), or "q4 requantized" /
+    "q8 requantized" (from the float values, at load)."""
+    kset = set(kinds)
+    if fmt in ("gguf", "int4") and kset <= {"q4_0", "q4_1"}:
+        return "q4"
+    if kset == {"q8_0"}:
+        return "q8"
+    if fmt == "gguf" and kset != {""}:
+        return "wx"
+    return "q4 requantized" if fmt == "int4" else "q8 requantized"
+
+
 def _pack(parts: list[_Stored], fmt: str) -> PackedWeight:
-    """Parts stacked along output rows, packed for ``fmt``: their own blocks when they are all of the format's
-    kind, else their float values quantized here."""
-    kinds = {p.kind for p in parts}
-    if fmt == "int4" and kinds <= {"q4_0", "q4_1"} and "" not in kinds:
-        q, d, m = (torch.cat([p.parts[i] for p in parts]) for i in range(3))  # type: ignore[index]
-        return PackedWeight.pack_q4(q, d, m)
-    if kinds == {"q8_0"}:
-        return PackedWeight.pack_q8(torch.cat([p.parts[0] for p in parts]), torch.cat([p.parts[1] for p in parts]))  # type: ignore[index]
+    """Parts stacked along output rows, packed for ``fmt`` as :func:`plan` says."""
+    blocks = [p.blocks for p in parts]
+    how = plan([b.kind if b is not None else "" for b in blocks], fmt)
+    if how in ("q4", "q8"):
+        gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
+        if how == "q4":
+            return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
+        return PackedWeight.pack_q8(gq.q, gq.d.to(torch.float16))
+    if how == "wx":
+        return PackedWeight.pack_blocks([b if b is not None else p.dequantized() for b, p in zip(blocks, parts)])
     return PackedWeight.from_float(torch.cat([p.dequantized() for p in parts]), 4 if fmt == "int4" else 8)
+
+
+WEIGHT_GROUPS = {  # what `pie model info` lists: the step's weights, by the Hugging Face names of their parts
+    "q/k/v": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate/up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def describe(quantized: dict[str, str], layers: int, tied: bool, fmt: str) -> dict[str, str]:
+    """Per group of tensors, the stored kinds of its layers and how ``fmt`` runs them, e.g. {"q/k/v": "24x
+    q5_0+q5_0+q8_0 -> wx, 6x q4_k+q4_k+q6_k -> wx", ...}: what `pie model info` says."""
+    out: dict[str, str] = {}
+    for group, parts in WEIGHT_GROUPS.items():
+        seen: dict[str, int] = {}
+        for i in range(layers):
+            kinds = [quantized.get(f"model.layers.{i}.{p}.weight", "") for p in parts]
+            label = f"{'+'.join(k or 'float' for k in kinds)} -> {plan(kinds, fmt)}"
+            seen[label] = seen.get(label, 0) + 1
+        out[group] = ", ".join(f"{n}x {label}" for label, n in seen.items())
+    table_fmt = "gguf" if fmt == "gguf" else "int8"
+    for name, key in (("embedding", "model.embed_tokens.weight"), ("lm head", "lm_head.weight")):
+        if name == "lm head" and tied:
+            out[name] = "the embedding (tied)"
+            continue
+        kind = quantized.get(key, "")
+        out[name] = f"{kind or 'float'} -> {plan([kind], table_fmt)}"
+    return out
 
 
 def _bias(reader: _Reader, names: list[str]) -> torch.Tensor | None:
@@ -127,7 +174,7 @@ class _FileTensors:
 
 
 def load_native(name: str, fmt: str, store: ModelStore | None = None) -> LoadedModel:
-    """The stored model ``name`` on the native step in ``fmt`` (int4 or int8), checked against its digests."""
+    """The stored model ``name`` on the native step in ``fmt`` (gguf, int4 or int8), checked against its digests."""
     if fmt not in NATIVE_FORMATS:
         raise ValueError(f"the native step serves {', '.join(NATIVE_FORMATS)}, not {fmt}")
     store = store or ModelStore()
@@ -156,8 +203,9 @@ def native_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], fmt: str
 def _build(cfg: ModelConfig, reader: _Reader, fmt: str) -> NativeLlama:
     layers = [_layer(reader, cfg, i, fmt) for i in range(cfg.num_hidden_layers)]
     final_norm = _norm(reader, cfg, "model.norm.weight")
-    embed = _pack([reader.get("model.embed_tokens.weight")], "int8")
-    head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], "int8")
+    table_fmt = "gguf" if fmt == "gguf" else "int8"
+    embed = _pack([reader.get("model.embed_tokens.weight")], table_fmt)
+    head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], table_fmt)
     return NativeLlama(cfg, layers, final_norm, embed, head)
 
 

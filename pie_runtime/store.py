@@ -2,12 +2,14 @@
 with Hugging Face tensor names, tokenizer.json), the import that fills it, and ``load_model``, which checks
 every file against the manifest's sha256 digests before building the model.
 
-Weights a GGUF held as Q4_0, Q4_1 or Q8_0 blocks are stored as they are (format version 2): tensor ``NAME``
-becomes ``NAME.q`` (4-bit: two values a uint8, low nibble first, (N, K/2); 8-bit: int8 (N, K)), ``NAME.d`` and
-``NAME.m`` (float16, exact: GGUF's scales are float16), and the manifest's ``quantized`` maps NAME to its
-block type. ``load_model`` builds the float model from their dequantization and hands the blocks over as
-``LoadedModel.quantized`` for int4/int8 layers. Stores written before version 2 hold only float tensors and
-load as they did.
+Weights a GGUF held quantized, of any kind in ``models/quant_kinds.KINDS``, are stored as they are. Q4_0,
+Q4_1 and Q8_0 (format 2): tensor ``NAME`` becomes ``NAME.q`` (4-bit: two values a uint8, low nibble first, (N,
+K/2); 8-bit: int8 (N, K)), ``NAME.d`` and ``NAME.m`` (float16, exact: GGUF's scales are float16). Every other
+kind (format 3, written only where a model holds one): ``NAME.blocks``, uint8 (N, row bytes), the GGUF blocks of
+weight row i in row i. The manifest's ``quantized`` maps NAME to its kind; :func:`read_blocks` gives either form
+back as blocks. ``load_model`` builds the float model from their dequantization (one tensor at a time, into the
+asked dtype) and hands the Q4_0/Q4_1/Q8_0 ones over as ``LoadedModel.quantized`` for torch's int4/int8 layers.
+Stores written before version 2 hold only float tensors and load as they did.
 
 An import converts in memory, writes into ``models/.tmp-<name>-<random>/`` and renames that folder into
 place, so a refused or failed import leaves the store as it was.
@@ -37,7 +39,8 @@ from .models.families import CausalLM, build_causal_lm, embedding_weight
 from .models.formats import WeightFormat
 from .models.llama import LlamaForCausalLM
 from .models.mamba import MambaForCausalLM
-from .models.quant import GGUF_KINDS, GroupQuant, QuantError
+from .models.quant import GroupQuant, QuantError
+from .models.quant_kinds import BlockTensor, kind_summary
 from .models.rope import Rotary
 from .paths import pie_home, sha256_file
 
@@ -53,12 +56,16 @@ ASSEMBLED = frozenset({"gemma3-270m"})
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
-# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights kept as blocks (NAME.q, NAME.d, NAME.m)
+# 1: float32 tensors only; 2: GGUF Q4_0/Q4_1/Q8_0 weights as NAME.q, NAME.d, NAME.m; 3: other kinds as well, as
+# their GGUF bytes (NAME.blocks). A store without such kinds is written as format 2, byte for byte as before, so
+# that its weights' digest (what an MTP head names its target by) does not change.
 FORMAT_VERSION = 2
-_QUANT_PARTS = (".q", ".d", ".m")
-QuantKind = Literal["q4_0", "q4_1", "q8_0"]
-_BITS: dict[QuantKind, int] = {"q4_0": 4, "q4_1": 4, "q8_0": 8}
-_GROUP = 32  # every GGUF kind kept here has blocks of 32 weights
+BLOCKS_FORMAT_VERSION = 3
+_QUANT_PARTS = (".q", ".d", ".m")  # format 2's kinds
+_BLOCKS = ".blocks"  # format 3's other kinds
+QuantKind = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]  # quant_kinds.QUANTIZED_KINDS
+_BITS = {"q4_0": 4, "q4_1": 4, "q8_0": 8}  # format 2's kinds
+_GROUP = 32
 # size + mtime of files already hashed, so a load does not re-hash unchanged weights
 VERIFIED_CACHE = ".verified.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
@@ -116,8 +123,7 @@ class Manifest(BaseModel):
 
     def quantized_summary(self) -> str:
         """e.g. "210 q4_1, 1 q8_0", or "none"."""
-        counts = {k: sum(1 for v in self.quantized.values() if v == k) for k in GGUF_KINDS}
-        return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
+        return kind_summary(self.quantized.values())
 
 
 @dataclass
@@ -243,8 +249,10 @@ class ModelStore:
                 parameters=count_parameters(converted.tensors, converted.quantized),
                 tokenizer=converted.tokenizer,
                 drafters=drafters,
-                format_version=FORMAT_VERSION,
-                quantized={n: _kind(n, g) for n, g in converted.quantized.items()},
+                format_version=BLOCKS_FORMAT_VERSION
+                if any(b.kind not in _BITS for b in converted.quantized.values())
+                else FORMAT_VERSION,
+                quantized={n: b.kind for n, b in converted.quantized.items()},  # type: ignore[misc]
             )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
             _write_cache(tmp / VERIFIED_CACHE, {f: _stamp(tmp / f, d) for f, d in files.items()})
@@ -277,23 +285,32 @@ class ModelStore:
         return True
 
 
-def _kind(name: str, gq: GroupQuant) -> QuantKind:
-    for kind, bits in _BITS.items():
-        if (gq.kind, gq.bits, gq.group) == (kind, bits, _GROUP):
-            return kind
-    raise ImportRefused(f"tensor {name}: only GGUF {', '.join(GGUF_KINDS)} blocks can be stored quantized")
-
-
 def _stored_tensors(converted: Converted) -> dict[str, torch.Tensor]:
-    """The safetensors content: float tensors as they are, quantized ones as NAME.q/.d/.m."""
+    """The safetensors content: float tensors as they are, quantized ones as NAME.blocks (their GGUF bytes)."""
     out = dict(converted.tensors)
-    for name, gq in converted.quantized.items():
-        _kind(name, gq)
-        d, m = gq.d.to(torch.float16), gq.m.to(torch.float16)
-        if not (torch.equal(d.float(), gq.d) and torch.equal(m.float(), gq.m)):
-            raise ImportRefused(f"tensor {name}: its block scales do not fit float16 exactly")
+    for name, blocks in converted.quantized.items():
+        gq = blocks.group_quant()
+        if gq is None:
+            out[f"{name}{_BLOCKS}"] = blocks.data.contiguous()
+            continue
+        d, m = gq.d.to(torch.float16), gq.m.to(torch.float16)  # exact: the blocks' own float16 scales
         out.update({f"{name}.q": gq.packed_q().contiguous(), f"{name}.d": d, f"{name}.m": m})
     return out
+
+
+def read_blocks(get: Callable[[str], torch.Tensor], name: str, kind: str) -> BlockTensor:
+    """Stored tensor ``name`` of ``kind`` as blocks, ``get`` reading one stored tensor by name: NAME.blocks (k
+    from the row bytes) for the kinds beyond format 2's, else NAME.q/.d/.m."""
+    if kind not in _BITS:
+        from .models.quant_kinds import KINDS
+
+        data = get(f"{name}{_BLOCKS}")
+        spec = KINDS[kind]
+        k = data.shape[1] // spec.block_bytes * spec.block
+        return BlockTensor(kind, int(data.shape[0]), k, data)
+    q, d, m = (get(f"{name}{p}") for p in _QUANT_PARTS)
+    gq = GroupQuant.from_packed(q, d, m, bits=_BITS[kind], group=_GROUP, kind=kind)
+    return BlockTensor.from_group_quant(gq)
 
 
 def _stamp(path: Path, digest: str) -> list:
@@ -443,13 +460,15 @@ def _read_weights(
     with safe_open(str(path), framework="pt", device="cpu") as f:
         keys = set(f.keys())
         for name, kind in manifest.quantized.items():
-            parts = [f"{name}{p}" for p in _QUANT_PARTS]
-            if not keys.issuperset(parts):
-                raise CheckpointError(f"missing tensor {name}.q/.d/.m")
-            keys.difference_update(parts)
-            gq = GroupQuant.from_packed(*(f.get_tensor(p) for p in parts), bits=_BITS[kind], group=_GROUP, kind=kind)
-            state[name] = gq.dequantize(dtype)
-            if keep_quantized:
+            parts = _QUANT_PARTS if kind in _BITS else (_BLOCKS,)
+            names = [f"{name}{p}" for p in parts]
+            if not keys.issuperset(names):
+                raise CheckpointError(f"missing tensor {name}{'/'.join(parts)}")
+            keys.difference_update(names)
+            blocks = read_blocks(f.get_tensor, name, kind)
+            state[name] = blocks.dequantize(dtype)  # float32 one tensor at a time, then the asked dtype
+            gq = blocks.group_quant() if keep_quantized else None
+            if gq is not None:
                 quantized[name] = gq
         for name in sorted(keys):
             state[name] = f.get_tensor(name).to(dtype)

@@ -13,14 +13,13 @@ whose message says why, for the bench's "llama.cpp skipped: ..." line.
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..store import DEFAULT_MODEL, PACKAGED
+from ..store import PACKAGED, ImportRefused, ModelStore, StoreError, packaged_path
 
 VERSION = "0.3.36"
 BASE_CMAKE_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
@@ -62,17 +61,39 @@ def venv_python(root: Path | None = None) -> Path:
     return (root or cache_dir()) / "venv" / "bin" / "python"
 
 
-def packaged_gguf(model: str) -> Path:
-    """The GGUF file the packaged ``model`` was imported from (the default model's Q4_1 file)."""
-    if model != DEFAULT_MODEL or model not in PACKAGED:
-        raise LlamaCppUnavailable(f"no packaged GGUF for {model!r} (only {DEFAULT_MODEL} has one)")
-    package, file = PACKAGED[model]
-    spec = importlib.util.find_spec(package)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        if (Path(folder) / file).is_file():
-            return Path(folder) / file
-    raise LlamaCppUnavailable(f"the {package} package with {file} is not installed")
+def model_gguf(model: str) -> Path:
+    """The GGUF file the store's ``model`` was imported from (its manifest's source), or a packaged alias's file:
+    what llama.cpp runs beside it. A model imported from a Hugging Face folder has none."""
+    try:
+        source = Path(ModelStore().get(model).source)
+    except StoreError:
+        source = None
+    if source is not None and source.suffix == ".gguf" and source.is_file():
+        return source
+    if model in PACKAGED:
+        return _packaged_file(model)
+    where = f"its source {source} is not a GGUF file here" if source is not None else "it is not in the store"
+    raise LlamaCppUnavailable(f"no GGUF file for {model!r} ({where}): llama.cpp runs GGUF imports only")
+
+
+def gguf_label(path: Path) -> str:
+    """The file's quantization as llama.cpp names it (``general.file_type``: Q4_1, Q4_K_M, ...), or "GGUF"."""
+    import gguf
+
+    from ..models.gguf_meta import read_gguf
+
+    kind = read_gguf(path).fields.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_") if kind is not None else "GGUF"
+    except ValueError:
+        return "GGUF"
+
+
+def _packaged_file(model: str) -> Path:
+    try:
+        return packaged_path(model)
+    except ImportRefused as e:
+        raise LlamaCppUnavailable(str(e)) from e
 
 
 def _importable(python: Path) -> bool:

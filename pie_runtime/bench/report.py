@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -33,7 +34,7 @@ class Row(BaseModel):
     """A table row: one runner in one weight format (or one decoding method, in the speculation table)."""
 
     runner: str  # pie, transformers, llama.cpp
-    variant: str  # fp32 / bf16 / int8 / int4 / Q4_1, or "bf16 cacheback", "Q4_1 prompt lookup (10)", ...
+    variant: str  # fp32 / bf16 / int8 / int4 / the GGUF's kind (Q4_1, Q4_K_M), or "bf16 cacheback", ...
     decode_tokens_per_s: float
     prefill_tokens_per_s: float | None = None
     prompt_tokens: int
@@ -45,6 +46,8 @@ class Row(BaseModel):
     vs_llama_cpp: float | None = None  # decode rate / llama.cpp plain's, same prompt
     vs_transformers_fp32: float | None = None
     same_tokens_as_pie_fp32: bool | None = None
+    token_mb: float | None = None  # MB of weights a decode token streams (bench/bandwidth.py)
+    bandwidth_share: float | None = None  # decode tok/s x token_mb over the measured read bandwidth
 
     @property
     def label(self) -> str:
@@ -93,18 +96,20 @@ class Report(BaseModel):
     speculation: list[Row] = Field(default_factory=list)
     skipped: list[Skipped] = Field(default_factory=list)
     note: str = ""
+    read_gb_s: float | None = None  # the machine's streaming read bandwidth, measured in the run
 
     def add_ratios(self) -> None:
         """Fills each row's ratios against llama.cpp's plain decode and transformers fp32 (same table)."""
-        _ratios(self.rows, plain_llama=f"{LLAMA_CPP} Q4_1")
-        _ratios(self.speculation, plain_llama=f"{LLAMA_CPP} Q4_1 plain")
+        _ratios(self.rows, plain=lambda r: True)
+        _ratios(self.speculation, plain=lambda r: r.variant.endswith(" plain"))
         fp32 = next((r for r in self.rows if r.runner == PIE and r.variant == "fp32"), None)
         for r in self.rows:
             r.same_tokens_as_pie_fp32 = None if fp32 is None or r is fp32 else r.digest == fp32.digest
 
 
-def _ratios(rows: list[Row], plain_llama: str) -> None:
-    llama = next((r for r in rows if r.label == plain_llama), None)
+def _ratios(rows: list[Row], plain: Callable[[Row], bool]) -> None:
+    """Each row against llama.cpp's plain decode (its row ``plain`` picks: the variant names the GGUF's kind)."""
+    llama = next((r for r in rows if r.runner == LLAMA_CPP and plain(r)), None)
     hf = next((r for r in rows if r.label == f"{TRANSFORMERS} fp32"), None)
     for r in rows:
         if llama and llama.decode_tokens_per_s:
@@ -145,6 +150,8 @@ def print_report(report: Report, console=None) -> None:
         "pass 16 / 1",
         "tokens",
         "= pie fp32",
+        "MB/token",
+        "of read bw",
     ):
         table.add_column(name, justify="left" if name == "runner" else "right")
     for r in report.rows:
@@ -161,8 +168,12 @@ def print_report(report: Report, console=None) -> None:
             _num(r.pass_cost_over_1(16), ".2f", "x"),
             str(r.generated_tokens),
             _same(r.same_tokens_as_pie_fp32),
+            _num(r.token_mb, ".0f"),
+            _num(None if r.bandwidth_share is None else 100 * r.bandwidth_share, ".0f", "%"),
         )
     console.print(table)
+    if report.read_gb_s:
+        console.print(f"read bandwidth {report.read_gb_s:.1f} GB/s ({report.threads} threads, streaming float32 sum)")
     if report.speculation:
         spec = Table(title=f"speculation on the {report.speculation_prompt} prompt, batch 1, greedy")
         for name in ("runner", "decode tok/s", "vs llama.cpp plain", "acceptance", "tokens", "digest"):

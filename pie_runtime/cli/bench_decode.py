@@ -46,7 +46,10 @@ class DecodeOptions(BaseModel):
     """`pie bench decode`'s options, checked."""
 
     model: str = DEFAULT_MODEL
-    formats: list[WeightFormat] = Field(default_factory=lambda: list(WEIGHT_FORMATS), min_length=1)
+    # gguf runs the default model's blocks as int4 does (its Q4_1/Q8_0 on the same kernels): asked for, not default
+    formats: list[WeightFormat] = Field(
+        default_factory=lambda: [f for f in WEIGHT_FORMATS if f != "gguf"], min_length=1
+    )
     tokens: int = Field(default=128, ge=2)
     threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     peers: list[Peer] = Field(default_factory=lambda: ["transformers", "llama.cpp"])
@@ -148,6 +151,10 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress) -> 
         note=f"one run, {os.cpu_count()} CPUs shared with other processes, load average {os.getloadavg()[0]:.1f} "
         "at start",
     )
+    from ..bench.bandwidth import read_bandwidth
+
+    progress("read bandwidth")
+    report.read_gb_s = round(read_bandwidth(o.threads), 1)
     bench = DecodeBench(o, report, texts, progress)
     bench.pie()
     if "transformers" in o.peers:
@@ -156,7 +163,34 @@ def run_bench(o: DecodeOptions, progress: Callable[[str], None] = _progress) -> 
         bench.llama_cpp(ids, list(manifest.config.eos_token_ids))
     report.note += f" and {os.getloadavg()[0]:.1f} at the end; peak RSS = VmHWM of the process holding the weights"
     report.add_ratios()
+    _add_streamed(report, manifest)
     return report
+
+
+def _add_streamed(report: Report, manifest) -> None:
+    """Each plain-decode row's bytes a token streams and its share of the measured read bandwidth."""
+    from ..bench import llama_cpp_env
+    from ..bench.bandwidth import gguf_token_bytes, pie_token_bytes
+    from ..bench.report import LLAMA_CPP, PIE, TRANSFORMERS
+    from ..engine.build import torch_kernels_reason
+
+    for r in report.rows:
+        fmt = r.variant.split()[0]
+        size = None
+        if r.runner == PIE and fmt in WEIGHT_FORMATS:
+            native = torch_kernels_reason(manifest.config, fmt, "cpu", 1) is None
+            size = pie_token_bytes(manifest, fmt, native)
+        elif r.runner == TRANSFORMERS and fmt in ("fp32", "bf16"):
+            size = pie_token_bytes(manifest, fmt, False)
+        elif r.runner == LLAMA_CPP:
+            try:
+                size = gguf_token_bytes(llama_cpp_env.model_gguf(report.model))
+            except llama_cpp_env.LlamaCppUnavailable:
+                size = None
+        if size:
+            r.token_mb = round(size / 1e6, 1)
+            if report.read_gb_s:
+                r.bandwidth_share = round(r.decode_tokens_per_s * size / (report.read_gb_s * 1e9), 3)
 
 
 class DecodeBench:
@@ -248,15 +282,16 @@ class DecodeBench:
 
         o, report = self.o, self.report
         try:
-            gguf = llama_cpp_env.packaged_gguf(o.model)
+            gguf = llama_cpp_env.model_gguf(o.model)
             python = llama_cpp_env.ensure_llama_cpp(self.progress)
         except llama_cpp_env.LlamaCppUnavailable as e:
-            self.skip(LLAMA_CPP, "Q4_1", str(e))
+            self.skip(LLAMA_CPP, "GGUF", str(e))
             return
-        runs = [("Q4_1", DECODE_PROMPT, 0, report.rows)]
+        kind = llama_cpp_env.gguf_label(gguf)  # the file's own quantization names llama.cpp's rows
+        runs = [(kind, DECODE_PROMPT, 0, report.rows)]
         if o.speculation:
-            runs += [("Q4_1 plain", SPECULATION_PROMPT, 0, report.speculation)]
-            runs += [(f"Q4_1 prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
+            runs += [(f"{kind} plain", SPECULATION_PROMPT, 0, report.speculation)]
+            runs += [(f"{kind} prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
         for variant, prompt, lookup, rows in runs:
             self.progress(f"llama.cpp {variant} ({prompt} prompt)")
             job = {

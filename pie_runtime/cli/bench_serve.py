@@ -154,11 +154,11 @@ def print_rows(rows: list[Row], note: str) -> None:
 
 
 def _llama_server(model: str, parallel: int, threads: int, progress: Callable[[str], None]) -> ServerChild | None:
-    """A started llama-server on the packaged GGUF, or None after saying in one line why there is none."""
+    """A started llama-server on the GGUF the model was imported from, or None after saying in one line why not."""
     from ..bench import llama_cpp_env, llama_server_env
 
     try:
-        gguf = llama_cpp_env.packaged_gguf(model)
+        gguf = llama_cpp_env.model_gguf(model)
         binary = llama_server_env.ensure_llama_server(progress)
         return llama_server(binary, gguf, server_words(max(parallel, 32), threads))
     except (llama_cpp_env.LlamaCppUnavailable, RuntimeError) as e:

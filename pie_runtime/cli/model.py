@@ -160,6 +160,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_kernels(m) -> None:
+    """Which kernel each group of a quantized model's tensors runs on in the native step, in gguf and int4
+    (q4 / q8: the 4- / 8-bit kernel on the stored blocks; wx: each part in its own stored kind)."""
+    if not m.quantized or isinstance(m.config, (MambaConfig, Lfm2Config)):
+        return
+    from ..native_load import describe
+
+    for fmt in ("gguf", "int4"):
+        print(f"  runs in     --weights {fmt} (native step)")
+        for group, how in describe(
+            dict(m.quantized), m.config.num_hidden_layers, m.config.tie_word_embeddings, fmt
+        ).items():
+            print(f"    {group:<10}  {how}")
+
+
 def _info(args: argparse.Namespace) -> int:
     store = ModelStore()
     m = store.get(args.name)
@@ -172,6 +187,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  parameters  {m.parameters:,}")
     print(f"  dtype       {m.dtype}")
     print(f"  quantized   {m.quantized_summary()}  (store format {m.format_version})")
+    _print_kernels(m)
     print(f"  vocab       {c.vocab_size:,}")
     print(f"  context     {c.max_position_embeddings:,}")
     if isinstance(c, MambaConfig):

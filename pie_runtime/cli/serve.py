@@ -129,6 +129,12 @@ def register(sub) -> None:
         default=None,
         help="a folder of saved prompt caches: requests save and start from them by name (off without it)",
     )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=["mean", "last"],
+        default="mean",
+        help="how /v1/embeddings pools the final hidden states (a request's `pooling` overrides it)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: NAME)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_options(p)
@@ -264,6 +270,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         share_prefix_cache=args.share_prefix_cache,
         open_metrics=args.open_metrics,
         stream_stall_timeout=args.stream_stall_timeout,
+        embedding_pooling=args.embedding_pooling,
     )
     return config, Quotas(keys, default), template
 

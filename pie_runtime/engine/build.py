@@ -94,7 +94,7 @@ def _weights_for(name: str, store: ModelStore, opts: ServeOptions) -> str:
         )
     if state_shapes(cfg) and opts.compiled:
         raise ValueError(f"--compile is not supported for {cfg.family} (a model with recurrent state)")
-    if opts.weights in ("int8", "int4") and cfg.recurrent:
+    if opts.weights in ("int8", "int4", "gguf") and cfg.recurrent:
         # no int layers for these families yet: the engine's default format must still serve them, exactly
         log.warning("%s carries recurrent state: served in fp32 (the int formats cover the Llama family)", name)
         return "fp32"
@@ -110,7 +110,7 @@ def _load(name: str, store: ModelStore, opts: ServeOptions, weights: str) -> tup
             log.info("%s: the native step is one call a pass; --compile has nothing left to compile", name)
         return load_native(name, weights, store), 0
     log.info("%s: %s on torch's kernels (%s)", name, weights, why)
-    quantized = weights in ("int8", "int4")  # only these formats build layers from the stored blocks
+    quantized = weights in ("int8", "int4", "gguf")  # only these formats build layers from the stored blocks
     loaded = load_model(name, dtype=load_dtype(weights), device=opts.device, store=store, keep_quantized=quantized)
     prepare_for_serving(loaded.model, weights, loaded.quantized)
     # The lm head is where the prepacked copy pays (several rows; at one the plain path stays faster); the layers'

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .config import AnyConfig
 from .families import build_causal_lm
-from .quant import GroupQuant
+from .quant_kinds import BlockTensor
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,9 +48,9 @@ class Converted:
     tokenizer_json: str
     tokenizer: TokenizerInfo
     source: str
-    # weights kept as the source's quantized blocks (GGUF Q4_0/Q4_1/Q8_0), by Hugging Face name; a name is
-    # either here or in ``tensors``, never both
-    quantized: dict[str, GroupQuant] = field(default_factory=dict)
+    # weights kept as the source's quantized blocks (any quantized kind of quant_kinds.KINDS), by Hugging Face
+    # name; a name is either here or in ``tensors``, never both
+    quantized: dict[str, BlockTensor] = field(default_factory=dict)
 
 
 def expected_shapes(cfg: AnyConfig) -> dict[str, tuple[int, ...]]:
@@ -86,5 +86,5 @@ def drop_ignored(names: list[str], cfg: AnyConfig) -> list[str]:
     return out
 
 
-def count_parameters(tensors: dict[str, torch.Tensor], quantized: dict[str, GroupQuant] | None = None) -> int:
-    return sum(t.numel() for t in tensors.values()) + sum(g.q.numel() for g in (quantized or {}).values())
+def count_parameters(tensors: dict[str, torch.Tensor], quantized: dict[str, BlockTensor] | None = None) -> int:
+    return sum(t.numel() for t in tensors.values()) + sum(b.n * b.k for b in (quantized or {}).values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
+# gguf: every tensor in its own stored GGUF kind on the native step (native_load.py); on torch's kernels as int4
+WeightFormat = Literal["fp32", "bf16", "int8", "int4", "gguf"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = get_args(WeightFormat)
 DEFAULT_WEIGHTS: WeightFormat = "int4"  # the GGUF's own 4-bit blocks: fastest, top-1 0.97 vs their fp32 dequantization

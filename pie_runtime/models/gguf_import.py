@@ -1,8 +1,9 @@
 """Convert a llama.cpp GGUF file (architectures ``llama``, ``qwen2``, ``qwen3``, ``gemma3``: gguf_arch.py) into
 the store's layout: tensors under Hugging Face names, a ModelConfig from the GGUF metadata, and a tokenizer.json
-rebuilt from the embedded vocabulary (:mod:`.gguf_tokenizer`). Q4_0, Q4_1 and Q8_0 weights are kept as their
-blocks (``Converted.quantized``, a :class:`~.quant.GroupQuant` each, never requantized); every other type is
-dequantized to float32.
+rebuilt from the embedded vocabulary (:mod:`.gguf_tokenizer`). Quantized weights of every kind in
+``quant_kinds.KINDS`` are kept as their GGUF bytes (``Converted.quantized``, a :class:`~.quant_kinds.BlockTensor`
+each, never requantized); float tensors become float32; a file holding a kind outside the table is refused before
+any tensor is read.
 
 Two traps: GGUF stores dims reversed (the reader already hands back row-major arrays in Hugging Face
 order), and llama.cpp's converter permuted the q and k rows of ``llama`` files for its rope layout, which
@@ -22,7 +23,8 @@ from .checkpoint import CheckpointError, Converted, check_shapes
 from .gguf_arch import ARCHITECTURES, ROPE_FREQS, architecture, config_from_metadata
 from .gguf_meta import read_gguf
 from .gguf_tokenizer import build_tokenizer, check_tokenizer
-from .quant import GroupQuant, QuantError, from_gguf, ggml_kind
+from .quant import QuantError
+from .quant_kinds import BlockTensor, by_ggml_type, check_supported
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -40,11 +42,15 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
-    """Read and check a GGUF file, keep its Q4_0/Q4_1/Q8_0 blocks and dequantize the rest; refuses before
-    reading weights if names or shapes differ."""
+    """Read and check a GGUF file, keep its quantized blocks as they are and float tensors as float32; refuses
+    before reading weights if a kind is unsupported or names or shapes differ."""
     import gguf
 
     reader = read_gguf(path)  # metadata and tensor index only (fast); no tensor byte is read before the checks
+    try:  # a kind outside the table refuses the file
+        check_supported((t.name, int(t.tensor_type)) for t in reader.tensors)
+    except QuantError as e:
+        raise CheckpointError(f"GGUF file {path}: {e}") from e
     meta = reader.fields
     spec = architecture(meta)  # refuses an unsupported architecture before anything else is read
     check_tokenizer(meta)  # refuse before the slow parts
@@ -58,7 +64,7 @@ def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
     check_shapes(cfg, {names[g]: tuple(int(d) for d in reversed(t.shape)) for g, t in by_name.items()})
 
     tensors: dict[str, torch.Tensor] = {}
-    quantized: dict[str, GroupQuant] = {}
+    quantized: dict[str, BlockTensor] = {}
     for gname, t in tqdm(by_name.items(), desc="tensors", unit="t", disable=not progress, leave=False):
         shape = tuple(int(d) for d in reversed(t.shape))
         heads = None
@@ -66,14 +72,15 @@ def convert_gguf(path: Path, *, progress: bool = True) -> Converted:
             heads = cfg.num_attention_heads
         elif spec.permute_qk and gname.startswith("blk.") and ".attn_k." in gname:
             heads = cfg.num_key_value_heads
-        if ggml_kind(t.tensor_type) is not None and len(shape) == 2:
+        kind = by_ggml_type(t.tensor_type)
+        if kind is not None and kind.quantized and len(shape) == 2:
             try:
-                gq = from_gguf(t.data, t.tensor_type, shape)
+                bt = BlockTensor.from_gguf(t.data, kind.name, shape)
             except QuantError as e:
                 raise CheckpointError(f"GGUF tensor {gname}: {e}") from e
             if heads is not None:  # the permutation moves whole rows, blocks included
-                gq = gq.permute_rows(unpermute(np.arange(shape[0]), heads))
-            quantized[names[gname]] = gq
+                bt = bt.permute_rows(unpermute(np.arange(shape[0]), heads))
+            quantized[names[gname]] = bt
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if heads is not None:

@@ -1,6 +1,8 @@
 """A linear layer on the native integer-dot kernel (``kernels/native/qmatmul.h``): the weight kept as GGUF-style
-blocks of 32 (4-bit Q4_0/Q4_1 values, or 8-bit Q8_0) repacked at load into the kernel's x8 layout, and the
-activations quantized to 8 bits per block of 32 inside the call. Float32 in, float32 out.
+blocks of 32 (4-bit Q4_0/Q4_1 values, or 8-bit Q8_0: kinds WQ4, WQ8) or as any kind of the table in
+``quant_kinds`` (kind WX: each group of 8 outputs in its own sub-kind, GGUF's values and scales as they are)
+repacked at load into the kernel's x8 layout, and the activations quantized to 8 bits per block of 32 inside the
+call. Float32 in, float32 out.
 
 :class:`PackedWeight` is the weight itself, also what the native decoder step reads; :class:`PackedLinear` the
 module around it (the lm head, a drafter's projections). A tied embedding table is one of these too: its rows
@@ -12,14 +14,18 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from . import native_lib
 from .quant import GroupQuant, QuantError
+from .quant_kinds import BlockTensor
 
-Q4, Q8 = 0, 1  # the kernel's weight kinds
+Q4, Q8, WX = 0, 1, 2  # the kernel's weight kinds
 BLOCK = 32
+XSUB = {"a4": 0, "a8": 1, "s16": 2, "a5": 3}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
+_X_CHUNK = 4096  # rows repacked at a time: the int16 values of a large table are never all in memory
 
 
 def _lib() -> ctypes.CDLL:
@@ -97,6 +103,29 @@ class PackedWeight:
             return PackedWeight.from_group_quant(quantize_int4(w, BLOCK))
         return PackedWeight.pack_q8(*quantize_q8_0(w))
 
+    @staticmethod
+    def pack_blocks(parts: list[BlockTensor | torch.Tensor]) -> PackedWeight:
+        """Parts stacked along output rows, each in its own kind (kind WX): GGUF blocks as they are, a float part
+        quantized to Q8_0. Every part but the last needs a multiple of 8 rows (a group of 8 is one kind)."""
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts) or any(p.shape[0] % 8 for p in parts[:-1]):
+            raise QuantError("WX parts need one row length and, but for the last, multiples of 8 rows")
+        if k % BLOCK:
+            raise QuantError(f"the native kernels need rows of whole blocks of {BLOCK}, not {k}")
+        records, subs = [], []
+        for p in parts:
+            for r0 in range(0, p.shape[0], _X_CHUNK):
+                sub, recs = _x_records(_part_rows(p, r0, min(r0 + _X_CHUNK, p.shape[0])))
+                records.append(recs)
+                subs += [sub] * recs.shape[0]
+        groups = len(subs)
+        rb = np.array([recs.shape[1] * recs.shape[2] for recs in records for _ in range(recs.shape[0])])
+        offsets = 8 * groups + np.concatenate([[0], np.cumsum(rb)[:-1]])
+        header = ((offsets.astype(np.int64) << 2) | np.array(subs, dtype=np.int64)).view(np.uint8)
+        body = [header, *(r.reshape(-1) for r in records)]
+        n = sum(p.shape[0] for p in parts)
+        return PackedWeight(torch.from_numpy(np.concatenate(body)), WX, n, k)
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -112,7 +141,10 @@ class PackedWeight:
         """(count,) int64 row ids → (count, k) float32, the rows dequantized (an embedding lookup)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
-        _lib().pie_dequant_rows(_ptr(self.data), self.kind, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
+        if self.kind == WX:
+            _lib().pie_dequant_rows_x(_ptr(self.data), self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
+        else:
+            _lib().pie_dequant_rows(_ptr(self.data), self.kind, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
         return out
 
     def select(self, ids: torch.Tensor) -> PackedWeight:
@@ -121,9 +153,60 @@ class PackedWeight:
         ids = ids.to(torch.int64).contiguous()
         if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n):
             raise QuantError(f"row ids outside 0..{self.n - 1}")
+        if self.kind == WX:
+            header = self.data[: 8 * ((self.n + 7) // 8)].view(torch.int64)
+            subs = set((header[ids // 8] & 3).tolist()) if ids.numel() else {0}
+            if len(subs) != 1:
+                raise QuantError("selected rows of a WX weight must share one kind")
+            sub = subs.pop()
+            out = torch.empty(lib.pie_select_bytes_x(sub, ids.numel(), self.k), dtype=torch.uint8)
+            lib.pie_select_rows_x(_ptr(self.data), sub, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
+            return PackedWeight(out, WX, ids.numel(), self.k)
         out = torch.empty(lib.pie_packed_bytes(self.kind, ids.numel(), self.k), dtype=torch.uint8)
         lib.pie_select_rows(_ptr(self.data), self.kind, self.k, _ptr(ids), ids.numel(), _ptr(out))
         return PackedWeight(out, self.kind, ids.numel(), self.k)
+
+
+_Part = tuple[str, np.ndarray, np.ndarray, np.ndarray | None]  # sub-kind, values, scales and offsets per 16
+
+
+def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> _Part:
+    """Rows r0..r1-1 of a part as (sub-kind name, values, scales per 16, offsets per 16 or None)."""
+    if isinstance(p, BlockTensor):
+        sub = BlockTensor(p.kind, r1 - r0, p.k, p.data[r0:r1])
+        return (p.spec.native, *sub.decompose())
+    q, d = quantize_q8_0(p[r0:r1])
+    return "s16", q.numpy().astype(np.int16), np.repeat(d.float().numpy(), 2, axis=1), None
+
+
+def _x_records(part: _Part) -> tuple[int, np.ndarray]:
+    """A part's rows as WX records (groups, blocks, record bytes), rows padded to a multiple of 8 with zeros."""
+    name, q, s16, o16 = part
+    n, k = q.shape
+    groups, nb, pad = (n + 7) // 8, k // BLOCK, -n % 8
+    if name == "s16":
+        s0, s1 = s16[:, 0::2], s16[:, 1::2]  # values 0..15 and 16..31 of each block
+    else:
+        if o16 is None:  # Q5_0's signed q - 16 on an affine record: q + 16 and an offset of -16 d (both exact)
+            q, o16 = q + 16, s16 * np.float32(-16)
+        s0, s1 = s16[:, 0::2], o16[:, 0::2]  # a4 / a5 / a8: one scale and one offset a block
+    q = np.pad(q, ((0, pad), (0, 0)))
+    if name in ("a4", "a5"):
+        v = (q & 15).astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
+        values = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 128)
+        if name == "a5":  # the fifth bits: 4 bytes an output, bit v = value v
+            bits = ((q >> 4) & 1).astype(np.uint8).reshape(groups, 8, nb, 32)
+            plane = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3).reshape(groups, nb, 32)
+            values = np.concatenate([values, plane], axis=-1)
+    else:
+        v = q.astype(np.int8).view(np.uint8).reshape(groups, 8, nb, 8, 4)
+        values = v.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+
+    def scales(s: np.ndarray) -> np.ndarray:
+        s = np.pad(s.astype(np.float32), ((0, pad), (0, 0)))
+        return np.ascontiguousarray(s.reshape(groups, 8, nb).transpose(0, 2, 1)).view(np.uint8)
+
+    return XSUB[name], np.concatenate([values, scales(s0), scales(s1)], axis=-1)
 
 
 def _qmatmul(x: torch.Tensor, data: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:
@@ -189,5 +272,5 @@ class PackedLinear(nn.Module):
         return PackedLinear(self.packed.select(ids))
 
     def extra_repr(self) -> str:
-        kind = "q4" if self.packed.kind == Q4 else "q8"
+        kind = {Q4: "q4", Q8: "q8", WX: "gguf kinds"}[self.packed.kind]
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"

@@ -1,6 +1,6 @@
-"""Weight-only quantization: grouped 4- and 8-bit weights (:class:`GroupQuant`), read from GGUF blocks as they
-are (:func:`from_gguf`: Q4_0, Q4_1, Q8_0) or quantized here from float weights (:func:`quantize_int4`,
-:func:`quantize_int8`), and the linear layers that run them on torch's CPU weight-only kernels
+"""Weight-only quantization: grouped 4- and 8-bit weights (:class:`GroupQuant`), from GGUF blocks as they
+are (``quant_kinds.BlockTensor.group_quant``: Q4_0, Q4_1, Q8_0) or quantized here from float weights
+(:func:`quantize_int4`, :func:`quantize_int8`), and the linear layers that run them on torch's CPU weight-only kernels
 (:class:`Int4Linear`, :class:`Int8Linear`). Activations stay bfloat16; norms, softmax and logits are the
 model's business and stay float32.
 
@@ -33,12 +33,6 @@ from torch import nn
 
 from . import cpu_kernels
 
-GGUF_KINDS = ("q4_0", "q4_1", "q8_0")  # the GGUF block types kept as they are
-
-# GGMLQuantizationType values (gguf.constants); their blocks hold 32 weights each
-_GGML_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0"}
-_BLOCK = 32
-_BLOCK_BYTES = {"q4_0": 2 + 16, "q4_1": 2 + 2 + 16, "q8_0": 2 + 32}
 _INT4_N_MULTIPLE = 16  # the CPU int4 packer needs N divisible by 16; other row counts are padded
 
 
@@ -149,41 +143,6 @@ class GroupQuant:
                 raise QuantError(f"packed 4-bit q must be uint8, got {q.dtype}")
             q = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], -1)
         return cls(q, d.to(torch.float32), m.to(torch.float32), bits, group, kind)
-
-
-def ggml_kind(ggml_type: int) -> str | None:
-    """The kind name of a GGUF block type this module keeps as it is, or None."""
-    return _GGML_TYPES.get(int(ggml_type))
-
-
-def from_gguf(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> GroupQuant:
-    """GGUF blocks (the reader's uint8 data of a Q4_0, Q4_1 or Q8_0 tensor) as a GroupQuant of ``shape``
-    (the PyTorch (N, K) shape, i.e. GGUF's dims reversed). Each block of 32 weights along K is a float16 ``d``
-    (Q4_1: then a float16 ``m``) followed by the values: Q8_0 32 int8; Q4_x 16 bytes whose low nibbles are
-    values 0..15 and high nibbles values 16..31."""
-    kind = ggml_kind(ggml_type)
-    if kind is None:
-        raise QuantError(f"GGML type {int(ggml_type)} is not one of {', '.join(GGUF_KINDS)}")
-    if len(shape) != 2 or shape[1] % _BLOCK:
-        raise QuantError(f"{kind} tensor of shape {tuple(shape)}: need 2 dims with K a multiple of {_BLOCK}")
-    n, k = int(shape[0]), int(shape[1])
-    blocks = np.ascontiguousarray(raw).view(np.uint8)
-    size = _BLOCK_BYTES[kind]
-    if blocks.size != n * (k // _BLOCK) * size:
-        raise QuantError(f"{kind} data of {blocks.size} bytes does not hold a {n}x{k} tensor")
-    blocks = blocks.reshape(n, k // _BLOCK, size)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    if kind == "q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
-        return GroupQuant(q, d, torch.zeros_like(d), bits=8, group=_BLOCK, kind=kind)
-    start = 4 if kind == "q4_1" else 2
-    qs = blocks[..., start:]  # (n, blocks, 16)
-    q = torch.from_numpy(np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k))
-    if kind == "q4_1":
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    else:
-        m = d * -8.0
-    return GroupQuant(q, d, m, bits=4, group=_BLOCK, kind=kind)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> GroupQuant:

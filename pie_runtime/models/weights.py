@@ -43,6 +43,7 @@ ACTIVATION_DTYPE: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "int8": torch.bfloat16,
     "int4": torch.bfloat16,
+    "gguf": torch.bfloat16,  # on torch's kernels gguf is served as int4 (its own kinds run on the native step)
 }
 
 
@@ -60,7 +61,7 @@ def bf16_rows(device: torch.device) -> int:
 def load_dtype(fmt: str) -> torch.dtype:
     """The dtype to load the float model in before :func:`prepare_for_serving`: quantized formats start from
     float32, so that what is quantized at load is the checkpoint's own values, not a bf16 rounding of them."""
-    return torch.float32 if fmt in ("int8", "int4") else ACTIVATION_DTYPE[fmt]
+    return torch.float32 if fmt in ("int8", "int4", "gguf") else ACTIVATION_DTYPE[fmt]
 
 
 def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQuant] | None = None) -> CausalLM:
@@ -69,6 +70,8 @@ def prepare_for_serving(model: CausalLM, fmt: str, quantized: dict[str, GroupQua
     with recurrent state (Mamba, LFM2) are served in fp32 or bf16 (loaded in that dtype, unfused)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "gguf":
+        fmt = "int4"  # torch has no kernels for the K kinds: the stored Q4_0/Q4_1 as they are, the rest requantized
     if fmt == "fp32":
         return model  # the reference format stays as loaded: transformers' float32 math, op for op
     if not isinstance(model, LlamaForCausalLM):
@@ -116,7 +119,7 @@ def serve_drafter(module: DrafterModule, fmt: str, native: bool = False) -> Draf
     Exactness does not depend on it: verification keeps only what the target chooses. Beside a target on the
     native step (``native``: float32 hidden states) the projections become the native 8-bit layers instead
     (Q8_0, :class:`~.native_linear.PackedLinear`), float32 in and out."""
-    if fmt not in ("int8", "int4"):
+    if fmt not in ("int8", "int4", "gguf"):
         return module
     if native:
         from .native_linear import PackedLinear, PackedWeight

@@ -6,7 +6,9 @@ that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /docs, /openapi.json         the API's schema
     GET  /v1/models
-    POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE])
+    POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE]; tools: tools.py)
+    POST /v1/embeddings                          (embedding_routes.py)
+    POST /v1/responses                           (responses_routes.py)
     POST /tokenize, /detokenize
     GET  /v1/inferlets;  POST /v1/inferlets/{name}/runs;  DELETE /v1/inferlets/runs/{id}
     GET, POST /v1/prompt_caches;  GET, DELETE /v1/prompt_caches/{name}   (--prompt-cache-dir: prompt_caches.py)
@@ -35,8 +37,9 @@ from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
 from .disconnect import unless_disconnected
+from .embedding_routes import Pooling, add_embedding_routes
 from .errors import invalid_request, not_found, run_failed, unavailable
-from .generation import Job, Limits, build_job, chat_prompt, check_text, completion_prompt, count_tokens
+from .generation import Job, Limits, build_job, check_text, completion_prompt, count_tokens
 from .host_pool import RunFailed
 from .inferlet_routes import add_inferlet_routes
 from .metrics import Metrics
@@ -58,10 +61,13 @@ from .openai_api import (
 from .policies import Capabilities, Policy
 from .prompt_cache_routes import add_prompt_cache_routes
 from .prompt_caches import PromptCaches, disabled, start_from
+from .responses_routes import add_responses_routes
 from .runs import Runs
 from .sandbox import key_dir
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
 from .tenants import RunOwners
+from .tool_stream import tool_chat_response, tool_chat_stream
+from .tools import plan_tools
 
 DEFAULT_MAX_BODY = 8 << 20
 DEFAULT_RUN_TOKENS = 128  # CompletionArgs.max_tokens' default: what a run that does not say is charged
@@ -92,6 +98,7 @@ class ServerConfig(BaseModel):
     share_prefix_cache: bool = False  # cached prefixes shared across keys (else each key's own: a salt)
     open_metrics: bool = False  # /metrics without a key when keys are set
     stream_stall_timeout: float = Field(default=60.0, gt=0)  # s a stream's client may not read before it ends
+    embedding_pooling: Pooling = "mean"  # /v1/embeddings' default pooling (embedding_routes.py)
 
 
 class Server:
@@ -230,6 +237,7 @@ def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAP
     _add_openai_routes(v1, server, api_key)
     add_inferlet_routes(v1, server, api_key)
     add_prompt_cache_routes(v1, server, api_key)
+    add_embedding_routes(v1, server, api_key, config.embedding_pooling)
     app.include_router(v1)
     return app
 
@@ -302,7 +310,7 @@ def _add_token_routes(app: FastAPI, server: Server, guard: list[Any]) -> None:
 
 
 def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str]) -> None:
-    """/v1/models, /v1/completions and /v1/chat/completions."""
+    """/v1/models, /v1/completions, /v1/chat/completions and /v1/responses."""
     backend, config = server.backend, server.config
 
     @v1.get("/models")
@@ -320,6 +328,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         stream: Callable[..., AsyncIterator[str]],
         respond: Callable[..., BaseModel],
         session: str | None = None,
+        grammar: str | None = None,
     ) -> Response:
         """A completion or chat request (``prompt``, ``stream`` and ``respond`` are its dialect's): admit, run,
         and answer whole or as a stream. ``session`` (the ``x-session-id`` header, else the request's ``user``)
@@ -328,7 +337,7 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         runs = server.runs()
         server.check_model(req.model)
         tok = _tokenizer(backend)
-        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps)
+        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps, grammar)
         if req.prompt_cache is not None:
             job = start_from(job, req, server.prompt_cache(key, req.prompt_cache))
         lease = server.admit(key, job)
@@ -357,7 +366,13 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
     async def chat(
         request: Request, req: ChatRequest, key: str = Depends(api_key), x_session_id: str | None = Header(default=None)
     ) -> Response:
-        return await generate(request, req, key, chat_prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        plan = plan_tools(req)  # tools.py: the prompt shows the tools, a grammar holds the calls
+        if not plan.calls:
+            return await generate(request, req, key, plan.prompt, "chatcmpl", chat_stream, chat_response, x_session_id)
+        stream, respond = tool_chat_stream, tool_chat_response
+        return await generate(request, req, key, plan.prompt, "chatcmpl", stream, respond, x_session_id, plan.grammar)
+
+    add_responses_routes(v1, api_key, generate)  # /v1/responses runs through chat's path
 
 
 def _int_arg(args: dict[str, Any], name: str, default: int) -> int:

@@ -54,14 +54,6 @@ class Job:
     echo: str | None = None  # completions' ``echo``: the prompt text each choice's text starts with
 
 
-def chat_prompt(tok: Tokenizer, req: ChatRequest) -> str:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        return tok.chat(messages)
-    except ValueError as e:  # no chat template
-        raise invalid_request(str(e), param="messages") from e
-
-
 def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> str | list[int]:
     """The prompt's text, or its token ids as given (checked against the vocabulary)."""
     p = req.prompt
@@ -97,8 +89,10 @@ def build_job(
     limits: Limits,
     policy: Policy | None,
     caps: Capabilities,
+    grammar: str | None = None,
 ) -> Job:
-    """Checks the request against the limits and the context; picks the inferlet and its arguments."""
+    """Checks the request against the limits and the context; picks the inferlet and its arguments
+    (``grammar``: a Lark grammar the output is held to, tool calls')."""
     if req.n > limits.max_n:
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -129,7 +123,7 @@ def build_job(
     if asked is None:
         default = limits.default_completion_tokens if isinstance(req, CompletionRequest) else limits.max_tokens
         asked = min(default, room)
-    inferlet, extra = choose(policy, caps, req.speculation, req.response_format)
+    inferlet, extra = choose(policy, caps, req.speculation, req.response_format, grammar)
     args: dict[str, Any] = {
         "prompt": tok.decode(ids) if ids is not None else prompt,
         "max_tokens": asked,

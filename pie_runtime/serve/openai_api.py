@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from .engine_life import EngineStatus
+from .tool_schemas import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 TOKEN_ID_MAX = 2**31 - 1  # a bound on token ids and counts in requests (no vocabulary is larger)
 TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
@@ -124,6 +125,8 @@ class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (tools.py renders them back)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -135,6 +138,9 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)  # tools.py: prompt, grammar, parsing
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -209,14 +215,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = None
 
 
@@ -228,13 +235,14 @@ class ChatResponse(_Envelope):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatChunk(_Envelope):

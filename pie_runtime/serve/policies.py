@@ -8,7 +8,7 @@ that cannot run before the HTTP listener binds, and the choice of inferlet and a
                                                 host and model (``Model.shared``: every run of a host sends
                                                 the same store arguments), started from --suffix-index
     response_format json_object / json_schema → constrained-speculative-decoding (its drafts: forced tokens
-                                                and lookup; draft length 0 when speculation is off)
+    or tools (a tool-call grammar, tools.py)    and lookup; draft length 0 when speculation is off)
 
 A request's ``speculation: false`` turns speculation off; ``{"method", "k"}`` asks for a method the server
 can run (lookup and suffix always; draft only with ``--draft-model``; mtp only when the model has an MTP head)
@@ -179,9 +179,12 @@ def choose(
     caps: Capabilities,
     speculation: Literal[False] | Any | None,
     response_format: Any | None,
+    grammar: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The inferlet for one request and the arguments its policy adds; raises a 400 for a request asking
-    for speculation the server cannot run."""
+    for speculation the server cannot run. ``grammar``: a Lark grammar the output is held to (tool calls)."""
+    if grammar is not None:
+        return CONSTRAINED, {"grammar": grammar, **({"draft_length": 0} if speculation is False else {})}
     fmt = getattr(response_format, "type", "text") if response_format is not None else "text"
     if fmt in ("json_object", "json_schema"):
         schema: dict[str, Any] = {"type": "object"}

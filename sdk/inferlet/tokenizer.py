@@ -85,7 +85,7 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     @cached_property
-    def _template(self):
+    def _env(self):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
@@ -94,15 +94,30 @@ class Tokenizer:
                 "as plain text in the model's own format instead of chat messages (no --chat), or serve it with "
                 "`pie serve --chat-template FILE`"
             )
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template)
+        return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders ``messages`` ([{"role", "content"}]) with the model's chat template."""
+    @cached_property
+    def _template(self):
+        return self._env.from_string(self.chat_template or "")
+
+    @cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (renders tool definitions itself, as Hugging Face
+        templates with a tools branch do)."""
+        from jinja2 import meta
+
+        if not self.chat_template:
+            return False
+        return "tools" in meta.find_undeclared_variables(self._env.parse(self.chat_template))
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """Renders ``messages`` ([{"role", "content"}]) with the model's chat template; ``tools`` (OpenAI's tool
+        objects) go to a template that takes them (``takes_tools``)."""
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **extra
         )
 
 

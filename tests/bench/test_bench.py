@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from pie_runtime.bench.hf_worker import HfJob, measure
-from pie_runtime.bench.llama_cpp_env import LlamaCppUnavailable, packaged_gguf
+from pie_runtime.bench.llama_cpp_env import LlamaCppUnavailable, gguf_label, model_gguf
 from pie_runtime.bench.pie_runs import parse_pass_costs
 from pie_runtime.bench.report import Measured, Report, Row, print_report
 from pie_runtime.bench.rss import peak_rss_mib
@@ -79,10 +79,11 @@ def test_peak_rss():
     assert peak_rss_mib(2**30) is None  # no such process
 
 
-def test_the_packaged_gguf_only_for_the_default_model():
-    assert packaged_gguf(DEFAULT_MODEL).suffix == ".gguf"
-    with pytest.raises(LlamaCppUnavailable, match="no packaged GGUF"):
-        packaged_gguf(TINY)
+def test_llama_cpp_runs_the_gguf_a_model_was_imported_from():
+    path = model_gguf(DEFAULT_MODEL)
+    assert path.suffix == ".gguf" and gguf_label(path) == "Q4_1"  # the packaged file's own kind names its rows
+    with pytest.raises(LlamaCppUnavailable, match="no GGUF file"):
+        model_gguf(TINY)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

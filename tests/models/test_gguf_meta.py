@@ -46,10 +46,10 @@ def assert_same_as_reader(path: Path) -> None:
 
 
 def test_default_model_gguf_equals_gguf_reader():
-    from pie_runtime.bench.llama_cpp_env import packaged_gguf
+    from pie_runtime.bench.llama_cpp_env import model_gguf
     from pie_runtime.store import DEFAULT_MODEL
 
-    assert_same_as_reader(packaged_gguf(DEFAULT_MODEL))
+    assert_same_as_reader(model_gguf(DEFAULT_MODEL))
 
 
 NUMBER_TYPES = [V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64, V.FLOAT32, V.FLOAT64]

@@ -248,9 +248,13 @@ CHECK_VARIANT = textwrap.dedent(
     assert native_lib.variant() == "{variant}", native_lib.variant()
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(203, 576, generator=g), torch.randn(40, 576, generator=g)
+    from tests.models.quant_blocks import random_blocks
+    parts = [random_blocks("q4_k", 64, 768, 1), random_blocks("q6_k", 64, 768, 2), random_blocks("q5_1", 75, 768, 3)]
+    wx, wx_ref = PackedWeight.pack_blocks(parts), torch.cat([p.dequantize() for p in parts])
     results = {{}}
     for name, packed, ref in (("q4", PackedWeight.from_group_quant(quantize_int4(w)), quantize_int4(w).dequantize()),
-                              ("q8", PackedWeight.pack_q8(*quantize_q8_0(w)), None)):
+                              ("q8", PackedWeight.pack_q8(*quantize_q8_0(w)), None), ("wx", wx, wx_ref)):
+        x = torch.randn(40, packed.k, generator=torch.Generator().manual_seed(1))
         full = results[name] = packed.matmul(x)
         for m in (*range(1, 18), 31, 40):
             assert torch.equal(packed.matmul(x[:m]), full[:m]), m
@@ -290,10 +294,20 @@ def test_every_variant_the_cpu_runs_keeps_rows_batch_invariant(variant, tmp_path
     run_variant(variant, tmp_path / "out.pt")
 
 
+def test_every_variant_the_cpu_runs_gives_mixed_kind_rows_the_same_bits(tmp_path):
+    """WX weights (Q4_K, Q6_K, Q5_1 groups in one weight) make exact int32 sums on every variant (the signed kinds
+    move their sign onto x everywhere) and scale them in one order: the variants agree bit for bit."""
+    runs = [run_variant_if_runs(v.name, tmp_path / f"{v.name}.pt") for v in native_lib.VARIANTS]
+    got = [r["wx"] for r in runs if r is not None]
+    assert len(got) >= 2
+    for other in got[1:]:
+        assert torch.equal(got[0], other)
+
+
 def test_amx_tiles_give_the_bits_of_the_dpbusd_path(tmp_path):
     """The amx variant multiplies calls of 6+ rows on the tile unit and fewer with dpbusd: both make the same
     int32 sums and scale them in one order, so its results equal avx512vnni's bit for bit at every row count."""
     tiles = run_variant("amx", tmp_path / "amx.pt")
     dpbusd = run_variant("avx512vnni", tmp_path / "vnni.pt")
-    for name in ("q4", "q8"):
+    for name in ("q4", "q8", "wx"):
         assert torch.equal(tiles[name], dpbusd[name]), name

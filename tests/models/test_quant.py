@@ -14,13 +14,21 @@ from pie_runtime.models.quant import (
     Int4Linear,
     Int8Linear,
     QuantError,
-    from_gguf,
     quantize_int4,
     quantize_int8,
 )
+from pie_runtime.models.quant_kinds import BlockTensor
 from pie_runtime.store import packaged_path
 
 KINDS = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
+
+
+def from_gguf(raw: np.ndarray, ggml_type: QT, shape: tuple[int, ...]) -> GroupQuant:
+    gq = BlockTensor.from_gguf(raw, ggml_type.name.lower(), shape).group_quant()
+    assert gq is not None
+    return gq
+
+
 # Relative L2 error of a quantized layer's bf16 output against float32 x @ dequantize().T: bf16 activations
 # and bf16 scales/zeros cost about 0.3% (measured 0.30% int4, 0.27% for a plain bf16 F.linear).
 LAYER_RTOL = 0.01
@@ -69,12 +77,12 @@ def test_from_gguf_equals_gguf_dequantize_on_the_packaged_model():
 
 def test_from_gguf_refuses_what_it_cannot_read():
     raw = gguf.quants.quantize(weight(4, 64).numpy(), QT.Q4_1)
-    with pytest.raises(QuantError, match="not one of"):
-        from_gguf(raw, QT.F16, (4, 64))
+    with pytest.raises(QuantError, match="not a quantized kind"):
+        BlockTensor.from_gguf(raw, "f16", (4, 64))
     with pytest.raises(QuantError, match="does not hold"):
-        from_gguf(raw, QT.Q4_1, (8, 64))
-    with pytest.raises(QuantError, match="multiple of 32"):
-        from_gguf(raw, QT.Q4_1, (8, 48))
+        BlockTensor.from_gguf(raw, "q4_1", (8, 64))
+    with pytest.raises(QuantError, match="whole blocks of 32"):
+        BlockTensor.from_gguf(raw, "q4_1", (8, 48))
 
 
 # ---- GroupQuant ------------------------------------------------------------------------------------------

@@ -222,12 +222,16 @@ TINY_GGUF_TYPES = {
 }
 
 
-def write_tiny_gguf(path: Path) -> Path:
-    """A 2-layer llama GGUF holding Q4_0, Q4_1, Q8_0 (the embedding), F16 and F32 tensors."""
+def write_tiny_gguf(path: Path, types: dict[str, str] | None = None, hidden: int = 64, ffn: int = 96) -> Path:
+    """A 2-layer llama GGUF holding Q4_0, Q4_1, Q8_0 (the embedding), F16 and F32 tensors (``types``: the
+    kind of each projection, K kinds among them, made by tests/models/quant_blocks.py)."""
     import gguf
     import numpy as np
 
-    hidden, ffn, heads, kv_heads, head_dim = 64, 96, 4, 2, 16
+    from tests.models.quant_blocks import random_blocks
+
+    types = types or TINY_GGUF_TYPES
+    heads, kv_heads, head_dim = 4, 2, hidden // 4
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(2)
@@ -251,6 +255,13 @@ def write_tiny_gguf(path: Path) -> Path:
             writer.add_tensor(name, w)
         elif kind == "F16":
             writer.add_tensor(name, w.astype(np.float16))
+        elif kind.endswith("_K"):
+            qtype = gguf.GGMLQuantizationType[kind]
+            if kind == "Q2_K":  # a kind outside the table: bytes of its size
+                raw = rng.integers(0, 256, size=(shape[0], shape[1] // 256 * 84), dtype=np.uint8)
+            else:
+                raw = random_blocks(kind.lower(), *shape, seed=len(name), scale=2e-4).data.numpy()  # type: ignore[misc]
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -270,7 +281,7 @@ def write_tiny_gguf(path: Path) -> Path:
         add(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
         add(f"blk.{i}.ffn_norm.weight", (hidden,), "F32")
         for part, shape in shapes.items():
-            add(f"blk.{i}.{part}.weight", shape, TINY_GGUF_TYPES[part])
+            add(f"blk.{i}.{part}.weight", shape, types[part])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -355,6 +366,51 @@ def test_gguf_import_keeps_quantized_blocks(home, tmp_path, capsys):
     capsys.readouterr()
     assert pie(["model", "info", "tq"]) == 0
     assert "quantized   4 q4_0, 6 q4_1, 3 q8_0" in capsys.readouterr().out
+
+
+K_TYPES = {**TINY_GGUF_TYPES, "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "ffn_up": "Q5_0",
+           "ffn_gate": "Q5_1", "ffn_down": "Q6_K"}  # fmt: skip
+
+
+def test_every_kind_is_stored_as_its_bytes_and_runs_as_stored(home, tmp_path, capsys):
+    """A GGUF of K kinds (rows of 256) and Q5_x: the store keeps each tensor's bytes (its size about the
+    file's; format 3); the float model is gguf's dequantization (q/k rows unpermuted as whole blocks); the
+    native step in the gguf format computes the float model's logits within its 8-bit activations' rounding."""
+    from pie_runtime.models import native_lib
+    from pie_runtime.native_load import load_native
+    from tests.models.test_weights import greedy_rows
+
+    gguf_path = write_tiny_gguf(tmp_path / "k.gguf", K_TYPES, hidden=256, ffn=512)
+    store = ModelStore()
+    manifest = import_model(str(gguf_path), name="tk", store=store, progress=False).manifest
+    assert manifest.format_version == 3
+    assert manifest.quantized_summary() == "2 q4_1, 2 q5_0, 2 q5_1, 1 q8_0, 2 q4_k, 2 q5_k, 4 q6_k"
+    stored = (store.path("tk") / "model.safetensors").stat().st_size
+    assert 0.95 < stored / gguf_path.stat().st_size < 1.1
+    want = dequantized_import(gguf_path)
+    loaded = load_model("tk", store=store)
+    state = loaded.model.state_dict()
+    for name, w in want.items():
+        assert bitwise_equal(state[name], w), name
+    assert {loaded.quantized[n].kind for n in loaded.quantized} == {"q4_1", "q8_0"}  # what torch's int layers take
+    capsys.readouterr()
+    assert pie(["model", "info", "tk"]) == 0
+    info = capsys.readouterr().out
+    assert "q/k/v       2x q4_k+q5_k+q6_k -> wx" in info and "o           2x q4_1 -> q4" in info
+    assert "gate/up     2x q5_1+q5_0 -> q4 requantized" in info  # --weights int4
+    if not native_lib.available():
+        return
+    ids = list(range(1, 200, 3))
+    _, ref = greedy_rows(loaded.model, ids, torch.float32)
+    _, got = greedy_rows(load_native("tk", "gguf", store).model, ids, torch.bfloat16)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.02
+
+
+def test_a_kind_outside_the_table_is_refused_before_a_tensor_is_read(home, tmp_path):
+    gguf_path = write_tiny_gguf(tmp_path / "q2.gguf", {**K_TYPES, "ffn_down": "Q2_K"}, hidden=256, ffn=512)
+    with pytest.raises(ImportRefused, match="Q2_K.*supported kinds: Q4_0"):
+        import_model(str(gguf_path), name="q2", progress=False)
+    assert not ModelStore().exists("q2")
 
 
 def test_old_format_store_still_loads(home, tmp_path):

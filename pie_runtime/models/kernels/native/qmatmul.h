@@ -22,14 +22,14 @@
 
 #include "simd.h"
 
-enum { WQ4 = 0, WQ8 = 1 };
+enum { WQ4 = 0, WQ8 = 1, WX = 2 }; /* WX: mixed kinds, below */
 
 /* Bytes of one group-block record. */
 INLINE long record_bytes(int kind) { return (kind == WQ4 ? 128 : 256) + 32; }
 
 typedef struct {
     const uint8_t *data; /* (N8 / 8, K / 32) records */
-    int32_t kind, n, k;  /* WQ4 or WQ8; outputs (n <= N8); inputs (a multiple of 32) */
+    int32_t kind, n, k;  /* WQ4, WQ8 or WX; outputs (n <= N8); inputs (a multiple of 32) */
 } QWeight;
 
 typedef struct { /* M rows of 8-bit activations */
@@ -387,6 +387,120 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
     }
 }
 
+/* ---- WX: a weight of mixed kinds (GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and, beside them, Q4_0/Q4_1/Q8_0) ----
+ * data: a header of one int64 per group of 8 outputs, (byte offset of the group's records << 2) | sub-kind, then
+ * the records. Each group is one sub-kind (a fused weight's parts may differ: Q4_K q/k beside a Q6_K v); its
+ * records hold the GGUF values as they are, scales float32 (exact: a K-kind's d * sc is a float16 times a small
+ * integer):
+ *     XA4  4-bit values as WQ4's record, then dw[8], mw[8]        w = dw q + mw        (Q4_1, Q4_K)
+ *     XA5  XA4's low 4 bits, then the fifth bits (4 bytes an output: bit v = value v), then dw[8], mw[8]
+ *                                                                  w = dw q + mw        (Q5_0 as q + 16 with
+ *                                                                  mw = -16 dw, Q5_1, Q5_K)
+ *     XA8  8-bit values (0..63) as WQ8's, then dw[8], mw[8]         w = dw q + mw        (none at present)
+ *     XS16 signed 8-bit values as WQ8's, then d_lo[8], d_hi[8]      w = d_half q         (Q4_0, Q8_0, Q6_K)
+ * XS16's values 0..15 of a block take d_lo and 16..31 d_hi (Q6_K's sub-blocks of 16); the sign moves onto x as
+ * on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates), on every variant, so its integer sums and
+ * hence its bits are the same on every variant. A row's operations never depend on the other rows of a call. */
+enum { XA4 = 0, XA8 = 1, XS16 = 2, XA5 = 3 };
+
+INLINE long x_record_bytes(int sub) { return (sub == XA4 ? 128 : sub == XA5 ? 160 : 256) + 64; }
+
+/* XA5: ORs each value's fifth bit (16) into the 8 value registers of load_values(WQ4). Chunk j's byte 4o + t is
+ * value 4j + t of output o, whose bit sits at bit 4j + t of output o's 32-bit word: shift the words right by
+ * 4j, spread byte 0 of each word over its 4 bytes, and test bit t of byte t. */
+INLINE void or_fifth_bits(const uint8_t *plane, __m256i w[8]) {
+    const __m256i words = _mm256_loadu_si256((const __m256i *)plane);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                            8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i bit = _mm256_set1_epi32(0x08040201), sixteen = _mm256_set1_epi8(16);
+    for (int j = 0; j < 8; j++) {
+        const __m256i b = _mm256_shuffle_epi8(_mm256_srli_epi32(words, 4 * j), spread);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(set, sixteen));
+    }
+}
+
+INLINE void x_group(const QWeight *w, long g, int *sub, const uint8_t **rec) {
+    const int64_t h = ((const int64_t *)w->data)[g];
+    *sub = (int)(h & 3);
+    *rec = w->data + (h >> 2);
+}
+
+INLINE void x_rows(const uint8_t *rec, const int sub, long nb, const QAct *a, long m0, const int R, __m256 *acc) {
+    const long rb = x_record_bytes(sub), vb = rb - 64;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++, rec += rb) {
+        __m256i v[8], sv[8];
+        load_values(rec, sub == XA4 || sub == XA5 ? WQ4 : WQ8, v);
+        if (sub == XA5) or_fifth_bits(rec + 128, v);
+        if (sub == XS16)
+            for (int j = 0; j < 8; j++) {
+                sv[j] = v[j];
+                v[j] = _mm256_abs_epi8(v[j]);
+            }
+        const __m256 s0 = _mm256_loadu_ps((const float *)(rec + vb)), s1 = _mm256_loadu_ps((const float *)(rec + vb + 32));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
+            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j += 2) { /* values 0..15: chunks 0-3; 16..31: chunks 4-7 */
+                __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
+                __m256i y0 = bcast4(xq + 16 + 4 * j), y1 = bcast4(xq + 16 + 4 * j + 4);
+                if (sub == XS16) {
+                    x0 = _mm256_sign_epi8(x0, sv[j]);
+                    x1 = _mm256_sign_epi8(x1, sv[j + 1]);
+                    y0 = _mm256_sign_epi8(y0, sv[j + 4]);
+                    y1 = _mm256_sign_epi8(y1, sv[j + 5]);
+                }
+                i0 = dpbusd(i0, v[j], x0);
+                i1 = dpbusd(i1, v[j + 1], x1);
+                h0 = dpbusd(h0, v[j + 4], y0);
+                h1 = dpbusd(h1, v[j + 5], y1);
+            }
+            const long ab = (m0 + r) * nb + b;
+            const __m256 dx = _mm256_set1_ps(a->d[ab]);
+            if (sub == XS16) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_mul_ps(s0, dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), _mm256_mul_ps(s1, dx), acc[r]);
+            } else {
+                const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(h0, h1));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s0, dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(a->s[ab]), acc[r]);
+            }
+        }
+    }
+}
+
+/* Rows m0 .. m0+R-1 of WX group g. */
+INLINE void x_group_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
+                         const float *bias, int add) {
+    int sub;
+    const uint8_t *rec;
+    x_group(w, g, &sub, &rec);
+    __m256 acc[ROW_TILE];
+    const long nb = w->k / QK;
+    switch (sub) { /* a constant sub-kind: each its own loop */
+    case XA4: x_rows(rec, XA4, nb, a, m0, R, acc); break;
+    case XA8: x_rows(rec, XA8, nb, a, m0, R, acc); break;
+    case XA5: x_rows(rec, XA5, nb, a, m0, R, acc); break;
+    default: x_rows(rec, XS16, nb, a, m0, R, acc); break;
+    }
+    store_group(w, g, acc, m0, R, y, ldy, bias, add);
+}
+
+static void x_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, float *y, long ldy,
+                     const float *bias, int add) {
+    for (long g = g0; g < g1; g++) {
+        long m0 = 0;
+        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) x_group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
+        switch (m - m0) {
+        case 3: x_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
+        case 2: x_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
+        case 1: x_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
+        }
+    }
+}
+
 INLINE long n_groups(const QWeight *w) { return (w->n + 7) / 8; }
 
 /* The unit of a matmul's work split across threads: two groups (16 outputs), which the AMX path takes at once. */
@@ -395,6 +509,10 @@ INLINE long n_units(const QWeight *w) { return (n_groups(w) + 1) / 2; }
 INLINE void qmatmul_unit(const QWeight *w, long u, const QAct *a, long m, float *y, long ldy, const float *bias,
                          int add) {
     const long g1 = 2 * u + 2 < n_groups(w) ? 2 * u + 2 : n_groups(w);
+    if (w->kind == WX) {
+        x_groups(w, 2 * u, g1, a, m, y, ldy, bias, add);
+        return;
+    }
     qmatmul_groups(w, 2 * u, g1, a, m, y, ldy, bias, add);
 }
 

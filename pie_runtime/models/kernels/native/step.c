@@ -12,6 +12,7 @@
 
 #include "attention.h"
 #include "qmatmul.h"
+#include "xweights.h"
 
 const char *pie_variant(void) {
 #ifdef PIE_AMX
