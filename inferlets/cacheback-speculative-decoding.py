@@ -32,9 +32,9 @@ from inferlet.tree import TokenTree, parse_shape
 
 
 class Args(DecodeArgs):
-    draft_length: int = Field(
-        default=16, ge=1, le=MAX_DRAFT
-    )  # the most a round drafts; the adaptive schedule picks fewer while lookups miss
+    # the most a round drafts; the adaptive schedule picks fewer while lookups miss
+    # (0 never drafts: the control of `pie bench speculation --control draft-length-0`)
+    draft_length: int = Field(default=16, ge=0, le=MAX_DRAFT)
     max_ngram: int = Field(default=3, ge=1, le=MAX_NGRAM)
     min_ngram: int = Field(default=1, ge=1, le=MAX_NGRAM)
     device_verify: bool = False  # greedy: verify and fold in the fire's epilogue

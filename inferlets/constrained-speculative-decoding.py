@@ -29,9 +29,9 @@ class Args(DecodeArgs):
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None  # Lark
-    draft_length: int = Field(
-        default=16, ge=1, le=MAX_DRAFT
-    )  # the most a round drafts (forced tokens come in long runs)
+    # the most a round drafts (forced tokens come in long runs)
+    # (0 never drafts: the control of `pie bench speculation --control draft-length-0`)
+    draft_length: int = Field(default=16, ge=0, le=MAX_DRAFT)
     max_ngram: int = Field(default=3, ge=1, le=MAX_NGRAM)
     min_ngram: int = Field(default=1, ge=1, le=MAX_NGRAM)
 

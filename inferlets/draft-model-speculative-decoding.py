@@ -37,7 +37,7 @@ from inferlet.tree import ROOT, TokenTree, draw_without_replacement, parse_shape
 
 class Args(DecodeArgs):
     draft: str | None = None  # a model in the store, served by the same engine (default: the attached one)
-    draft_length: int = Field(default=4, ge=1, le=MAX_DRAFT)
+    draft_length: int = Field(default=4, ge=0, le=MAX_DRAFT)
     tree: TreeShape = None  # widths per depth, e.g. "2,2,1": the draft model's top-k (or draws) per depth
 
 

@@ -27,7 +27,7 @@ from inferlet.decode import speculate
 
 
 class Args(DecodeArgs):
-    draft_length: int = Field(default=3, ge=1, le=MAX_DRAFT)  # at most the head's depth
+    draft_length: int = Field(default=3, ge=0, le=MAX_DRAFT)  # at most the head's depth
 
 
 @inferlet.main

@@ -38,9 +38,9 @@ from inferlet.working_set import CACHE_SALT
 
 
 class Args(DecodeArgs):
-    draft_length: int = Field(
-        default=16, ge=1, le=MAX_DRAFT
-    )  # the most a round drafts; the planner and the match length pick fewer
+    # the most a round drafts; the planner and the match length pick fewer
+    # (0 never drafts: the control of `pie bench speculation --control draft-length-0`)
+    draft_length: int = Field(default=16, ge=0, le=MAX_DRAFT)
     min_match: int = Field(default=2, ge=1, le=MAX_MATCH)  # tokens a match needs at least
     max_match: int = Field(default=32, ge=1, le=MAX_MATCH)  # the longest suffix matched
     min_prob: float = Field(default=0.1, ge=0.0, le=1.0)  # a draft node's least frequency among the occurrences

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,7 @@ def load(name: str):
     spec = importlib.util.spec_from_file_location(f"inferlet_{name.replace('-', '_')}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as the SDK's runtime loads it: pydantic resolves Args' annotations there
     spec.loader.exec_module(module)
     return module.main, module.Args
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,7 @@ def h2o_module():
     spec = importlib.util.spec_from_file_location("inferlet_h2o", INFERLETS / "h2o.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as the SDK's runtime loads it: pydantic resolves Args' annotations there
     spec.loader.exec_module(module)
     return module
 
