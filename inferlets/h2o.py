@@ -94,6 +94,28 @@ class HeavyHitters:
         return res
 
 
+def window_conflict(
+    windows: list[int | None], rows: int, budget: int, recent: int, chunk: int, prefill_chunk: int
+) -> str | None:
+    """Why a run of ``rows`` rows could be refused on a sliding-window model (``windows``: the model's page
+    groups' windows), else None. Its sliding layers let go of rows that left their window, and after an eviction
+    the window counts rows of the compacted set: once the working set has passed the window, an eviction whose
+    last W - 1 kept rows are not all recent ones would bring a heavy hitter the layers let go of back into it
+    (the engine refuses it, ``unsupported``). Below the window nothing is let go; recent >= W - 1 keeps it recent."""
+    sliding = [w for w in windows if w is not None]
+    if not sliding or rows < budget + chunk:
+        return None
+    w = min(sliding)
+    if min(rows, budget + chunk - 1 + prefill_chunk) <= w or recent >= w - 1:
+        return None
+    return (
+        f"h2o: the model's sliding layers hold only their last {w} rows, and a budget of {budget} (plus a chunk "
+        f"of {chunk} and a prefill chunk of {prefill_chunk}) passes them with only {recent} recent rows: an "
+        f"eviction would bring rows they let go of back into their window; give --recent {w - 1} or more, a "
+        f"budget of at most {w - chunk - prefill_chunk + 1}, or serve the model with --kv-swa-full"
+    )
+
+
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     """Ascending row indices as [start, stop) ranges of consecutive rows."""
     if not len(rows):
@@ -119,7 +141,13 @@ async def main(args: Args) -> dict:
     out = Output(model.tokenizer, args, len(prompt), model.max_positions)
     sampler = StepSampler(args, prompt)
     recent = args.recent if args.recent is not None else max(args.budget // 2, 1)
-    policy = HeavyHitters(args.budget, recent, args.chunk or model.page_size)
+    chunk = args.chunk or model.page_size
+    conflict = window_conflict(
+        model.info.page_windows, len(prompt) + args.max_tokens, args.budget, recent, chunk, args.prefill_chunk
+    )
+    if conflict:
+        raise ValueError(conflict)
+    policy = HeavyHitters(args.budget, recent, chunk)
     ws = model.working_set()
     try:
         t0 = time.perf_counter()
