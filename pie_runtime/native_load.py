@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .heap import release_freed
 from .models.config import ModelConfig
 from .models.native_linear import PackedWeight
 from .models.native_model import NativeLayer, NativeLlama, unsupported
@@ -254,11 +255,15 @@ def native_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], fmt: str
 
 
 def _build(cfg: ModelConfig, reader: _Reader, fmt: str) -> NativeLlama:
-    layers = [_layer(reader, cfg, i, fmt) for i in range(cfg.num_hidden_layers)]
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layers.append(_layer(reader, cfg, i, fmt))
+        release_freed()
     final_norm = _norm(reader, cfg, "model.norm.weight")
     table_fmt = "gguf" if fmt == "gguf" else "int8"
     embed = _pack(reader, ["model.embed_tokens.weight"], table_fmt)
     head = embed if cfg.tie_word_embeddings else _pack(reader, ["lm_head.weight"], table_fmt)
+    release_freed()
     return NativeLlama(cfg, layers, final_norm, embed, head)
 
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
+from ..heap import release_freed
 from ..models import native_lib
 from ..models.config import ModelConfig
 from ..models.eagle import EagleHead
@@ -72,6 +73,7 @@ def build_served_model(
         warm_up(runner, kv_pages)
         info.compile_s = round(time.perf_counter() - t0, 1)
     costs_from = _time_passes(runner, info, loaded, opts, weights, kv_pages)
+    release_freed()  # the load's and the timed passes' transients
     rows = opts.kept_row_states
     return ServedModel(
         name=loaded.manifest.name,
