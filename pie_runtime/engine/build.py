@@ -36,6 +36,7 @@ from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
 from .state_slots import StateSlots
+from .tokenizer_text import ascii_json_text
 
 log = logging.getLogger("pie.engine")
 STATELESS_PAGES = 1 << 16  # page-table entries of a model without attention layers (no bytes behind them)
@@ -80,7 +81,7 @@ def build_served_model(
         info=info,
         runner=runner,
         pages=KVPages(PagePool(kv_pages), opts.page_size, runner.copy_pages, runner.copy_slots, kv.layout.windows),
-        tokenizer_json=loaded.tokenizer_path.read_text(),
+        tokenizer_json=ascii_json_text(loaded.tokenizer_path),
         states=StateSlots(opts.state_slots, runner, rows) if shapes else None,
         pass_costs_from=costs_from,
     )
