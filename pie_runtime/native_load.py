@@ -1,6 +1,8 @@
 """Builds a stored Llama-family or Gemma 3 model on the native step (models/native_model.py) straight from the store's
 blocks: each tensor is read from the safetensors file when it is packed, so no float32 copy of the model exists
-at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time).
+at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time), and
+a Q4_0/Q4_1/Q8_0 tensor kept as stored is read and packed a slice of rows at a time (a 262k-row embedding table
+is never whole in memory but as the packed weight).
 
     format  projections                                       lm head and embedding (tied: one table)
     gguf    every tensor in its own stored kind (quant_kinds:  its own stored kind; a float table as Q8_0
