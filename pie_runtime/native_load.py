@@ -1,6 +1,8 @@
 """Builds a stored Llama-family or Gemma 3 model on the native step (models/native_model.py) straight from the store's
 blocks: each tensor is read from the safetensors file when it is packed, so no float32 copy of the model exists
-at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time).
+at any time (a float tensor, or a block tensor a format cannot keep, is converted here one tensor at a time), and
+a Q4_0/Q4_1/Q8_0 tensor kept as stored is read and packed a slice of rows at a time (a 262k-row embedding table
+is never whole in memory but as the packed weight).
 
     format  projections                                       lm head and embedding (tied: one table)
     gguf    every tensor in its own stored kind (quant_kinds:  its own stored kind; a float table as Q8_0
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .heap import release_freed
 from .models.config import ModelConfig
 from .models.native_linear import PackedWeight
 from .models.native_model import NativeLayer, NativeLlama, unsupported
@@ -64,6 +67,21 @@ class _Reader:
             return _Stored(float_value=self._tensor(name))
         return _Stored(blocks=read_blocks(self._tensor, name, kind))
 
+    def rows(self, name: str) -> int:
+        """Rows of quantized tensor ``name`` (every stored part of it has one a row of the weight)."""
+        kind = self.quantized[name]
+        part = f"{name}.blocks" if f"{name}.blocks" in self.names else f"{name}.q"
+        assert kind and part in self.names
+        return int(self.f[part].shape[0]) if isinstance(self.f, dict) else self.f.rows(part)
+
+    def blocks(self, name: str, r0: int, r1: int) -> BlockTensor:
+        """Rows ``r0:r1`` of quantized tensor ``name`` as blocks, read alone (a large table is never whole twice)."""
+
+        def part(stored: str) -> torch.Tensor:
+            return self.f[stored][r0:r1] if isinstance(self.f, dict) else self.f.get_rows(stored, r0, r1)
+
+        return read_blocks(part, name, self.quantized[name])
+
     def float32(self, name: str) -> torch.Tensor:
         # a copy, always: a tensor read from the file may map it, and one kept would keep the whole file mapped
         return self._tensor(name).detach().to(torch.float32, copy=True).contiguous()
@@ -83,18 +101,41 @@ def plan(kinds: list[str], fmt: str) -> str:
     return "q4 requantized" if fmt == "int4" else "q8 requantized"
 
 
-def _pack(parts: list[_Stored], fmt: str) -> PackedWeight:
-    """Parts stacked along output rows, packed for ``fmt`` as :func:`plan` says."""
-    blocks = [p.blocks for p in parts]
-    how = plan([b.kind if b is not None else "" for b in blocks], fmt)
+def _pack(reader: _Reader, names: list[str], fmt: str) -> PackedWeight:
+    """Tensors ``names`` stacked along output rows, packed for ``fmt`` as :func:`plan` says."""
+    how = plan([reader.quantized.get(n, "") for n in names], fmt)
     if how in ("q4", "q8"):
-        gq = GroupQuant.cat([b.group_quant() for b in blocks])  # type: ignore[misc, union-attr]
-        if how == "q4":
-            return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
-        return PackedWeight.pack_q8(gq.q, gq.d.to(torch.float16))
+        return _pack_stored(reader, names, how == "q4")
+    parts = [reader.get(n) for n in names]
+    blocks = [p.blocks for p in parts]
     if how == "wx":
         return PackedWeight.pack_blocks([b if b is not None else p.dequantized() for b, p in zip(blocks, parts)])
     return PackedWeight.from_float(torch.cat([p.dequantized() for p in parts]), 4 if fmt == "int4" else 8)
+
+
+_PACK_ROWS = 8192  # rows of a stored Q4_0/Q4_1/Q8_0 tensor read and packed at a time (a multiple of 8)
+
+
+def _pack_stored(reader: _Reader, names: list[str], q4: bool) -> PackedWeight:
+    """Stored Q4_0/Q4_1 (``q4``) or Q8_0 tensors as they are, packed a slice of rows at a time into the weight's
+    buffer: the load's transient is one slice, not the widened copies of a whole table (Gemma 3's is 167 MiB of
+    int8 values alone). The kernel's layout keeps each group of 8 rows to itself, so slices starting at multiples
+    of 8 pack to the same bytes as the whole; a fused weight whose parts do not all end at one is packed whole."""
+    counts = [reader.rows(n) for n in names]
+    if any(c % 8 for c in counts[:-1]):
+        return _pack_group_quant(GroupQuant.cat([reader.get(n).blocks.group_quant() for n in names]), q4)  # type: ignore[misc, union-attr]
+    slices = (
+        _pack_group_quant(reader.blocks(n, r0, min(r0 + _PACK_ROWS, c)).group_quant(), q4)  # type: ignore[arg-type]
+        for n, c in zip(names, counts)
+        for r0 in range(0, c, _PACK_ROWS)
+    )
+    return PackedWeight.stacked(sum(counts), slices)
+
+
+def _pack_group_quant(gq: GroupQuant, q4: bool) -> PackedWeight:
+    if q4:
+        return PackedWeight.pack_q4(gq.packed_q(), gq.d, gq.m)
+    return PackedWeight.pack_q8(gq.q, gq.d.to(torch.float16))
 
 
 WEIGHT_GROUPS = {  # what `pie model info` lists: the step's weights, by the Hugging Face names of their parts
@@ -169,6 +210,21 @@ class _FileTensors:
             raise StoreError(f"tensor {name} is cut short in {self.file.name}")
         return out.view(self._DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
+    def rows(self, name: str) -> int:
+        return int(self.header[name]["shape"][0])
+
+    def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` of tensor ``name`` (along its first dimension), read into memory of their own."""
+        entry = self.header[name]
+        shape = entry["shape"]
+        begin, end = entry["data_offsets"]
+        row = (end - begin) // max(shape[0], 1)
+        out = torch.empty((r1 - r0) * row, dtype=torch.uint8)
+        self.file.seek(self.data_start + begin + r0 * row)
+        if self.file.readinto(out.numpy().data) != out.numel():
+            raise StoreError(f"tensor {name} is cut short in {self.file.name}")
+        return out.view(self._DTYPES[entry["dtype"]]).reshape([r1 - r0, *shape[1:]])
+
     def close(self) -> None:
         self.file.close()
 
@@ -201,11 +257,15 @@ def native_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], fmt: str
 
 
 def _build(cfg: ModelConfig, reader: _Reader, fmt: str) -> NativeLlama:
-    layers = [_layer(reader, cfg, i, fmt) for i in range(cfg.num_hidden_layers)]
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layers.append(_layer(reader, cfg, i, fmt))
+        release_freed()
     final_norm = _norm(reader, cfg, "model.norm.weight")
     table_fmt = "gguf" if fmt == "gguf" else "int8"
-    embed = _pack([reader.get("model.embed_tokens.weight")], table_fmt)
-    head = embed if cfg.tie_word_embeddings else _pack([reader.get("lm_head.weight")], table_fmt)
+    embed = _pack(reader, ["model.embed_tokens.weight"], table_fmt)
+    head = embed if cfg.tie_word_embeddings else _pack(reader, ["lm_head.weight"], table_fmt)
+    release_freed()
     return NativeLlama(cfg, layers, final_norm, embed, head)
 
 
@@ -225,10 +285,10 @@ def _layer(reader: _Reader, cfg: ModelConfig, i: int, fmt: str) -> NativeLayer:
         return _norm(reader, cfg, at + name)
 
     return NativeLayer(
-        qkv=_pack([reader.get(f"{n}.weight") for n in attn], fmt),
-        o=_pack([reader.get(f"{at}self_attn.o_proj.weight")], fmt),
-        gate_up=_pack([reader.get(f"{at}mlp.{p}_proj.weight") for p in ("gate", "up")], fmt),
-        down=_pack([reader.get(f"{at}mlp.down_proj.weight")], fmt),
+        qkv=_pack(reader, [f"{n}.weight" for n in attn], fmt),
+        o=_pack(reader, [f"{at}self_attn.o_proj.weight"], fmt),
+        gate_up=_pack(reader, [f"{at}mlp.{p}_proj.weight" for p in ("gate", "up")], fmt),
+        down=_pack(reader, [f"{at}mlp.down_proj.weight"], fmt),
         ln1=norm("input_layernorm.weight"),
         ln2=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
         qkv_bias=_bias(reader, [f"{n}.bias" for n in attn]),

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..drafters import check_attached, heldout_acceptance, load_eagle_head, load_mtp_head
+from ..heap import release_freed
 from ..models import native_lib
 from ..models.config import ModelConfig
 from ..models.eagle import EagleHead
@@ -35,6 +36,7 @@ from .pass_costs import measure_eagle_step_ms, measure_mtp_step_ms, warm_up
 from .runner import ModelRunner
 from .served import ServedModel
 from .state_slots import StateSlots
+from .tokenizer_text import ascii_json_text
 
 log = logging.getLogger("pie.engine")
 STATELESS_PAGES = 1 << 16  # page-table entries of a model without attention layers (no bytes behind them)
@@ -72,13 +74,14 @@ def build_served_model(
         warm_up(runner, kv_pages)
         info.compile_s = round(time.perf_counter() - t0, 1)
     costs_from = _time_passes(runner, info, loaded, opts, weights, kv_pages)
+    release_freed()  # the load's and the timed passes' transients
     rows = opts.kept_row_states
     return ServedModel(
         name=loaded.manifest.name,
         info=info,
         runner=runner,
         pages=KVPages(PagePool(kv_pages), opts.page_size, runner.copy_pages, runner.copy_slots, kv.layout.windows),
-        tokenizer_json=loaded.tokenizer_path.read_text(),
+        tokenizer_json=ascii_json_text(loaded.tokenizer_path),
         states=StateSlots(opts.state_slots, runner, rows) if shapes else None,
         pass_costs_from=costs_from,
     )

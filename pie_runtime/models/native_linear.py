@@ -12,6 +12,7 @@ come back dequantized (:meth:`PackedWeight.rows`), so the table is kept once.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,25 @@ class PackedWeight:
         out = torch.empty(lib.pie_packed_bytes(Q8, n, k), dtype=torch.uint8)
         lib.pie_pack_q8(_ptr(q), _ptr(d), n, k, _ptr(out))
         return PackedWeight(out, Q8, n, k)
+
+    @staticmethod
+    def stacked(n: int, slices: Iterable[PackedWeight]) -> PackedWeight:
+        """Slices of one kind and row length stacked along rows into one weight of ``n`` rows, copied into its
+        buffer as they come (one slice alive at a time). Every slice but the last must have a multiple of 8 rows:
+        the layout keeps each group of 8 rows to itself, so the result is the whole weight packed at once."""
+        out: torch.Tensor | None = None
+        kind = k = rows = at = 0
+        for s in slices:
+            if out is None:
+                kind, k = s.kind, s.k
+                out = torch.empty(_lib().pie_packed_bytes(kind, n, k), dtype=torch.uint8)
+            if (s.kind, s.k) != (kind, k) or rows % 8:
+                raise QuantError("stacked slices need one kind, one row length and, but for the last, 8-row groups")
+            out[at : at + s.nbytes] = s.data
+            at, rows = at + s.nbytes, rows + s.n
+        if out is None or rows != n or at != out.numel():
+            raise QuantError(f"stacked slices hold {rows} rows, not {n}")
+        return PackedWeight(out, kind, n, k)
 
     @staticmethod
     def from_group_quant(gq: GroupQuant) -> PackedWeight:
