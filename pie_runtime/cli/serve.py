@@ -63,11 +63,6 @@ def register(sub) -> None:
         default=[],
         help="a Bearer key (repeatable): @FILE of one key a line; also $PIE_API_KEYS. A literal is warned about",
     )
-    p.add_argument("--keys", type=Path, default=None, help="JSON file of keys and their quotas (auth.py)")
-    p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
-    p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
-    p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
-    p.add_argument("--key-cache-mib", type=int, default=None, help="default quota: MiB of saved prompt caches per key")
     p.add_argument("--workers", type=int, default=1, help="inferlet host processes (per engine)")
     p.add_argument(
         "--engines", type=int, default=1, help="engine replicas as Ray actors behind a cache-aware router (needs [ray])"
@@ -88,25 +83,7 @@ def register(sub) -> None:
         help="suffix decoding: drafts from this request and a per-host store of earlier outputs (ROWS: token trees)",
     )
     p.add_argument("--suffix-index", metavar="FILE", default=None, help="a static index the suffix store starts from")
-    p.add_argument("--allow-upload", action="store_true", help="accept inferlet source on POST /v1/inferlets")
-    p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
-    p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
-    p.add_argument("--upload-open-files", type=int, default=256, help="open files an upload host gets")
-    p.add_argument("--upload-processes", type=int, default=64, help="processes and threads a key's uploads get")
-    p.add_argument("--upload-scratch", type=int, default=64, help="MiB of private /tmp an upload sandbox gets")
-    p.add_argument(
-        "--share-prefix-cache",
-        action="store_true",
-        help="share cached prompt prefixes across API keys (default: each key's own; a hit tells one key "
-        "what another sent)",
-    )
-    p.add_argument("--open-metrics", action="store_true", help="serve /metrics without a key when keys are set")
-    p.add_argument(
-        "--stream-stall-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a streaming client may not read before its run is cancelled and its slot freed",
-    )
+    _add_tenant_options(p)
     p.add_argument(
         "--no-engine-restart",
         action="store_true",
@@ -139,6 +116,34 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_options(p)
     p.set_defaults(func=serve)
+
+
+def _add_tenant_options(p) -> None:
+    """Keys' quotas, uploads' sandbox limits and what keys share (serve/auth.py, serve/sandbox.py)."""
+    p.add_argument("--keys", type=Path, default=None, help="JSON file of keys and their quotas (auth.py)")
+    p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
+    p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
+    p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
+    p.add_argument("--key-cache-mib", type=int, default=None, help="default quota: MiB of saved prompt caches per key")
+    p.add_argument("--allow-upload", action="store_true", help="accept inferlet source on POST /v1/inferlets")
+    p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
+    p.add_argument("--upload-cpu-seconds", type=int, default=600, help="CPU seconds an upload host gets")
+    p.add_argument("--upload-open-files", type=int, default=256, help="open files an upload host gets")
+    p.add_argument("--upload-processes", type=int, default=64, help="processes and threads a key's uploads get")
+    p.add_argument("--upload-scratch", type=int, default=64, help="MiB of private /tmp an upload sandbox gets")
+    p.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="share cached prompt prefixes across API keys (default: each key's own; a hit tells one key "
+        "what another sent)",
+    )
+    p.add_argument("--open-metrics", action="store_true", help="serve /metrics without a key when keys are set")
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may not read before its run is cancelled and its slot freed",
+    )
 
 
 def _uvicorn_server_class():
