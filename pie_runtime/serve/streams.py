@@ -197,6 +197,16 @@ async def completion_stream(
         yield line
 
 
+def chat_chunks(rid: str, model: str) -> Callable[..., str]:
+    """The SSE frame of a chat chunk of response ``rid`` (its id, model and creation time fixed once)."""
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
+        return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
+
+    return chunk
+
+
 async def chat_stream(
     rid: str,
     model: str,
@@ -206,10 +216,7 @@ async def chat_stream(
     first: Any,
     events: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-        return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
+    chunk = chat_chunks(rid, model)
 
     def delta(text: str, chosen: list[dict]) -> ChatChunkChoice:
         return ChatChunkChoice(index=0, delta=ChatDelta(content=text), logprobs=chat_logprobs(tok, chosen))

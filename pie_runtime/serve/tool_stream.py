@@ -27,13 +27,12 @@ from .generation import Job, choices_of, finish, speculation, usage
 from .openai_api import (
     AssistantMessage,
     ChatChoice,
-    ChatChunk,
     ChatChunkChoice,
     ChatDelta,
     ChatRequest,
     ChatResponse,
 )
-from .streams import sse
+from .streams import chat_chunks, sse
 from .tool_schemas import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
 
@@ -103,10 +102,7 @@ async def tool_chat_stream(
     first: Any,
     events: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-        return sse(ChatChunk(id=rid, created=created, model=model, choices=choices, **extra))
+    chunk = chat_chunks(rid, model)
 
     for i in range(job.n):
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
