@@ -142,9 +142,10 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-vocab",
         type=int,
-        default=0,
+        default=None,
         help="mtp, eagle: draft from the N tokens the target predicts most often in the training data (EAGLE-3's "
-        "reduced vocabulary: each draft step reads N rows of the lm head, not all); 0: the whole vocabulary",
+        "reduced vocabulary: each draft step reads N rows of the lm head, not all); 0: the whole vocabulary; "
+        "default: the whole vocabulary up to 65,536 tokens, a 32,768-token slice above (Gemma 3's 262,144)",
     )
     p.add_argument("--init", default=None, help="mtp, eagle: continue training this head (FILE.safetensors)")
     p.add_argument("--lr", type=float, default=None)
@@ -306,12 +307,13 @@ class TrainingRun:
         """With ``--draft-vocab N``: gives the head the N tokens the target chose most often in the training data
         (with its end-of-sequence tokens) and records how much of the target's greedy choices they cover."""
         from ..distill import follows_greedy
-        from ..models.draft_vocab import coverage, frequent_ids, set_draft_vocab
+        from ..models.draft_vocab import coverage, default_size, frequent_ids, set_draft_vocab
 
-        if not self.args.draft_vocab:
-            return
         cfg, eos = self.loaded.config, self.loaded.manifest.tokenizer.eos_token_ids
-        ids = frequent_ids(self.train.top[..., 0], cfg.vocab_size, self.args.draft_vocab, always=list(eos))
+        size = default_size(cfg.vocab_size, self.args.draft_vocab)
+        if not size:
+            return
+        ids = frequent_ids(self.train.top[..., 0], cfg.vocab_size, size, always=list(eos))
         set_draft_vocab(module, ids)
         held = self.heldout.top[:, :-1, 0][follows_greedy(self.heldout)]  # on the greedy path, as drafts are
         self.info["draft_vocab"] = {

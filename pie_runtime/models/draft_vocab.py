@@ -25,6 +25,20 @@ from torch import nn
 from .native_linear import PackedLinear
 from .quant import Int8Linear
 
+# Above this vocabulary a whole-vocabulary head reads more of the lm head per draft step than the rest of the
+# target's pass costs (Gemma 3's 262,144 rows are most of its 270M parameters), so training picks a slice
+# unless told otherwise; AUTO_SLICE keeps what EAGLE-3 found enough for a 128k vocabulary.
+AUTO_ABOVE = 65_536
+AUTO_SLICE = 32_768
+
+
+def default_size(vocab_size: int, asked: int | None) -> int:
+    """The draft vocabulary a training run uses: ``asked`` when given (0: the whole vocabulary), else the whole
+    vocabulary up to AUTO_ABOVE tokens and an AUTO_SLICE-token slice above it."""
+    if asked is not None:
+        return asked
+    return AUTO_SLICE if vocab_size > AUTO_ABOVE else 0
+
 
 def frequent_ids(
     greedy: torch.Tensor, vocab_size: int, n: int, always: list[int] | tuple[int, ...] = ()
