@@ -1,9 +1,11 @@
 """The real Gemma 3 270M (the packaged Q4_K_M GGUF, `pie model import gemma3-270m`) in float32 against
 transformers' Gemma3ForCausalLM on the same weights (each GGUF tensor through gguf's own dequantize, norms
 back to Hugging Face's w): logits of a 1,000+ token text, far past the 512-row window, through one prefill, a
-chunked prefill, row-by-row decode and a verify window, within 2e-3; greedy continuations equal. One module
-fixture imports the model (the store's import, as `pie model import gemma3-270m` runs it) and builds the
-reference once."""
+chunked prefill, row-by-row decode and a verify window, within 2e-3; greedy continuations equal. Through a real
+engine: text-completion's and cacheback's 64-token greedy continuations of a 1,000-token prompt in float32 equal
+transformers' of the same ids, and the default weight format's top-1 equals the reference's at >= 97% of a 1,100-
+token text's positions. One module fixture imports the model (the store's import, as `pie model import
+gemma3-270m` runs it) and builds the reference once."""
 
 from __future__ import annotations
 
@@ -14,17 +16,43 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from pie_runtime.launcher import EmbeddedEngine
 from pie_runtime.models.context import ForwardContext, Segment
 from pie_runtime.models.gguf_arch import ARCHITECTURES
 from pie_runtime.models.kv_cache import KVCache
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.store import ModelStore, import_model, load_model, packaged_path
+from tests.conftest import run as run_inferlet
+from tests.conftest import start_engine
 
 CORPUS = Path("/work/shared/corpus/austen.txt")
 PROMPT_TOKENS = 1100
 ATOL = 2e-3
 PAGE = 16
 NEW_TOKENS = 12
+LONG_NEW_TOKENS = 64
+TOP1_SHARE = 0.97
+
+# every position's argmax in one pass: the default format's top-1 against the reference's
+TOP1_INFERLET = """
+from pydantic import BaseModel
+
+import inferlet
+
+
+class Args(BaseModel):
+    ids: list[int]
+
+
+@inferlet.main
+async def main(args: Args) -> dict:
+    ws = inferlet.model().working_set()
+    fp = inferlet.ForwardPass(ws)
+    fp.embed(args.ids).readout(range(len(args.ids)), inferlet.Argmax())
+    tokens = [int(t) for t in (await fp.submit()).tokens]
+    await ws.release()
+    return {"top1": tokens}
+"""
 
 
 def transformers_reference(path: Path):
@@ -68,7 +96,7 @@ def transformers_reference(path: Path):
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """(our model in float32, transformers' reference, the prompt's ids)."""
+    """(our model in float32, transformers' reference, the prompt's ids, the store's home)."""
     home = tmp_path_factory.mktemp("gemma-home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIE_HOME", str(home))
@@ -78,7 +106,7 @@ def gemma(tmp_path_factory):
     tok = Tokenizer.from_file(str(loaded.tokenizer_path))
     ids = tok.encode(CORPUS.read_text()[:20_000]).ids[:PROMPT_TOKENS]
     assert len(ids) == PROMPT_TOKENS
-    return loaded.llama, transformers_reference(source), ids
+    return loaded.llama, transformers_reference(source), ids, home
 
 
 def run(model: LlamaForCausalLM, ids: list[int], chunks: list[int], rows: list[int]) -> torch.Tensor:
@@ -113,7 +141,7 @@ def greedy(model: LlamaForCausalLM, ids: list[int], n: int) -> list[int]:
 
 
 def test_gemma3_270m_logits_past_the_window_match_transformers(gemma):
-    model, reference, ids = gemma
+    model, reference, ids, _ = gemma
     assert model.config.sliding_window == 512 and model.config.attention_window(5) is None
     rows = [0, 100, 511, 512, 513, 700, 900] + list(range(PROMPT_TOKENS - 8, PROMPT_TOKENS))
     with torch.no_grad():
@@ -127,7 +155,54 @@ def test_gemma3_270m_logits_past_the_window_match_transformers(gemma):
 
 
 def test_gemma3_270m_greedy_continuation_equals_transformers(gemma):
-    model, reference, ids = gemma
+    model, reference, ids, _ = gemma
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert greedy(model, ids, NEW_TOKENS) == out[0, len(ids) :].tolist()
+
+
+def id_words(flag: str, ids: list[int]) -> list[str]:
+    """``flag`` once per id (a list argument on the command line): exact ids, no BOS added, no retokenizing."""
+    return [w for i in ids for w in (flag, str(i))]
+
+
+@pytest.mark.e2e
+def test_gemma3_270m_long_greedy_continuations_through_the_engine_equal_transformers(gemma):
+    """float32 (start_engine's format): text-completion and cacheback (drafts from the prompt, accepted and
+    rejected past the window) continue a 1,000-token prompt as transformers does for 64 tokens."""
+    _, reference, ids, home = gemma
+    prompt = ids[:1000]
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=LONG_NEW_TOKENS, do_sample=False)
+    want = out[0, len(prompt) :].tolist()
+    eng = start_engine(home, ["gemma3-270m"], "--pass-cost-rows", "0", "--kv-pages", "1024")
+    try:
+        ids_words = id_words("--prompt-token-ids", prompt)
+        words = ["--prompt", "", *ids_words, "--max-tokens", str(LONG_NEW_TOKENS), "--ignore-eos"]
+        plain = run_inferlet("text-completion", eng.address, *words, "--temperature", "0")
+        spec = run_inferlet("cacheback-speculative-decoding", eng.address, *words)
+    finally:
+        eng.stop()
+    assert plain["stats"]["prompt_tokens"] == len(prompt)
+    assert plain["token_ids"] == want
+    assert spec["token_ids"] == want
+
+
+@pytest.mark.e2e
+def test_gemma3_270m_default_format_top1_agrees_with_transformers(gemma, tmp_path):
+    """The format `pie run` uses when not told (no --weights): its argmax at every position of the 1,100-token
+    text equals the float32 reference's at >= 97% of them."""
+    _, reference, ids, home = gemma
+    with torch.no_grad():
+        hidden = reference.model(torch.tensor([ids])).last_hidden_state[0]
+        want = torch.cat([reference.lm_head(h).argmax(-1) for h in hidden.split(128)]).tolist()
+    script = tmp_path / "top1.py"
+    script.write_text(TOP1_INFERLET)
+    eng = EmbeddedEngine(["gemma3-270m"], ["--kv-pages", "1024", "--no-compile"], env={"PIE_HOME": str(home)})
+    try:
+        got = run_inferlet(str(script), eng.address, *id_words("--ids", ids))["top1"]
+    finally:
+        eng.stop()
+    assert len(got) == len(want)
+    share = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
+    assert share >= TOP1_SHARE, f"default format's top-1 agrees at {share:.1%} of positions"
