@@ -81,3 +81,49 @@ def test_readme_links_reach_files_and_every_docs_page_is_linked():
     assert links and all((REPO / link).is_file() for link in links), [lk for lk in links if not (REPO / lk).is_file()]
     pages = {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")} - {"docs/index.md"}
     assert pages <= set(links), pages - set(links)
+
+
+# Inlined code: a ```python block right after `<!-- inlined from PATH[:REGION] -->` is that file, or the part of it
+# between `# --8<-- [start:REGION]` and `# --8<-- [end:REGION]`, so the page reads on GitHub and stays true.
+# `python -m tests.test_docs --sync` rewrites every such block from its file after the file changed.
+INLINED = re.compile(r"<!-- inlined from ([\w./-]+)(?::(\w+))? -->\n```python\n(.*?)```", re.S)
+DOC_PAGES = sorted((REPO / "docs").glob("*.md"))
+
+
+def region(path: str, name: str | None) -> str:
+    """The file's text, or its region ``name``, without the markers and the blank lines around it."""
+    text = (REPO / path).read_text()
+    if name is not None:
+        start, end = f"# --8<-- [start:{name}]\n", f"# --8<-- [end:{name}]\n"
+        assert start in text and end in text, f"{path} has no region {name!r}"
+        text = text.split(start, 1)[1].split(end, 1)[0]
+    return text.strip("\n") + "\n"
+
+
+def sync(page: Path) -> bool:
+    """Rewrites ``page``'s inlined blocks from their files; True when something changed."""
+    text = page.read_text()
+    new = INLINED.sub(lambda m: m.group(0)[: m.start(3) - m.start(0)] + region(m.group(1), m.group(2)) + "```", text)
+    if new != text:
+        page.write_text(new)
+    return new != text
+
+
+def test_inlined_code_equals_its_example_file():
+    found = 0
+    for page in DOC_PAGES:
+        for path, name, block in INLINED.findall(page.read_text()):
+            found += 1
+            where = f"{page.name}: {path}:{name or '(whole file)'}; run `python -m tests.test_docs --sync`"
+            assert block == region(path, name), where
+    assert found >= 5  # the tutorial's four steps and the KV-editing guide's policy
+    assert not any("--8<--" in p.read_text() for p in DOC_PAGES)  # no include line shows raw on GitHub
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--sync"]:
+        for page in DOC_PAGES:
+            if sync(page):
+                print(f"rewrote {page.relative_to(REPO)}")
