@@ -182,7 +182,7 @@ GLOSSARY_TERMS = {
     "forward-pass": r"\bforward pass(?:es)?\b",
     "readout": r"\breadouts?\b",
     "epilogue": r"\bepilogues?\b",
-    "channel": r"\bchannels?\b",
+    "channel": r"(?<!per )\bchannels?\b",  # not a weight's output channel
     "run-ahead": r"\brun-ahead\b",
     "native-step": r"\bnative step\b",
     "drafter": r"(?<!pie )(?<!\w)drafters?\b",  # not the command `pie drafter`
