@@ -1,6 +1,6 @@
 """The fold: the one function that moves a working set's committed length over rows a fire wrote, wherever
 the fold comes from (the fire's own count or path at commit, the epilogue's on the device, ``ws_fold``, the
-next fire's ``settle``, or nothing when a fire fails) — docs/architecture.md, "The working set and its deferred
+next fire's ``settle``, or nothing when a fire fails) — docs/working-sets.md, "The working set and its deferred
 fold".
 
 A fold commits a path of window rows (protocol.tree); a chain fold of n rows is the path ``[0 .. n-1]``. The

@@ -1,4 +1,4 @@
-"""The page tables of working sets over one model's page pool (docs/architecture.md, "The working set").
+"""The page tables of working sets over one model's page pool (docs/working-sets.md, "The working set").
 
 A working set's pages cover its rows ``0 .. committed-1`` and whatever unfolded rows a fire has written past
 them. Full pages may be shared between working sets after a fork, or through the prefix cache

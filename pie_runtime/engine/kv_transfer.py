@@ -1,5 +1,5 @@
 """A working set's K/V out to a client and back into a working set, in this engine or another one
-(docs/architecture.md, "Saved working sets"): ``ws_read_kv`` reads committed rows' K/V in the pool's dtype, a
+(docs/working-sets.md, "Saved working sets"): ``ws_read_kv`` reads committed rows' K/V in the pool's dtype, a
 bounded range per message; ``ws_append_kv`` appends rows to an idle working set from such arrays, which must
 match the pool exactly. Rows keep the positions they were written at (their keys are rotated there): the
 append may set the working set's ``dropped``, so that its next row's position is what it was where the rows

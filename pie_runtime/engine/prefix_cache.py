@@ -1,5 +1,5 @@
 """The prefix cache: full KV pages named by their content, reused copy-on-write by later working sets
-(docs/architecture.md, "The working set and its deferred fold"; issue 12, section 5).
+(docs/working-sets.md, "The working set and its deferred fold"; issue 12, section 5).
 
 A page's key is a hash chain over page-aligned token blocks: ``key(i) = H(key(i-1), tokens of page i)``, with
 ``key(-1)`` the model's name, so a key names the whole prefix up to the end of its page. A working set opened

@@ -1,7 +1,7 @@
 """The recurrent-state slot pool of a model with recurrent state (Mamba, LFM2), beside its KV pages.
 
 Every working set of such a model holds one slot from open to release: its live state and, while a fire
-runs or waits for its fold, a snapshot of the state from before that fire (docs/architecture.md, "Working
+runs or waits for its fold, a snapshot of the state from before that fire (docs/working-sets.md, "Working
 sets that hold state"). This module knows slot numbers and which fire a slot's state has run through, never
 tensors: the bytes live in ``models/state_cache.py`` and the copies are the runner's (``StateOps``).
 

@@ -1,4 +1,4 @@
-"""Working sets: one sequence's page table and committed length, with the fold rule of docs/architecture.md
+"""Working sets: one sequence's page table and committed length, with the fold rule of docs/working-sets.md
 ("The working set and its deferred fold"), and the table of every client's working sets.
 
 Rows ``0 .. committed-1`` are frozen. A fire writes rows ``committed ..`` unfrozen; its fold moves

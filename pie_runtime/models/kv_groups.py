@@ -1,5 +1,5 @@
 """KV page groups: which page table each attention layer reads, and where its K/V sit in the pool
-(docs/architecture.md, "Sliding-window layers hold only their window"; issue 56).
+(docs/working-sets.md, "Page groups: sliding layers hold only their window"; issue 56).
 
 Layers of one attention kind (global, or sliding with window W) share a page table: a sliding kind's table
 holds only the pages of its last W rows (engine/kv_pages.py drops the others as the committed length grows).
