@@ -235,6 +235,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     server's config, its keys' quotas and the chat template (None: the model's). Raises what ``serve`` reports."""
     from ..serve.app import ServerConfig
     from ..serve.auth import KeyQuota, Quotas, load_keys
+    from ..serve.custom_models import check_folders
     from ..serve.policies import check_policy, parse_policy
     from ..shipped import ensure_default_model
     from ..store import DEFAULT_MODEL, ModelStore
@@ -248,6 +249,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     for folder in args.inferlets:
         if not folder.is_dir():
             raise ValueError(f"--inferlets {folder}: no such folder")
+    check_folders(args.inferlets)  # a custom file may not take (and so silently replace) a shipped name
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     template = args.chat_template.read_text() if args.chat_template else None
