@@ -16,7 +16,9 @@ from ``@FILE`` or the environment (``$PIE_API_KEYS``, ``$PIE_ENGINE_TOKEN``), ne
 about).
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
-ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
+ends the command (exit 2, the refusal on stderr) before the HTTP listener binds; so does a file in ``--inferlets
+DIR`` with a shipped inferlet's name. A custom inferlet that takes the completion arguments is served as the
+model ``MODEL:NAME`` (``serve/custom_models.py``; every flag: docs/serving.md). Then the listener binds and
 the engine and hosts start in the background (``/health`` is 503 until they are up; "pie serve ready on URL"
 is printed when they are). SIGTERM stops accepting, lets running requests finish for ``--drain-timeout``
 seconds, cancels the rest, and stops the hosts and the engine.
