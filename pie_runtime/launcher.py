@@ -128,10 +128,11 @@ def run_inferlet(
     stdout=None,
     timeout: float | None = None,
     on_output: Callable[[bytes], None] | None = None,
+    token: str | None = None,
 ) -> dict:
     """Runs one inferlet against ``engine``; returns ``{"ok": True, "result": ...}`` or ``{"ok": False, ...}``.
     The child's streamed text goes to ``stdout`` (ours by default), or with ``on_output`` to that function,
-    chunk by chunk as the child writes it."""
+    chunk by chunk as the child writes it. ``token``: the engine's (tcp://), handed over in ``$PIE_TOKEN``."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
         cmd = [
@@ -146,18 +147,22 @@ def run_inferlet(
             "--",
             *words,
         ]
+        env = {**os.environ, "PIE_TOKEN": token} if token else None  # never on argv
         if on_output is None:
-            code = subprocess.run(cmd, stdout=stdout if stdout is not None else None, timeout=timeout).returncode
+            out = stdout if stdout is not None else None
+            code = subprocess.run(cmd, stdout=out, timeout=timeout, env=env).returncode
         else:
-            code = _run_piped(cmd, on_output, timeout)
+            code = _run_piped(cmd, on_output, timeout, env)
         if result_file.exists():
             return json.loads(result_file.read_text())
         return {"ok": False, "error": f"the inferlet process died ({_exit_words(code)})"}
 
 
-def _run_piped(cmd: list[str], on_output: Callable[[bytes], None], timeout: float | None) -> int:
+def _run_piped(
+    cmd: list[str], on_output: Callable[[bytes], None], timeout: float | None, env: dict[str, str] | None = None
+) -> int:
     """Runs ``cmd`` handing its stdout to ``on_output`` as it comes; its exit code."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env) as proc:
         assert proc.stdout is not None  # PIPE
         deadline = None if timeout is None else time.monotonic() + timeout
         fd = proc.stdout.fileno()

@@ -1,7 +1,10 @@
-"""`pie run NAME_OR_FILE [--model NAME] [--engine ADDR] [--json] -- ARGS`: run one inferlet.
+"""`pie run NAME_OR_FILE [--model NAME] [--engine ADDR [--token @FILE]] [--json] -- ARGS`: run one inferlet.
 
 Without --engine an engine is started on the model (the default one, imported on first use) and stopped
-afterwards: the embedded default.
+afterwards: the embedded default. An engine on ``tcp://`` (``pie engine --listen tcp://... --token``, or
+``pie serve --listen``) needs its token: ``--token @FILE`` (the file's text), else ``$PIE_TOKEN``; a literal
+``--token VALUE`` works, warned about (every local user can read a process's argv). The inferlet process gets
+it in ``$PIE_TOKEN``, never on its command line.
 
 What it prints, for people: the inferlet's text on stdout as it streams (or at the end, when it streamed none),
 then one line of stats on stderr (tokens, tok/s, prefill, and for a speculative run its rounds and acceptance).
@@ -25,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("inferlet", help="a shipped inferlet's name or a path to a .py file")
     p.add_argument("--model", action="append", default=None, help="model(s) for the embedded engine")
     p.add_argument("--engine", default=None, help="address of a running engine")
+    p.add_argument("--token", default=None, help="the engine's token (tcp://): @FILE, else $PIE_TOKEN")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
     add_engine_options(p)
     p.set_defaults(func=run)
@@ -62,9 +66,10 @@ def run(args) -> int:
     streamed = _Echo()
     try:
         path = resolve_inferlet(args.inferlet)
+        token = _token(args)
         if args.engine:
-            _check_address(args.engine)
-            outcome = _run(path, args.engine, args.inferlet_args, streamed)
+            _check_address(args.engine, token)
+            outcome = _run(path, args.engine, args.inferlet_args, streamed, token)
         else:
             with EmbeddedEngine(args.model, engine_args(args), die_with_parent=True) as engine:
                 outcome = _run(path, engine.address, args.inferlet_args, streamed)
@@ -98,17 +103,36 @@ class _Echo:
         sys.stdout.flush()
 
 
-def _run(path: Path, address: str, words: list[str], echo: _Echo) -> dict:
+def _run(path: Path, address: str, words: list[str], echo: _Echo, token: str | None = None) -> dict:
     from ..launcher import run_inferlet
 
-    return run_inferlet(path, address, words, on_output=echo)
+    return run_inferlet(path, address, words, on_output=echo, token=token)
 
 
-def _check_address(address: str) -> None:
+def _token(args) -> str | None:
+    """The engine's token: ``--token @FILE`` or a literal (warned about), else ``$PIE_TOKEN``; a LaunchError
+    for a token with no --engine (the embedded engine takes none) or an unreadable file."""
+    from ..launcher import LaunchError
+    from .secrets import secret
+
+    if args.token is not None and not args.engine:
+        raise LaunchError("--token is for --engine tcp://...; the engine pie run starts itself needs none")
+    try:
+        return secret(args.token, "--token", "PIE_TOKEN") if args.engine else None
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _check_address(address: str, token: str | None = None) -> None:
     """A LaunchError saying what to do when ``address`` is an ipc:// socket no engine listens on (a client would
-    otherwise wait for it forever)."""
+    otherwise wait for it forever), or a tcp:// address given no token (the engine refuses every client then)."""
     from ..launcher import LaunchError
 
+    if address.startswith("tcp://") and not token:
+        raise LaunchError(
+            f"{address} is a tcp:// engine: give its token with --token @FILE or $PIE_TOKEN "
+            "(the one it was started with: pie engine --token, pie serve --token)"
+        )
     if address.startswith("ipc://") and not Path(address.removeprefix("ipc://")).exists():
         raise LaunchError(
             f"no engine listens on {address} (no such socket file): start one with `pie engine --listen {address}`,"

@@ -16,7 +16,9 @@ from ``@FILE`` or the environment (``$PIE_API_KEYS``, ``$PIE_ENGINE_TOKEN``), ne
 about).
 
 Order: the model and the speculation policy are checked from the store first, and a policy that cannot run
-ends the command (exit 2, the refusal on stderr) before the HTTP listener binds. Then the listener binds and
+ends the command (exit 2, the refusal on stderr) before the HTTP listener binds; so does a file in ``--inferlets
+DIR`` with a shipped inferlet's name. A custom inferlet that takes the completion arguments is served as the
+model ``MODEL:NAME`` (``serve/custom_models.py``; every flag: docs/serving.md). Then the listener binds and
 the engine and hosts start in the background (``/health`` is 503 until they are up; "pie serve ready on URL"
 is printed when they are). SIGTERM stops accepting, lets running requests finish for ``--drain-timeout``
 seconds, cancels the rest, and stops the hosts and the engine.
@@ -235,6 +237,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     server's config, its keys' quotas and the chat template (None: the model's). Raises what ``serve`` reports."""
     from ..serve.app import ServerConfig
     from ..serve.auth import KeyQuota, Quotas, load_keys
+    from ..serve.custom_models import check_folders
     from ..serve.policies import check_policy, parse_policy
     from ..shipped import ensure_default_model
     from ..store import DEFAULT_MODEL, ModelStore
@@ -248,6 +251,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     for folder in args.inferlets:
         if not folder.is_dir():
             raise ValueError(f"--inferlets {folder}: no such folder")
+    check_folders(args.inferlets)  # a custom file may not take (and so silently replace) a shipped name
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     template = args.chat_template.read_text() if args.chat_template else None

@@ -5,7 +5,8 @@ that needs the model answers 503 ``starting`` until it is up. ``/v1/*`` needs an
     GET  /health                      200 serving; 503 loading, restarting a dead engine, failed or draining
     GET  /metrics                     Prometheus text (metrics.py)
     GET  /docs, /openapi.json         the API's schema
-    GET  /v1/models
+    GET  /v1/models                    the model, and MODEL:NAME for each custom inferlet that takes completion
+                                      requests (custom_models.py; also the requests' ``inferlet`` field)
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks, then data: [DONE]; tools: tools.py)
     POST /v1/embeddings                          (embedding_routes.py)
     POST /v1/responses                           (responses_routes.py)
@@ -36,6 +37,7 @@ from pydantic import BaseModel, Field
 from . import errors
 from .auth import Lease, Quotas, pages_needed
 from .backend import Backend
+from .custom_models import SEP, CustomModels
 from .disconnect import unless_disconnected
 from .embedding_routes import Pooling, add_embedding_routes
 from .errors import invalid_request, not_found, run_failed, unavailable
@@ -116,6 +118,7 @@ class Server:
         self._salt_secret = os.urandom(32)  # salts no key can derive for another key
         folder = config.prompt_cache_dir
         self.prompt_caches = PromptCaches(folder) if folder is not None else None
+        self.custom = CustomModels(backend.inferlet_dirs)  # custom inferlets served as MODEL:NAME
 
     @property
     def model_id(self) -> str:
@@ -176,6 +179,11 @@ class Server:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_id, self.backend.model):
             raise not_found(f"the model {name!r} does not exist (served: {self.model_id})", "model_not_found", "model")
+
+    async def route(self, req: CompletionRequest | ChatRequest) -> str | None:
+        """The custom inferlet a request names (``model`` MODEL:NAME or the ``inferlet`` field), None for the
+        shipped ones; a 404 for a model or inferlet not served, a 400 for one that takes no completion request."""
+        return await self.custom.route(req.model, req.inferlet, (self.model_id, self.backend.model))
 
     def salt(self, key: str) -> str | None:
         """The prefix-cache salt of ``key``'s runs: cached prefixes are each key's own unless
@@ -317,7 +325,13 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
     async def models() -> ModelList:
         server.runs()
         limit = server.limits().max_model_len
-        return ModelList(data=[ModelCard(id=server.model_id, created=server.created, max_model_len=limit)])
+        base = server.model_id
+        cards = [ModelCard(id=base, created=server.created, max_model_len=limit)]
+        cards += [
+            ModelCard(id=f"{base}{SEP}{name}", created=server.created, max_model_len=limit, parent=base)
+            for name in await server.custom.served()
+        ]
+        return ModelList(data=cards)
 
     async def generate(
         request: Request,
@@ -335,16 +349,19 @@ def _add_openai_routes(v1: APIRouter, server: Server, api_key: Callable[..., str
         keeps a conversation on one engine under ``--engines N``."""
         arrival = time.monotonic()
         runs = server.runs()
-        server.check_model(req.model)
+        custom = await server.route(req)
         tok = _tokenizer(backend)
-        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps, grammar)
+        job = build_job(req, prompt(tok, req), tok, server.limits(), config.policy, config.caps, grammar, custom)
         if req.prompt_cache is not None:
+            if custom is not None:
+                raise invalid_request("prompt_cache is not taken by a custom inferlet", "prompt_cache")
             job = start_from(job, req, server.prompt_cache(key, req.prompt_cache))
         lease = server.admit(key, job)
         events = runs.events(
             job.inferlet, job.args, lease, arrival=arrival, session=session or req.user, cache_salt=server.salt(key)
         )
-        rid, model = f"{prefix}-{uuid.uuid4().hex}", server.model_id
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        model = server.model_id if custom is None else f"{server.model_id}{SEP}{custom}"  # what ran, as listed
         if req.stream:
             first = await unless_disconnected(request, prime(events))
             return sse_response(stream(rid, model, req, tok, job, first, events), None, config.stream_stall_timeout)

@@ -90,9 +90,11 @@ def build_job(
     policy: Policy | None,
     caps: Capabilities,
     grammar: str | None = None,
+    custom: str | None = None,
 ) -> Job:
     """Checks the request against the limits and the context; picks the inferlet and its arguments
-    (``grammar``: a Lark grammar the output is held to, tool calls')."""
+    (``grammar``: a Lark grammar the output is held to, tool calls'; ``custom``: the custom inferlet the request
+    names, custom_models.py, which gets the completion arguments only)."""
     if req.n > limits.max_n:
         raise invalid_request(f"n={req.n} is past this server's limit {limits.max_n}", param="n")
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -123,7 +125,7 @@ def build_job(
     if asked is None:
         default = limits.default_completion_tokens if isinstance(req, CompletionRequest) else limits.max_tokens
         asked = min(default, room)
-    inferlet, extra = choose(policy, caps, req.speculation, req.response_format, grammar)
+    inferlet, extra = pick(req, policy, caps, grammar, custom)
     args: dict[str, Any] = {
         "prompt": tok.decode(ids) if ids is not None else prompt,
         "max_tokens": asked,
@@ -154,6 +156,30 @@ def build_job(
     args.update({k: v for k, v in optional.items() if v is not None})
     echo = str(args["prompt"]) if isinstance(req, CompletionRequest) and req.echo else None
     return Job(inferlet, args, prompt_tokens, asked, req.n, echo)
+
+
+def pick(
+    req: CompletionRequest | ChatRequest,
+    policy: Policy | None,
+    caps: Capabilities,
+    grammar: str | None,
+    custom: str | None,
+) -> tuple[str, dict[str, Any]]:
+    """The inferlet and the arguments its policy adds (policies.choose); a custom inferlet gets none, and a 400
+    for what only the shipped ones serve (speculation, a response format, tool calls)."""
+    if custom is None:
+        return choose(policy, caps, req.speculation, req.response_format, grammar)
+    fmt = req.response_format.type if req.response_format is not None else "text"
+    for param, asked in (
+        ("speculation", req.speculation not in (None, False)),
+        ("response_format", fmt != "text"),
+        ("tools", grammar is not None),
+    ):
+        if asked:
+            raise invalid_request(
+                f"{param} is served by the shipped inferlets; the custom inferlet {custom!r} does not take it", param
+            )
+    return custom, {}
 
 
 def check_text(text: str, param: str) -> None:

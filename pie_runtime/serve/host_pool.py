@@ -179,11 +179,13 @@ class HostPool:
             raise
 
     def inferlets(self) -> dict[str, Path]:
-        """The shipped inferlets and those in ``inferlet_dirs`` (a later folder's file wins), name → file."""
-        out: dict[str, Path] = {}
-        for folder in [SHIPPED, *self.inferlet_dirs]:
+        """The shipped inferlets and those in ``inferlet_dirs`` (a later folder's file wins), name → file. A
+        custom file never replaces a shipped inferlet (`pie serve` refuses to start with one: custom_models.py)."""
+        out = {p.stem: p.resolve() for p in sorted(SHIPPED.glob("*.py")) if not p.stem.startswith("_")}
+        shipped = set(out)
+        for folder in self.inferlet_dirs:
             for path in sorted(folder.glob("*.py")):
-                if not path.stem.startswith("_"):
+                if not path.stem.startswith("_") and path.stem not in shipped:
                     out[path.stem] = path.resolve()
         return out
 

@@ -4,7 +4,8 @@
 Fields beyond OpenAI's are vLLM's (``top_k``, ``stop_token_ids``, ``ignore_eos``) and pie's own extensions
 ``speculation``: ``false`` turns speculation off for the request, ``{"method": "lookup" | "draft" | "mtp" |
 "suffix", "k": K}`` asks for it (responses under speculation carry a ``speculation`` object); and
-``prompt_cache``: the name of a saved prompt cache to start from (prompt_caches.py).
+``prompt_cache``: the name of a saved prompt cache to start from (prompt_caches.py); and ``inferlet``: a custom
+inferlet to run instead of the shipped ones (custom_models.py).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class _Sampling(_Wire):
     user: str | None = None
     speculation: Literal[False] | SpeculationRequest | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice's token ids
+    inferlet: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "pie's extension: run this custom inferlet (pie serve --inferlets DIR) instead of the shipped ones, as "
+            "the model MODEL:NAME does; it must take the completion arguments (custom_models.py)"
+        ),
+    )
     prompt_cache: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
@@ -260,6 +269,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pie"
     max_model_len: int
+    parent: str | None = None  # a custom inferlet's MODEL:NAME: the model it runs on (as vLLM's LoRA cards)
 
 
 class ModelList(BaseModel):

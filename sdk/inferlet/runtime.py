@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
+from pie_runtime.protocol.errors import ErrorCode, PieError
 from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
 from .args import parse_args
@@ -124,6 +125,13 @@ async def _hello(client: Client, address: str, token: str | None) -> dict:
             f"no engine answered at {address} within {HELLO_TIMEOUT_S:g} s: start one with `pie engine --listen"
             f" {address}`{' (and pass its --token)' if address.startswith('tcp://') else ''}, or leave out --engine"
             " and pie run starts one for this run"
+        ) from None
+    except PieError as e:
+        if e.code != ErrorCode.UNAUTHORIZED:
+            raise
+        raise EngineUnreachable(
+            f"the engine at {address} refused the token ({e.message}): pass the one it was started with,"
+            " pie run --token @FILE or $PIE_TOKEN"
         ) from None
 
 

@@ -2,11 +2,14 @@
 tool calls (required and named calls whose arguments validate against their schemas, streamed deltas reassembled
 by the client's own stream helper, greedy output under the tool grammar equal with and without speculation, tool
 results fed back), /v1/embeddings (float and base64, pooling, refusals) and /v1/responses (whole, streamed typed
-events, function tools, previous_response_id)."""
+events, function tools, previous_response_id); and a custom drafter (the tutorial's, in --inferlets DIR) served
+as the model MODEL:my-drafter and by the request field ``inferlet``, greedy output equal to text-completion's,
+streamed, stopped and with logprobs."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -15,6 +18,7 @@ import openai
 import pytest
 
 from pie_runtime.store import DEFAULT_MODEL
+from tests.conftest import REPO
 from tests.serve.server_proc import start_serve
 
 pytestmark = pytest.mark.e2e
@@ -69,9 +73,16 @@ def tools(names=None) -> list:
     return out
 
 
+DRAFTER = f"{DEFAULT_MODEL}:my-drafter"  # the tutorial's bigram drafter, served as a model (custom_models.py)
+
+
 @pytest.fixture(scope="module")
-def server(pie_home):
-    s = start_serve(pie_home, DEFAULT_MODEL, "--max-tokens", "256", "--kv-pages", "1024")
+def server(pie_home, tmp_path_factory):
+    custom = tmp_path_factory.mktemp("custom")
+    shutil.copy(REPO / "examples" / "bigram_drafter.py", custom / "my-drafter.py")
+    (custom / "dicty.py").write_text("import inferlet\n\n@inferlet.main\nasync def main(args: dict):\n    return {}\n")
+    flags = ["--max-tokens", "256", "--kv-pages", "1024", "--inferlets", str(custom)]
+    s = start_serve(pie_home, DEFAULT_MODEL, *flags)
     yield s
     s.stop()
 
@@ -283,3 +294,63 @@ def test_langchain_drives_a_two_step_tool_loop(server):
     messages += [ai, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
     final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
     assert final.response_metadata["finish_reason"] in ("stop", "length") and final.content and not final.tool_calls
+
+
+def counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def test_custom_drafter_serves_chat_as_a_model(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == [DEFAULT_MODEL, DRAFTER]  # dicty.py takes a dict: a runs-endpoint inferlet, not a model
+    kw = dict(messages=[{"role": "user", "content": "Count from 1 to 30, separated by commas."}], temperature=0)
+    plain = client.chat.completions.create(model=DEFAULT_MODEL, max_tokens=64, **kw)  # type: ignore[arg-type]
+    drafted = client.chat.completions.create(model=DRAFTER, max_tokens=64, **kw)  # type: ignore[arg-type]
+    text = plain.choices[0].message.content or ""
+    assert drafted.model == DRAFTER and drafted.choices[0].message.content == text
+    assert drafted.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert counts(drafted.usage) == counts(plain.usage)  # (cached_tokens differ: the prefix cache)
+    spec = (drafted.model_extra or {})["speculation"]  # the drafter ran: its round loop's counters
+    assert spec["rounds"] > 0 and spec["proposed"] > 0
+    # streamed, with logprobs and usage: the same tokens, each with its logprob, as text-completion's
+    stream = client.chat.completions.create(
+        model=DRAFTER,
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=2,
+        **kw,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert "".join(e.token for e in entries) == text and all(len(e.top_logprobs) == 2 for e in entries)
+    assert counts(chunks[-1].usage) == counts(plain.usage) and all(c.model == DRAFTER for c in chunks)
+    whole = client.chat.completions.create(model=DEFAULT_MODEL, max_tokens=64, logprobs=True, **kw)  # type: ignore[arg-type]
+    assert whole.choices[0].logprobs and whole.choices[0].logprobs.content
+    want = [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [t for t, _ in want]
+    assert [e.logprob for e in entries] == pytest.approx([lp for _, lp in want], abs=1e-4)
+    # a stop string inside the output: cut before it, finish_reason stop, as text-completion
+    stop = text[len(text) // 2 :][:3]
+    cut = client.chat.completions.create(model=DRAFTER, max_tokens=64, stop=[stop], **kw)  # type: ignore[arg-type]
+    assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_custom_drafter_by_request_field_and_refusals(client):
+    kw = dict(prompt="1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=24, temperature=0)
+    plain = client.completions.create(model=DEFAULT_MODEL, **kw)  # type: ignore[arg-type]
+    drafted = client.completions.create(model=DEFAULT_MODEL, extra_body={"inferlet": "my-drafter"}, **kw)  # type: ignore[arg-type]
+    assert drafted.choices[0].text == plain.choices[0].text and drafted.model == DRAFTER
+    assert (drafted.model_extra or {})["speculation"]["accepted"] > 0  # the repeats are drafted and kept
+    refusals = [
+        ({"model": f"{DEFAULT_MODEL}:nope"}, openai.NotFoundError, "model_not_found"),
+        ({"model": DEFAULT_MODEL, "extra_body": {"inferlet": "nope"}}, openai.NotFoundError, "inferlet_not_found"),
+        ({"model": f"{DEFAULT_MODEL}:dicty"}, openai.BadRequestError, "inferlet_not_completion"),
+        ({"model": DRAFTER, "extra_body": {"speculation": {"method": "lookup", "k": 2}}}, openai.BadRequestError, None),
+    ]
+    for extra, error, code in refusals:
+        with pytest.raises(error) as e:
+            client.completions.create(**{**kw, **extra})  # type: ignore[call-overload]
+        assert e.value.code == code, e.value
