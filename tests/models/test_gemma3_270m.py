@@ -33,7 +33,7 @@ NEW_TOKENS = 12
 LONG_NEW_TOKENS = 64
 TOP1_SHARE = 0.97
 
-# every position's argmax in one pass: the default format's top-1 against the reference's
+# every position's argmax, 512 rows a fire: the default format's top-1 against the reference's
 TOP1_INFERLET = """
 from pydantic import BaseModel
 
@@ -47,9 +47,12 @@ class Args(BaseModel):
 @inferlet.main
 async def main(args: Args) -> dict:
     ws = inferlet.model().working_set()
-    fp = inferlet.ForwardPass(ws)
-    fp.embed(args.ids).readout(range(len(args.ids)), inferlet.Argmax())
-    tokens = [int(t) for t in (await fp.submit()).tokens]
+    tokens = []
+    for start in range(0, len(args.ids), 512):  # a fire reads out at most 1,024 rows
+        chunk = args.ids[start : start + 512]
+        fp = inferlet.ForwardPass(ws)
+        fp.embed(chunk).readout(range(len(chunk)), inferlet.Argmax())
+        tokens += [int(t) for t in (await fp.submit()).tokens]
     await ws.release()
     return {"top1": tokens}
 """
