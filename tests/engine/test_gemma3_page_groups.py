@@ -6,9 +6,9 @@ bit for bit, and so the same greedy tokens, through the prompt's chunks, decode,
 and appended into a fresh working set (continuing exactly), while an all-rows engine refuses rows a sliding one
 let go of (``kv_mismatch``). The sliding groups hold about a window of pages; nothing is held after release.
 
-In process (two ``EngineCore``s over one loaded model, as ``pie serve`` would run them in two engines): loading
-the model once is most of the cost. ``PROMPT`` is the longest prompt that keeps the test near a minute on two
-busy cores."""
+In process (two ``EngineCore``s over one loaded model, as ``pie serve`` would run them in two engines), the model
+linked from the user's store where it is imported. The module took 70.6 CPU seconds (user + sys) with ``PROMPT``
+4,000 (2026-12-07): about a minute of a 2-core CI machine; its wall time on a loaded one is much longer."""
 
 from __future__ import annotations
 
