@@ -7,8 +7,7 @@ and appended into a fresh working set (continuing exactly), while an all-rows en
 let go of (``kv_mismatch``). The sliding groups hold about a window of pages; nothing is held after release.
 
 In process (two ``EngineCore``s over one loaded model, as ``pie serve`` would run them in two engines), the model
-linked from the user's store where it is imported. The module took 70.6 CPU seconds (user + sys) with ``PROMPT``
-4,000 (2026-12-07): about a minute of a 2-core CI machine; its wall time on a loaded one is much longer."""
+linked from the user's store where it is imported. What the module costs is in docs/measurements-kv-groups.md."""
 
 from __future__ import annotations
 
