@@ -6,7 +6,7 @@
                                      --draft-suffix K[:ROWS] [--suffix-index FILE]]
               [--prompt-cache-dir DIR] [--allow-upload] [--share-prefix-cache] [--open-metrics]
               [--stream-stall-timeout S] [--key-concurrent N --key-tokens-per-minute N --key-kv-pages N
-                                          --key-cache-mib N]
+                                          --key-kv-memory SIZE --key-cache-mib N]
               [--drain-timeout S] [--no-engine-restart | --engine-max-restarts N --engine-restart-window S]
               [engine options]
 
@@ -126,6 +126,11 @@ def _add_tenant_options(p) -> None:
     p.add_argument("--key-concurrent", type=int, default=None, help="default quota: runs in flight per key")
     p.add_argument("--key-tokens-per-minute", type=int, default=None, help="default quota: tokens a minute per key")
     p.add_argument("--key-kv-pages", type=int, default=None, help="default quota: KV pages held per key")
+    p.add_argument(
+        "--key-kv-memory",
+        default=None,
+        help="default quota: bytes of KV held per key, across page groups (64MiB, 1GiB; a bare number is MiB)",
+    )
     p.add_argument("--key-cache-mib", type=int, default=None, help="default quota: MiB of saved prompt caches per key")
     p.add_argument("--allow-upload", action="store_true", help="accept inferlet source on POST /v1/inferlets")
     p.add_argument("--upload-memory", type=int, default=4096, help="MiB of address space an upload host gets")
@@ -236,7 +241,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
     """The model, the speculation policy and the limits, checked against the store before anything binds: the
     server's config, its keys' quotas and the chat template (None: the model's). Raises what ``serve`` reports."""
     from ..serve.app import ServerConfig
-    from ..serve.auth import KeyQuota, Quotas, load_keys
+    from ..serve.auth import KeyQuota, Quotas, load_keys, parse_bytes
     from ..serve.custom_models import check_folders
     from ..serve.policies import check_policy, parse_policy
     from ..shipped import ensure_default_model
@@ -261,6 +266,7 @@ def _checked(args: argparse.Namespace, model: str) -> tuple[ServerConfig, Quotas
         concurrent=args.key_concurrent,
         tokens_per_minute=args.key_tokens_per_minute,
         kv_pages=args.key_kv_pages,
+        kv_bytes=None if args.key_kv_memory is None else parse_bytes(args.key_kv_memory),
         cache_bytes=None if args.key_cache_mib is None else args.key_cache_mib << 20,
     )
     keys = dict.fromkeys(args.api_key, default)  # an --api-key key has the default quotas (--key-*)

@@ -64,6 +64,7 @@ def build_served_model(
     info.kv_bytes = kv.nbytes
     info.page_bytes = kv.nbytes // max(kv.num_pages, 1)
     info.page_windows = list(kv.layout.windows)
+    info.layer_windows = list(kv.layout.layer_window)
     info.sliding = any(w is not None for w in kv.layout.layer_window)
     if opts.compiled and not _native(loaded):
         assert isinstance(loaded.model, LlamaForCausalLM)  # refused by _weights_for for the recurrent families

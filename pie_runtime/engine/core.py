@@ -73,6 +73,7 @@ class EngineCore:
         }
         for served in self.models:
             served.pages.chunk_rows = max_batch_tokens  # a moving fire's sliding pages span a window and a chunk
+            served.info.chunk_rows = max_batch_tokens
             # a recurrent state is not addressable by page; a sliding page group's hit would need the prefix's last
             # window of rows, which the cache does not name (engine/kv_pages.py)
             if prefix_cache and not served.info.recurrent and served.pages.windows == (None,):

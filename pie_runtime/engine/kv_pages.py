@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..models.kv_groups import window_span
 from ..protocol import ErrorCode, PieError
 from .page_pool import PagePool
 from .prefix_cache import PageChain, PrefixCache
@@ -106,7 +107,7 @@ class KVPages:
     def window_span(self, window: int) -> int:
         """Rows of a fire a sliding group reserves pages for when its pages move along the fire (``advance``):
         the window and a chunk, with a page of slack at either end and the fire's first page."""
-        return window + self.chunk_rows + 3 * self.page_size
+        return window_span(window, self.chunk_rows, self.page_size)
 
     def reserve(self, ws: WorkingSet, start: int, rows: int, moving: bool = False) -> None:
         """Makes rows ``start .. start+rows-1`` of ``ws`` writable in every page group: new pages past each table,
@@ -174,7 +175,22 @@ class KVPages:
     def group_slots(self, ws: WorkingSet, rows: range) -> list[list[int]]:
         """The slots of ``rows`` in each page group's table; -1 for a row its group no longer holds."""
         ps = self.page_size
-        return [[table[r // ps] * ps + r % ps if table[r // ps] >= 0 else -1 for r in rows] for table in ws.tables]
+        return [
+            [
+                table[r // ps] * ps + r % ps if table[r // ps] >= 0 and (w is None or r >= ws.held_from) else -1
+                for r in rows
+            ]
+            for table, w in zip(ws.tables, self.windows)
+        ]
+
+    def held_from(self, ws: WorkingSet) -> list[int]:
+        """Per page group, the first row whose K/V it holds (0 for a group that keeps every row)."""
+        ps = self.page_size
+        out = []
+        for table, window in zip(ws.tables, self.windows):
+            first = next((j for j, p in enumerate(table) if p >= 0), len(table))
+            out.append(0 if window is None else min(max(first * ps, ws.held_from), ws.committed))
+        return out
 
     def slots(self, pages: Sequence[int], rows: Iterable[int]) -> list[int]:
         """The pool slots of ``rows`` of a sequence whose page table is ``pages``."""
@@ -241,7 +257,7 @@ class KVPages:
                 continue
             for i in range(max(0, rows - window + 1), rows):
                 old = i if row_of is None else row_of(i)
-                if table[old // ps] < 0:
+                if table[old // ps] < 0 or old < ws.held_from:
                     raise PieError(
                         ErrorCode.UNSUPPORTED,
                         f"working set {ws.id}: its sliding layers (window {window}) would attend row {old}, which "
@@ -292,6 +308,7 @@ class KVPages:
             self.copy_slots(src, dst)
         ws.chain.wrote(first, None, ps)  # the rows from the first dropped one are no prefix any more
         ws.committed, ws.dropped = len(keep), ws.dropped + len(drop)
+        ws.held_from = sum(r < ws.held_from for r in keep)
         self.slide(ws)
         self.edits.evicted_rows += len(drop)
         self.edits.evicted_pages += gone_total

@@ -11,10 +11,15 @@ model's own layers only, so rather than leave that layer unwritten both ops refu
 engine (each rank holds its own heads).
 
 Page groups (models/kv_groups.py): the arrays hold every KV layer in model order, whatever group it reads; a
-sliding layer's rows its group no longer holds read as zeros (no later row attends them), and an append writes
-a row into a sliding group only while it holds its page (then lets go of the pages that left the window, as a
-fold does). So a working set saved from a sliding engine loads into an all-global one (``--kv-swa-full``) and
-back, and continues exactly. The read reply names each layer's window (``layer_windows``)."""
+sliding layer's rows its group no longer holds read as zeros (no later row attends them), and the read reply
+names, per layer, its window (``layer_windows``) and the first row it holds (``held_from``). An append writes a
+row into a sliding group only while it holds its page (then lets go of the pages that left the window, as a
+fold does), and only from the first row the sender held (its ``held_from``): the rows before it are marked not
+held (``WorkingSet.held_from``), so a truncation or eviction that would bring them into the window is refused
+as one that needs a row the group let go of. A layer whose group keeps every row (a global layer, or any layer
+under ``--kv-swa-full``) cannot take rows the sender did not hold: refused ``kv_mismatch``. So rows saved from an
+all-rows engine load anywhere, rows saved from a sliding engine load into a sliding one, and both continue
+exactly."""
 
 from __future__ import annotations
 
@@ -56,8 +61,10 @@ class KVTransferRequests:
         row_bytes = 2 * len(kv.layout.layer_row) * kv.k[0, :, 0].numel() * kv.k.element_size()
         count = max(1, min(req.count, m.MAX_KV_TRANSFER_BYTES // row_bytes))
         k, v = served.runner.read_slots(served.pages.group_slots(ws, range(req.start, req.start + count)))
+        held = served.pages.held_from(ws)
         return {
             "layer_windows": list(kv.layout.layer_window),
+            "held_from": [held[g] for g in kv.layout.layer_group],
             "k": encode_array(k),
             "v": encode_array(v),
             "kv_dtype": _kv_dtype(served),
@@ -82,7 +89,10 @@ class KVTransferRequests:
                 f"{ws.committed + rows} rows with {dropped} dropped exceed the model's {limit} positions",
             )
         start = ws.committed
+        held_from = _held_from(served, req.held_from, rows)
         served.pages.reserve(ws, start, rows)  # OUT_OF_PAGES here leaves ws as it was
+        if held_from:
+            ws.held_from = max(ws.held_from, start + held_from)
         if rows:
             served.runner.write_slots(served.pages.group_slots(ws, range(start, start + rows)), k, v)
         served.pages.wrote(ws, start, None)  # the prefix cache names none of these rows, nor any after them
@@ -102,6 +112,30 @@ def _refusal(ws: WorkingSet, served: ServedModel) -> str | None:
     if not served.runner.kv.layout.layer_row:
         return "it has no attention layers"
     return None
+
+
+def _held_from(served: ServedModel, held_from: list[int] | None, rows: int) -> int:
+    """The first of ``rows`` appended rows every sliding page group can take (0: all of them); refuses
+    (KV_MISMATCH) a ``held_from`` of the wrong length, or one that leaves a row missing from a group that keeps
+    every row."""
+    layout = served.runner.kv.layout
+    if held_from is None:
+        return 0
+    if len(held_from) != len(layout.layer_group):
+        raise PieError(
+            ErrorCode.KV_MISMATCH, f"held_from names {len(held_from)} layers; this pool has {len(layout.layer_group)}"
+        )
+    first = 0
+    for layer, (group, held) in enumerate(zip(layout.layer_group, held_from)):
+        if held and layout.windows[group] is None:
+            raise PieError(
+                ErrorCode.KV_MISMATCH,
+                f"KV layer {layer} of these rows holds nothing before row {held} (saved where its sliding layers let "
+                "go of the rows before their window), and this engine keeps every row of that layer (a global "
+                "layer, or --kv-swa-full): load them into an engine serving the model without --kv-swa-full",
+            )
+        first = max(first, min(held, rows))
+    return first
 
 
 def _kv_dtype(served: ServedModel) -> str:

@@ -37,6 +37,9 @@ class WorkingSet:
     tables: list[list[int]] = field(default_factory=lambda: [[]])
     committed: int = 0
     dropped: int = 0  # committed rows evicted so far: the next row's position is committed + dropped
+    # rows below it hold nothing in the sliding page groups even where their page is held: rows appended from a
+    # saved working set whose sliding layers had let go of them (engine/kv_transfer.py)
+    held_from: int = 0
     pending_fold: int | None = None  # window size of a fire whose fold is deferred and not yet settled
     pending_tree: TreeWindow | None = None  # that fire's tree, when it has one
     in_flight: int = 0  # fires accepted and not yet answered

@@ -62,6 +62,7 @@ class WorkingSetRequests:
         child = self.sets.open(client, parent.model, tables=tables, committed=parent.committed)
         child.state = hold
         child.dropped = parent.dropped  # its rows sit where the parent's do
+        child.held_from = parent.held_from
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
         child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
         self._held[client] = self._held.get(client, 0) + 1

@@ -18,8 +18,9 @@ Torch-free: the engine imports it for the groups' windows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from math import gcd
+from math import ceil, gcd
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,25 @@ def attention_windows(cfg: object) -> list[int | None]:
     if window is None:
         return [None] * layers
     return [window(i) for i in range(layers)]
+
+
+def window_span(window: int, chunk_rows: int, page_size: int) -> int:
+    """Rows of a fire a sliding group (window ``window``) holds pages for while the fire's pages move along its
+    chunks of ``chunk_rows`` rows (engine/kv_pages.py ``reserve(moving=True)``): the window and a chunk, with a
+    page of slack at either end and the fire's first page."""
+    return window + chunk_rows + 3 * page_size
+
+
+def group_pages_bound(rows: int, window: int | None, page_size: int, chunk_rows: int) -> int:
+    """The most pages one page group holds for a working set that grows to ``rows`` rows: every row's page for a
+    global group; a sliding group's window span and one page of slack (a verify window of up to a chunk past the
+    committed rows included), never more than every row's."""
+    every = ceil(rows / page_size)
+    if window is None:
+        return every
+    return min(every, ceil(window_span(window, chunk_rows, page_size) / page_size) + 1)
+
+
+def pages_bound(rows: int, windows: Sequence[int | None], page_size: int, chunk_rows: int) -> int:
+    """``group_pages_bound`` summed over the page groups ``windows``: the pool pages the working set may hold."""
+    return sum(group_pages_bound(rows, w, page_size, chunk_rows) for w in windows)

@@ -157,12 +157,15 @@ KV_WIRE_DTYPES: Final[dict[str, str]] = {"float32": "float32", "float16": "float
 
 class WsReadKV(_Req):
     """Reads the K/V of committed rows ``start ..`` of an idle working set: at most ``count`` rows, and no more
-    than fit in ``MAX_KV_TRANSFER_BYTES`` (a long sequence is read in several requests). Reply: ``{"k", "v"}``,
-    arrays (``protocol/arrays.py``) of shape ``(layers, kv_heads, rows, head_dim)`` holding the pool's bits in
-    its wire dtype (``KV_WIRE_DTYPES``), with ``"kv_dtype"`` (the pool's dtype), ``"committed"`` and
-    ``"dropped"`` (the next row's position is their sum). Refused ``row_out_of_range`` past the committed rows,
-    ``busy``/``fold_pending`` while a fire may write, ``unsupported`` for a model with recurrent state or an
-    EAGLE head's extra KV layer, or a tensor-parallel engine."""
+        than fit in ``MAX_KV_TRANSFER_BYTES`` (a long sequence is read in several requests). Reply: ``{"k", "v"}``,
+        arrays (``protocol/arrays.py``) of shape ``(layers, kv_heads, rows, head_dim)`` holding the pool's bits in
+        its wire dtype (``KV_WIRE_DTYPES``), with ``"kv_dtype"`` (the pool's dtype), ``"committed"`` and
+        ``"dropped"`` (the next row's position is their sum), and per KV layer ``"layer_windows"`` (the rows it attends:
+    None for every earlier row) and ``"held_from"`` (the first row of the working set whose K/V it still holds: a
+    sliding layer's page group lets go of the rows before its window; the arrays hold zeros there). Refused
+    ``row_out_of_range`` past the committed rows,
+        ``busy``/``fold_pending`` while a fire may write, ``unsupported`` for a model with recurrent state or an
+        EAGLE head's extra KV layer, or a tensor-parallel engine."""
 
     op: Literal["ws_read_kv"]
     ws: int
@@ -178,8 +181,11 @@ class WsAppendKV(_Req):
     (optional) sets the working set's rows-ever-dropped, making the next row's position ``committed +
     dropped`` what it was where the rows were read (never below its current value). Pages are reserved all or
     nothing (``out_of_pages`` changes nothing). The prefix cache names none of these rows, nor any row after
-    them. Reply: ``{"committed", "dropped", "pages"}``. Refusals as ``ws_read_kv``'s, and ``capacity`` past
-    the model's positions."""
+    them. ``held_from`` (optional, per KV layer, as ``ws_read_kv``'s but counted from these arrays' first row): the
+    rows before it hold nothing for that layer; refused ``kv_mismatch`` when such a layer's page group keeps every
+    row (``--kv-swa-full``, or a global layer), else a sliding group marks them not held (``WorkingSet.held_from``),
+    so no later edit brings them into its window. Reply: ``{"committed", "dropped", "pages"}``. Refusals as
+    ``ws_read_kv``'s, and ``capacity`` past the model's positions."""
 
     op: Literal["ws_append_kv"]
     ws: int
@@ -187,6 +193,7 @@ class WsAppendKV(_Req):
     v: WireArray
     kv_dtype: str
     dropped: _Count | None = None
+    held_from: list[_Count] | None = None
 
 
 class RunAhead(_Msg):
@@ -435,6 +442,9 @@ class ModelInfo(BaseModel):
     page_bytes: int = 0  # bytes of one KV page (every page group's pages are alike: models/kv_groups.py)
     # per KV page group: the rows it keeps (None: every row); more than one, or a window, for sliding-window models
     page_windows: list[int | None] = [None]
+    layer_windows: list[int | None] = []  # per KV layer: the rows it attends (None: every earlier row)
+    # the most rows of one fire a forward runs (--max-batch-tokens): a sliding group's pages span a window and this
+    chunk_rows: int = 256
     sliding: bool = False  # some layers attend only a window of rows (their pages are let go of unless --kv-swa-full)
     compile_s: float = 0.0  # seconds the engine spent compiling the layers at start (0: not compiled)
     family: str = "llama"  # the architecture (llama, mistral, qwen2, qwen3, mamba, lfm2)

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from . import errors
-from .auth import Lease, Quotas, pages_needed
+from .auth import KVNeed, KVShape, Lease, Quotas, kv_needed
 from .backend import Backend
 from .custom_models import SEP, CustomModels
 from .disconnect import unless_disconnected
@@ -194,8 +194,8 @@ class Server:
 
     def admit_run(self, key: str, args: dict[str, Any]) -> Lease:
         """An inferlet run's admission, as a completion's: its ``n`` and ``max_tokens`` (the SDK's defaults
-        when absent) within the server's limits (a 400), and its prompt, token budget and KV pages charged to
-        the key's quotas (a 429 over one) before it starts."""
+        when absent) within the server's limits (a 400), and its prompt, token budget and KV (pages and bytes)
+        charged to the key's quotas (a 429 over one) before it starts."""
         limits = self.limits()
         n = _int_arg(args, "n", 1)
         max_tokens = _int_arg(args, "max_tokens", min(DEFAULT_RUN_TOKENS, limits.max_tokens))
@@ -210,12 +210,16 @@ class Server:
             prompt = count_tokens(_tokenizer(self.backend), text, limits.max_model_len)
         else:
             prompt = 0
-        pages = pages_needed(prompt, max_tokens, n, limits.page_size)
-        return self.quotas.admit(key, prompt, pages, max_tokens * n)
+        return self.quotas.admit(key, prompt, self.kv_needed(prompt, max_tokens, n), max_tokens * n)
 
     def admit(self, key: str, job: Job) -> Lease:
-        pages = pages_needed(job.prompt_tokens, job.max_tokens, job.n, self.limits().page_size)
-        return self.quotas.admit(key, job.prompt_tokens, pages, job.max_tokens * job.n)
+        kv = self.kv_needed(job.prompt_tokens, job.max_tokens, job.n)
+        return self.quotas.admit(key, job.prompt_tokens, kv, job.max_tokens * job.n)
+
+    def kv_needed(self, prompt_tokens: int, max_tokens: int, n: int) -> KVNeed:
+        """The KV pages and bytes a request's working sets can grow to on the served model (auth.kv_needed)."""
+        assert self.backend.info is not None  # runs() checked the backend is ready
+        return kv_needed(prompt_tokens, max_tokens, n, KVShape.of(self.backend.info))
 
 
 def create_app(backend: Backend, config: ServerConfig, quotas: Quotas) -> FastAPI:

@@ -1,9 +1,9 @@
 """API keys and per-key quotas of `pie serve`.
 
 ``--api-key KEY`` (repeatable) or ``--keys FILE`` (JSON: ``{"keys": {"KEY": {"concurrent": 4,
-"tokens_per_minute": 20000, "kv_pages": 512}}}``) guard ``/v1/*`` with Bearer tokens; without any key every
-request is the anonymous client ``""`` under the default quotas. Each key has three quotas, checked when a
-request is admitted (over one: 429, the request never starts):
+"tokens_per_minute": 20000, "kv_pages": 512, "kv_bytes": "64MiB"}}}``) guard ``/v1/*`` with Bearer tokens;
+without any key every request is the anonymous client ``""`` under the default quotas. Each key has these
+quotas, checked when a request is admitted (over one: 429, the request never starts):
 
 - ``concurrent``: runs in flight;
 - ``tokens_per_minute``: prompt and completion tokens charged in the last 60 s (a sliding window). A request
@@ -11,11 +11,14 @@ request is admitted (over one: 429, the request never starts):
   quota beside what the window holds, and it is charged both at admission, so streams running at once or
   abandoned halfway cannot generate past the quota; a run that ends with a result is then charged what it
   generated instead of its budget (``Lease.settle``), one that is cancelled or fails keeps its budget charged;
-- ``kv_pages``: KV pages held. A request holds, from admission to its end, the pages its working sets can
-  grow to: ``ceil((prompt + max_tokens) / page_size)`` for the prompt's set plus, for ``n > 1``, the
-  completion pages of each fork. Counting the bound rather than the engine's live per-client pages makes
-  admission exact and immediate (a run never fails halfway with ``out_of_pages`` because another key grew),
-  and a key at its page quota is refused without touching what other keys hold;
+- ``kv_pages`` and ``kv_bytes``: KV held, in pool pages and in bytes (``--key-kv-pages``, ``--key-kv-memory``). A
+  request holds, from admission to its end, what its working sets can grow to (``kv_needed``): in every KV page
+  group (models/kv_groups.py) the pages of its rows, ``prompt + max_tokens`` for the prompt's set plus, for
+  ``n > 1``, the completion rows of each fork; a sliding group (window W, as Gemma 3's) never more than its window
+  span's, so a long Gemma run is charged what it holds, not what an all-global cache would. Bytes are those pages
+  of ``ModelInfo.page_bytes`` (every group's pages are alike). Counting the bound rather than the engine's live
+  per-client pages makes admission exact and immediate (a run never fails halfway with ``out_of_pages`` because
+  another key grew), and a key at its quota is refused without touching what other keys hold;
 - ``cache_bytes``: bytes of saved prompt caches the key keeps (``POST /v1/prompt_caches``): a save is refused
   when the key's caches already fill it, and a save that takes it past it is removed again (both 429).
 """
@@ -24,15 +27,31 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from ..models.kv_groups import pages_bound
+from ..protocol.messages import ModelInfo
 from .errors import authentication, rate_limited
+
+_UNITS = {"": 1 << 20, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20}
+_UNITS |= {"g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``64MiB``, ``1.5GiB``, ``500MB``, ``4096B`` as bytes; a bare number is MiB (as ``--kv-memory``'s)."""
+    if isinstance(text, int):
+        return text
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = found.group(2).lower() if found else None
+    if found is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is no size: a number with B, KiB, MiB, GiB, KB, MB or GB (a bare number: MiB)")
+    return int(float(found.group(1)) * _UNITS[unit])
 
 
 class KeyQuota(BaseModel):
@@ -41,7 +60,13 @@ class KeyQuota(BaseModel):
     concurrent: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
     kv_pages: int | None = Field(default=None, ge=1)
+    kv_bytes: int | None = Field(default=None, ge=1)  # bytes of KV held; the keys file may say "64MiB"
     cache_bytes: int | None = Field(default=None, ge=1)  # bytes of saved prompt caches the key may keep
+
+    @field_validator("kv_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return parse_bytes(value) if isinstance(value, str) else value
 
 
 def check_cache_bytes(quota: KeyQuota, used: int, adding: int = 0) -> None:
@@ -61,17 +86,44 @@ def load_keys(path: Path) -> dict[str, KeyQuota]:
     return KeyFile.model_validate(json.loads(path.read_text())).keys
 
 
-def pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) -> int:
-    """The KV pages a request's working sets can grow to (the prompt's set, and n - 1 forks' completions)."""
-    first = math.ceil((prompt_tokens + max_tokens) / page_size)
-    forks = (n - 1) * (math.ceil(max_tokens / page_size) + 1)  # +1: the shared tail page copied on write
-    return first + forks
+@dataclass(frozen=True)
+class KVShape:
+    """What admission needs to know of the served model's KV pool (its ``ModelInfo``)."""
+
+    page_size: int
+    page_bytes: int = 0
+    windows: tuple[int | None, ...] = (None,)  # per KV page group: the rows it keeps (None: every row)
+    chunk_rows: int = 256  # the most rows of a fire one forward runs: a sliding group's pages span a window and it
+
+    @staticmethod
+    def of(info: ModelInfo) -> KVShape:
+        return KVShape(info.page_size, info.page_bytes, tuple(info.page_windows), info.chunk_rows)
+
+
+@dataclass(frozen=True)
+class KVNeed:
+    """The KV a request's working sets can grow to, across page groups: pool pages and their bytes."""
+
+    pages: int = 0
+    bytes: int = 0
+
+
+def kv_needed(prompt_tokens: int, max_tokens: int, n: int, kv: KVShape) -> KVNeed:
+    """The KV a request's working sets can grow to: the prompt's set, and n - 1 forks' completions (each with the
+    shared tail page it copies on write), in every page group, a sliding group's bounded by its window."""
+
+    def bound(rows: int) -> int:
+        return pages_bound(rows, kv.windows, kv.page_size, kv.chunk_rows)
+
+    pages = bound(prompt_tokens + max_tokens) + (n - 1) * bound(max_tokens + kv.page_size)
+    return KVNeed(pages, pages * kv.page_bytes)
 
 
 @dataclass
 class KeyUsage:
     running: int = 0
     pages: int = 0
+    bytes: int = 0
     window: deque[list[float]] = field(default_factory=deque)  # [time, tokens charged]: settle() edits one
 
     def tokens_last_minute(self, now: float) -> int:
@@ -83,9 +135,9 @@ class KeyUsage:
 class Lease:
     """A request's hold on its key's quotas, from admission until ``release()``."""
 
-    def __init__(self, usage: KeyUsage, pages: int, prompt_tokens: int = 0, budget: int = 0) -> None:
+    def __init__(self, usage: KeyUsage, kv: KVNeed, prompt_tokens: int = 0, budget: int = 0) -> None:
         self._usage = usage
-        self._pages = pages
+        self._kv = kv
         self._open = True
         self._prompt = prompt_tokens
         self._budget = budget
@@ -105,7 +157,8 @@ class Lease:
         if self._open:
             self._open = False
             self._usage.running -= 1
-            self._usage.pages -= self._pages
+            self._usage.pages -= self._kv.pages
+            self._usage.bytes -= self._kv.bytes
 
 
 class Quotas:
@@ -136,7 +189,7 @@ class Quotas:
     def quota(self, key: str) -> KeyQuota:
         return self.keys.get(key) or self.default
 
-    def admit(self, key: str, prompt_tokens: int, pages: int, max_new_tokens: int = 0) -> Lease:
+    def admit(self, key: str, prompt_tokens: int, kv: KVNeed, max_new_tokens: int = 0) -> Lease:
         """Admits a request or raises 429 naming the quota it would go over."""
         q, use = self.quota(key), self.usage.setdefault(key, KeyUsage())
         now = time.monotonic()
@@ -144,9 +197,14 @@ class Quotas:
             raise rate_limited(
                 f"this key already has {use.running} requests running (quota {q.concurrent})", "concurrent"
             )
-        if q.kv_pages is not None and use.pages + pages > q.kv_pages:
+        if q.kv_pages is not None and use.pages + kv.pages > q.kv_pages:
             raise rate_limited(
-                f"this request needs {pages} KV pages and the key holds {use.pages} (quota {q.kv_pages})", "kv_pages"
+                f"this request needs {kv.pages} KV pages and the key holds {use.pages} (quota {q.kv_pages})", "kv_pages"
+            )
+        if q.kv_bytes is not None and use.bytes + kv.bytes > q.kv_bytes:
+            raise rate_limited(
+                f"this request needs {kv.bytes} bytes of KV and the key holds {use.bytes} (quota {q.kv_bytes})",
+                "kv_bytes",
             )
         if q.tokens_per_minute is not None:
             used = use.tokens_last_minute(now)
@@ -157,5 +215,6 @@ class Quotas:
                     "tokens_per_minute",
                 )
         use.running += 1
-        use.pages += pages
-        return Lease(use, pages, prompt_tokens, max_new_tokens)
+        use.pages += kv.pages
+        use.bytes += kv.bytes
+        return Lease(use, kv, prompt_tokens, max_new_tokens)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import check_cache_bytes, pages_needed
+from .auth import check_cache_bytes
 from .disconnect import unless_disconnected
 from .errors import invalid_request
 from .generation import check_text, count_tokens
@@ -100,7 +100,7 @@ def add_prompt_cache_routes(v1: APIRouter, server: Server, api_key: Callable[...
         args: dict[str, Any] = {"prompt": text, "chat": False, "save": str(scratch)}
         if ids is not None:
             args["prompt_token_ids"] = ids
-        lease = server.quotas.admit(key, count, pages_needed(count, 0, 1, limits.page_size))
+        lease = server.quotas.admit(key, count, server.kv_needed(count, 0, 1))
         try:
             events = runs.events(PROMPT_CACHE, args, lease, cache_salt=server.salt(key))
             await unless_disconnected(request, runs.collect(events))

@@ -14,9 +14,15 @@ Tensors (row ``i`` of each is the working set's row ``i``):
 Metadata (strings): ``format`` (``pie-working-set``), ``version``, ``model`` (its name where saved),
 ``model_digest`` (``ModelInfo.weights_digest``: sha256 over the store manifest's file digests), ``weights``
 (the format it was served in), ``kv_dtype``, ``committed`` and ``dropped`` (the next row's position is their
-sum). The page size does not matter. A file whose digest, weight format or KV dtype differ from the engine's
-model is refused :class:`SavedKVMismatch` before any message is sent; the engine refuses arrays of another shape
-itself (``kv_mismatch`` too).
+sum), and the KV layout (KV page groups, issue 56), each a JSON list: ``page_windows`` (the saving engine's page
+groups: the rows each keeps, null for every row), ``layer_windows`` (per KV layer, the rows it attends) and
+``held_from`` (per KV layer, the first row whose K/V the file holds: a sliding layer's page group had let go of
+the rows before its window, which hold zeros here). The page size does not matter. A file whose digest, weight
+format or KV dtype differ from the engine's model is refused :class:`SavedKVMismatch` before any message is
+sent, and so is one whose layers attend other windows, one saved with rows missing (a sliding engine's) for an
+engine that keeps every row (``--kv-swa-full``), and one without the layout for a sliding-window model; a file
+saved where every row was kept loads into either. The engine refuses arrays of another shape itself
+(``kv_mismatch`` too).
 
 The safetensors container is written by hand (8-byte little-endian header length, a JSON header, the data)
 since numpy has no bfloat16: ``safetensors.torch.load_file`` reads the result as the pool's tensors."""
@@ -71,6 +77,12 @@ class SavedKV:
     def kv_dtype(self) -> str:
         return self.meta["kv_dtype"]
 
+    @property
+    def held_from(self) -> list[int] | None:
+        """Per KV layer, the first row whose K/V the file holds (None: a file saved before it was recorded)."""
+        layout = layout_of(self.meta)
+        return None if layout is None else layout[1]
+
     def check_fits(self, info: ModelInfo) -> None:
         """Refuses (:class:`SavedKVMismatch`) unless ``info``'s model is the one these rows were computed by, in
         the same weight format and KV dtype."""
@@ -79,7 +91,7 @@ class SavedKV:
 
 def check_meta(meta: dict[str, str], info: ModelInfo) -> None:
     """Refuses (:class:`SavedKVMismatch`) a file's metadata unless ``info``'s model computed its rows, in the same
-    weight format and KV dtype."""
+    weight format and KV dtype, and its engine's KV layout can take them (``check_layout``)."""
     digest = meta.get("model_digest", "")
     if not digest or not info.weights_digest:
         raise SavedKVMismatch(
@@ -96,6 +108,48 @@ def check_meta(meta: dict[str, str], info: ModelInfo) -> None:
                 f"saved with {key} {meta.get(key)!r}, but this engine serves {info.name} with {key} "
                 f"{have!r}: its K/V would differ (restart the engine with that format, or save again)"
             )
+    check_layout(meta, info)
+
+
+def layout_of(meta: dict[str, str]) -> tuple[list[int | None], list[int]] | None:
+    """A file's ``layer_windows`` and ``held_from``; None for a file saved before they were recorded."""
+    if "held_from" not in meta or "layer_windows" not in meta:
+        return None
+    try:
+        windows, held = json.loads(meta["layer_windows"]), json.loads(meta["held_from"])
+        if not all(isinstance(h, int) and h >= 0 for h in held) or len(windows) != len(held):
+            raise ValueError(f"layer_windows {windows} and held_from {held} disagree")
+        if not all(w is None or (isinstance(w, int) and w > 0) for w in windows):
+            raise ValueError(f"layer_windows {windows}")
+    except (ValueError, TypeError) as e:
+        raise SavedKVMismatch(f"a saved working set with a broken KV layout ({e})") from None
+    return windows, held
+
+
+def check_layout(meta: dict[str, str], info: ModelInfo) -> None:
+    """Refuses (:class:`SavedKVMismatch`) a file whose KV layout ``info``'s engine cannot continue exactly: layers
+    attending other windows, rows missing (its sliding layers had let go of them) where this engine keeps every
+    row, or no recorded layout for a model with sliding layers (the file cannot say which rows it holds)."""
+    layout = layout_of(meta)
+    if layout is None:
+        if info.sliding:
+            raise SavedKVMismatch(
+                f"saved without its KV layout, and {info.name} has sliding-window layers: the file cannot say which "
+                "rows its sliding layers held (save it again)"
+            )
+        return
+    windows, held = layout
+    if info.layer_windows and windows != info.layer_windows:
+        raise SavedKVMismatch(
+            f"its KV layers attend windows {windows}, but this engine's {info.name} attends {info.layer_windows}"
+        )
+    if any(held) and all(w is None for w in info.page_windows):
+        first = min(h for h in held if h)
+        raise SavedKVMismatch(
+            f"saved from an engine whose sliding layers let go of the rows before their window (they hold rows "
+            f"from {first} on), and this engine keeps every row of every layer (--kv-swa-full): load it into an "
+            "engine serving the model without --kv-swa-full, or save it from one with it"
+        )
 
 
 def read_meta(path: str | Path) -> dict[str, str]:
@@ -167,4 +221,7 @@ def read_saved(path: str | Path) -> SavedKV:
         raise SavedKVMismatch(f"{path} is no saved working set ({e})") from None
     if k.shape != v.shape or k.ndim != 4 or len(tokens) != k.shape[2] or int(meta["committed"]) != k.shape[2]:
         raise SavedKVMismatch(f"{path}: k {list(k.shape)}, v {list(v.shape)} and {len(tokens)} tokens disagree")
+    layout = layout_of(meta)
+    if layout is not None and saved.rows and len(layout[1]) != k.shape[0]:
+        raise SavedKVMismatch(f"{path}: held_from names {len(layout[1])} layers, k holds {k.shape[0]}")
     return saved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextvars import ContextVar
 from pathlib import Path
@@ -159,15 +160,20 @@ class WorkingSet:
             positions = range(self.committed)  # never evicted: each row sits at its index
         ks, vs, start = [], [], 0
         info = self.model.info
+        windows, held = info.layer_windows, [0] * len(info.layer_windows)
         while start < self.committed:
             reply = await self.model.client.request(
                 "ws_read_kv", ws=await self.handle(), start=start, count=self.committed - start
             )
             ks.append(decode_array(reply["k"]))
             vs.append(decode_array(reply["v"]))
+            windows, held = reply.get("layer_windows", windows), reply.get("held_from", held)
             start += ks[-1].shape[2]
         empty = np.zeros((0, 0, 0, 0), dtype=KV_WIRE_DTYPES.get(info.kv_dtype, "float32"))
         meta = {
+            "page_windows": json.dumps(info.page_windows),
+            "layer_windows": json.dumps(windows),
+            "held_from": json.dumps(held),
             "model": info.name,
             "model_digest": info.weights_digest,
             "weights": info.weights,
@@ -191,6 +197,7 @@ class WorkingSet:
         """Appends ``saved``'s rows to this (idle) working set, a bounded number of rows per message, and takes
         its dropped count, so the next row's position is where it was saved (Model.load_working_set)."""
         step = max(1, MAX_KV_TRANSFER_BYTES // max(2 * saved.k[:, :, :1].nbytes, 1))
+        held = saved.held_from
         for start in range(0, saved.rows, step):
             reply = await self.model.client.request(
                 "ws_append_kv",
@@ -199,6 +206,7 @@ class WorkingSet:
                 v=encode_array(saved.v[:, :, start : start + step]),
                 kv_dtype=saved.kv_dtype,
                 dropped=saved.dropped,
+                held_from=None if held is None else [max(0, h - start) for h in held],
             )
             self.committed, self.dropped = reply["committed"], reply["dropped"]
             self.held_pages(int(reply["pages"]))

@@ -3,8 +3,8 @@ sliding-window models: a Mistral-shaped one (every layer slides) and a Gemma-sha
 one global: four page groups of one layer). A core whose sliding groups let go of the rows that left their
 window gives the logits, bit for bit, of a core of the same weights that keeps every row (``swa_full``, as
 ``--kv-swa-full``) through prefill, decode, rejected and accepted drafts, a tree window, a fork mid-window, an
-eviction and a save in one core loaded into the other; the sliding groups hold at most W / page + 2 pages; and
-every page is back when the working sets are released."""
+eviction and a save in one core loaded into another (refused where the rows it lacks would be needed); the
+sliding groups hold at most W / page + 2 pages; and every page is back when the working sets are released."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pie_runtime.engine.working_set import WorkingSet
 from pie_runtime.models.config import ModelConfig
 from pie_runtime.models.context import Segment
 from pie_runtime.models.kv_cache import KVCache
-from pie_runtime.models.kv_groups import KVLayout
+from pie_runtime.models.kv_groups import KVLayout, group_pages_bound
 from pie_runtime.models.llama import LlamaForCausalLM
 from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol import messages as m
@@ -39,7 +39,7 @@ SHAPES = {
 }
 
 
-def served(shape: str, swa_full: bool) -> ServedModel:
+def served(shape: str, swa_full: bool, page: int = PAGE) -> ServedModel:
     torch.manual_seed(0)
     types = SHAPES[shape]
     cfg = ModelConfig(
@@ -59,24 +59,24 @@ def served(shape: str, swa_full: bool) -> ServedModel:
         for p in model.parameters():
             p.normal_(0, 0.3)
     layout = KVCache.layout_of(cfg, 0, swa_full)
-    kv = KVCache(cfg, PAGES, PAGE, torch.float32, layout=layout)
+    kv = KVCache(cfg, PAGES, page, torch.float32, layout=layout)
     runner = ModelRunner(model, kv, torch.device("cpu"))
     info = m.ModelInfo(
         name="tiny",
         vocab_size=VOCAB,
         max_positions=512,
-        page_size=PAGE,
+        page_size=page,
         bos_token_id=None,
         eos_token_ids=[],
         chat_template=None,
     )
-    pages = KVPages(PagePool(PAGES), PAGE, runner.copy_pages, runner.copy_slots, layout.windows)
+    pages = KVPages(PagePool(PAGES), page, runner.copy_pages, runner.copy_slots, layout.windows)
     return ServedModel("tiny", info, runner, pages, "{}")
 
 
 class Core:
-    def __init__(self, shape: str, swa_full: bool, max_batch_tokens: int = 256):
-        self.core = EngineCore([served(shape, swa_full)], max_batch_tokens)
+    def __init__(self, shape: str, swa_full: bool, max_batch_tokens: int = 256, page: int = PAGE):
+        self.core = EngineCore([served(shape, swa_full, page)], max_batch_tokens)
         self.ids = iter(range(1, 1_000_000))
 
     def call(self, op: str, **fields) -> dict:
@@ -156,7 +156,8 @@ def test_the_window_pages_give_the_all_rows_logits_through_every_operation(shape
 @pytest.mark.parametrize("shape", ["mistral", "gemma"])
 def test_a_long_prompts_sliding_pages_move_along_its_chunks(shape):
     """A 120-row prompt run 8 rows a step: its sliding groups never hold more than a window and a chunk of pages
-    (``KVPages.window_span``), and its logits are the all-rows core's."""
+    (``KVPages.window_span``), nor, through decode and verify windows, more than admission charges
+    (``group_pages_bound``); its logits are the all-rows core's."""
     paged, full = Core(shape, False, max_batch_tokens=8), Core(shape, True, max_batch_tokens=8)
     ws = {c: c.call("ws_open")["ws"] for c in (paged, full)}
     prompt = [token(i) for i in range(120)]
@@ -184,30 +185,78 @@ def test_a_long_prompts_sliding_pages_move_along_its_chunks(shape):
     for i in range(122, 130):
         a, b = paged.logits(ws[paged], [token(i)]), full.logits(ws[full], [token(i)])
         assert np.array_equal(a, b)
+        drafts = [token(i + 1), token(i + 2), token(i + 3)]  # a verify window past the committed rows, rejected
+        a, b = paged.logits(ws[paged], drafts, fold=0), full.logits(ws[full], drafts, fold=0)
+        assert np.array_equal(a, b)
+        most = [max(m, h) for m, h in zip(most, paged.held(ws[paged]))]
+    # what admission charges a run of these rows (serve/auth.py kv_needed) bounds what each group held
+    for window, held in zip(paged.pages.windows, most):
+        assert held <= group_pages_bound(133, window, PAGE, 8)
     paged.call("ws_release", ws=ws[paged])
     assert paged.pages.free == PAGES
 
 
-def test_a_saved_working_set_loads_into_an_all_rows_engine_and_continues_alike():
-    paged, full = Core("gemma", False), Core("gemma", True)
-    src = paged.call("ws_open")["ws"]
-    paged.logits(src, [token(i) for i in range(50)])
+def read_all(c: Core, ws: int, rows: int) -> tuple[list[tuple[Any, Any]], dict]:
     chunks, start = [], 0
-    while start < 50:
-        reply = paged.call("ws_read_kv", ws=src, start=start, count=50 - start)
+    while start < rows:
+        reply = c.call("ws_read_kv", ws=ws, start=start, count=rows - start)
         chunks.append((decode_array(reply["k"]), decode_array(reply["v"])))
         start += chunks[-1][0].shape[2]
+    return chunks, reply
+
+
+def append_all(c: Core, ws: int, chunks, held_from: list[int]) -> None:
+    start = 0
+    for k, v in chunks:
+        rel = [max(0, h - start) for h in held_from]
+        c.call("ws_append_kv", ws=ws, k=encode_array(k), v=encode_array(v), kv_dtype="float32", held_from=rel)
+        start += k.shape[2]
+
+
+def test_saved_rows_load_where_their_layout_lets_them_continue_exactly():
+    """Rows read from a sliding core name, per layer, the first row they hold: they load into a sliding core (of
+    another page size too, which then refuses a truncation needing a row the sender had let go of) and continue
+    exactly; an all-rows core refuses them (kv_mismatch, nothing changed); rows read from an all-rows core load
+    into a sliding one."""
+    paged, full, wide = Core("gemma", False), Core("gemma", True), Core("gemma", False, page=8)
+    src = paged.call("ws_open")["ws"]
+    paged.logits(src, [token(i) for i in range(50)])
+    chunks, reply = read_all(paged, src, 50)
     assert reply["layer_windows"] == [WINDOW, WINDOW, WINDOW, None]
+    first = (50 - WINDOW + 1) // PAGE * PAGE  # the first row of the page holding the window's first row
+    assert reply["held_from"] == [first, first, first, 0]
     dst = full.call("ws_open")["ws"]
-    for k, v in chunks:
-        full.call("ws_append_kv", ws=dst, k=encode_array(k), v=encode_array(v), kv_dtype="float32", dropped=0)
-    back = paged.call("ws_open")["ws"]  # and back into a paged core: its sliding groups keep only the window
-    for k, v in chunks:
-        paged.call("ws_append_kv", ws=back, k=encode_array(k), v=encode_array(v), kv_dtype="float32", dropped=0)
-    check_bounded(paged, back)
+    with pytest.raises(PieError) as e:
+        append_all(full, dst, chunks, reply["held_from"])
+    assert e.value.code == ErrorCode.KV_MISMATCH and "--kv-swa-full" in str(e.value)
+    assert full.core.sets.get(A, dst).committed == 0 and full.pages.free == PAGES - 0
+    back = wide.call("ws_open")["ws"]  # pages of 8 rows: its page 4 (rows 32..39) holds rows the file lacks
+    append_all(wide, back, chunks, reply["held_from"])
+    assert wide.core.sets.get(A, back).held_from == first
+    held = wide.pages.held_from(wide.core.sets.get(A, back))
+    assert held[1:] == [first] * 3 and held[0] == 0
+    with pytest.raises(PieError) as e:  # its window would need row first - 1: zeros here, not the sender's row
+        wide.call("ws_truncate", ws=back, n=first - 1 + WINDOW - 1)
+    assert e.value.code == ErrorCode.UNSUPPORTED
+    ref = wide.call("ws_open")["ws"]  # the same rows computed in this core: the bits to continue with
+    wide.logits(ref, [token(i) for i in range(50)])
+    for c, ws in ((paged, src), (wide, back), (wide, ref)):
+        c.call("ws_truncate", ws=ws, n=first + WINDOW - 1)  # the window from the sender's first held row: fine
+    fork = wide.call("ws_fork", ws=back)["ws"]
+    assert wide.core.sets.get(A, fork).held_from == first
     for i in range(50, 70):
-        a, b, c = paged.logits(src, [token(i)]), full.logits(dst, [token(i)]), paged.logits(back, [token(i)])
+        a, b, c = wide.logits(ref, [token(i)]), wide.logits(back, [token(i)]), wide.logits(fork, [token(i)])
         assert np.array_equal(a, b) and np.array_equal(a, c)
+        assert np.allclose(paged.logits(src, [token(i)]), a, atol=1e-5)  # another page size: another sum order
+    whole = full.call("ws_open")["ws"]  # rows an all-rows core held load into a sliding core
+    full.logits(whole, [token(i) for i in range(50)])
+    chunks, reply = read_all(full, whole, 50)
+    assert reply["held_from"] == [0, 0, 0, 0]
+    into = paged.call("ws_open")["ws"]
+    append_all(paged, into, chunks, reply["held_from"])
+    check_bounded(paged, into)
+    for i in range(50, 60):
+        assert np.array_equal(full.logits(whole, [token(i)]), paged.logits(into, [token(i)]))
 
 
 def test_an_edit_that_needs_rows_a_sliding_group_let_go_is_refused_and_changes_nothing():

@@ -59,3 +59,45 @@ def test_a_file_that_is_no_saved_working_set_is_refused(tmp_path):
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(SavedKVMismatch):
         read_saved(path)
+
+
+def layout(held: list[int], windows: list[int | None] | None = None) -> dict[str, str]:
+    import json
+
+    return {"layer_windows": json.dumps(windows or [8, None]), "held_from": json.dumps(held)}
+
+
+def test_the_kv_layout_decides_which_engines_may_continue_the_rows(tmp_path):
+    """A file records, per KV layer, the window it attends and the first row it holds: rows a sliding engine let go
+    of load only where the layer slides too; a file from an all-rows engine loads anywhere; other windows, or a
+    sliding model's file without the layout, are refused."""
+    sliding = {"sliding": True, "layer_windows": [8, None], "page_windows": [None, 8]}
+    every = {**sliding, "page_windows": [None]}  # the same model under --kv-swa-full
+    path = tmp_path / "ws.kv"
+    for held, engine, ok in (
+        ([0, 0], sliding, True),
+        ([0, 0], every, True),
+        ([4, 0], sliding, True),
+        ([4, 0], every, False),
+    ):
+        kv = saved()
+        kv.meta.update(layout(held))
+        write_saved(path, kv)
+        got = read_saved(path)
+        assert got.held_from == held
+        if ok:
+            got.check_fits(info(**engine))
+        else:
+            with pytest.raises(SavedKVMismatch, match="--kv-swa-full"):
+                got.check_fits(info(**engine))
+    kv = saved()
+    kv.meta.update(layout([0, 0], [16, None]))
+    with pytest.raises(SavedKVMismatch, match="attend windows"):
+        kv.check_fits(info(**sliding))
+    with pytest.raises(SavedKVMismatch, match="save it again"):  # no recorded layout, sliding layers
+        saved().check_fits(info(**sliding))
+    saved().check_fits(info())  # ... while a model without sliding layers needs none
+    kv.meta.update(layout([0, 0, 0]))
+    write_saved(path, kv)
+    with pytest.raises(SavedKVMismatch, match="layer"):
+        read_saved(path)
