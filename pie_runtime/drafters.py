@@ -342,16 +342,24 @@ def load_eagle_head(
     return EagleHead(serve_drafter(load_eagle(path, dtype, device), weights, native=_native(model)), model)
 
 
-def served_formats(store: ModelStore, names: list[str], default: str, chosen: dict[str, str]) -> dict[str, str]:
+def served_formats(
+    store: ModelStore, names: list[str], default: str | None, chosen: dict[str, str]
+) -> dict[str, str]:
     """Every model an engine serves, in order, with its weight format: the named models, then their draft
     models. A model's format is the one ``chosen`` for it (--weights MODEL=FORMAT), else the format its draft
-    model attachment records (the first target's), else ``default``."""
+    model attachment records (the first target's), else ``default``, else (no plain --weights) the model's own
+    default (formats.default_format of the kinds it stores)."""
+    from .models.formats import default_format
+
     attached: dict[str, str | None] = {}
     for name in names:
         for d in store.get(name).drafters:
             if d.kind == "draft":
                 attached.setdefault(d.path, d.weights)
-    formats = {n: chosen.get(n) or attached.get(n) or default for n in [*names, *attached]}
+    formats = {
+        n: chosen.get(n) or attached.get(n) or default or default_format(store.get(n).quantized.values())
+        for n in [*names, *attached]
+    }
     unknown = sorted(set(chosen) - set(formats))
     if unknown:
         raise ValueError(

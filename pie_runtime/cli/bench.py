@@ -31,7 +31,7 @@ from ..launcher import EmbeddedEngine, LaunchError, resolve_inferlet, run_inferl
 from ..store import DEFAULT_MODEL, ModelStore
 from .bench_decode import add_decode_parser
 from .bench_serve import add_serve_parser
-from .engine import add_engine_options, model_weights, weight_format
+from .engine import add_engine_options, model_weights, named_format
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -101,7 +101,7 @@ def served_setup(models: list[str], engine_args: list[str]) -> dict:
     p = argparse.ArgumentParser(add_help=False)
     add_engine_options(p)
     flags, _ = p.parse_known_args(engine_args)
-    formats = served_formats(ModelStore(), models, weight_format(flags), model_weights(flags))
+    formats = served_formats(ModelStore(), models, named_format(flags), model_weights(flags))
     return {"weights": formats, "threads": flags.threads or torch.get_num_threads()}
 
 

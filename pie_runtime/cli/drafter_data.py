@@ -77,15 +77,17 @@ def run_data(args: argparse.Namespace) -> int:
     from ..distill.answer_shards import DataError, done_keys, open_folder
     from ..distill.chat_prompts import heldout_prompts, training_prompts
     from ..distill.self_answers import plan_jobs
+    from ..drafters import served_formats
     from ..launcher import LaunchError
-    from ..store import DEFAULT_MODEL, StoreError
-    from .engine import weight_format
+    from ..store import DEFAULT_MODEL, ModelStore, StoreError
+    from .engine import named_format
 
     model = args.model or DEFAULT_MODEL
     folder = Path(args.out)
     try:
         corpora = _corpora(args)
-        manifest = open_folder(folder, _settings(args, model, corpora, weight_format(args)))
+        fmt = served_formats(ModelStore(), [model], named_format(args), {})[model]  # as the engine decides it
+        manifest = open_folder(folder, _settings(args, model, corpora, fmt))
     except (StoreError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

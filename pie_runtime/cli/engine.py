@@ -43,12 +43,13 @@ def _positive(value: str) -> int:
     return n
 
 
-def weight_format(args) -> str:
-    """The default weight format: the last plain --weights, or what the older --dtype flag names."""
+def named_format(args) -> str | None:
+    """The format the command line names for every model (the last plain --weights, or the older --dtype's), or
+    None: then each model runs in its own default (formats.default_format)."""
     if getattr(args, "dtype", None):
         return LEGACY_DTYPES[args.dtype]
     plain = [w for w in args.weights or [] if "=" not in w]
-    return plain[-1] if plain else DEFAULT_WEIGHTS
+    return plain[-1] if plain else None
 
 
 def model_weights(args) -> dict[str, str]:
@@ -58,7 +59,8 @@ def model_weights(args) -> dict[str, str]:
 
 def weights_words(args) -> list[str]:
     """--weights as a child engine's command line takes it."""
-    out = ["--weights", weight_format(args)]
+    named = named_format(args)
+    out = ["--weights", named] if named else []
     for model, fmt in model_weights(args).items():
         out += ["--weights", f"{model}={fmt}"]
     return out
@@ -79,7 +81,8 @@ def _add_weight_options(p: argparse.ArgumentParser) -> None:
         type=weights_value,
         default=None,
         metavar="[MODEL=]FORMAT",
-        help=f"weight format, one of {', '.join(WEIGHT_FORMATS)} (default {DEFAULT_WEIGHTS}); the default model's "
+        help=f"weight format, one of {', '.join(WEIGHT_FORMATS)} (default {DEFAULT_WEIGHTS}, or gguf for a model "
+        "whose GGUF holds kinds int4 would requantize, such as Q4_K_M); the default model's "
         "projections and lm head take fp32 513 MiB, bf16 256, int8 ~130, int4 90 (a GGUF's Q4/Q8 blocks run as "
         "they are, the lm head stays 8-bit); activations are bf16 outside fp32. MODEL=FORMAT (repeatable) serves "
         "one model in its own format; a draft model attached with a format of its own (pie model drafter attach "
@@ -264,7 +267,7 @@ def _build_models(args) -> list[ServedModel]:
     names = args.model or [DEFAULT_MODEL]
     if DEFAULT_MODEL in names:
         ensure_default_model()
-    formats = served_formats(ModelStore(), names, weight_format(args), model_weights(args))
+    formats = served_formats(ModelStore(), names, named_format(args), model_weights(args))
     if args.tensor_parallel > 1 and len(formats) > 1:
         raise ValueError("--tensor-parallel serves one model (no draft models)")
     return [build_served_model(n, serve_options(args, fmt)) for n, fmt in formats.items()]

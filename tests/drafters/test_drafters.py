@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import inferlet
-from pie_runtime.cli.engine import DEFAULT_WEIGHTS, add_engine_options, model_weights, weight_format, weights_words
+from pie_runtime.cli.engine import DEFAULT_WEIGHTS, add_engine_options, model_weights, named_format, weights_words
 from pie_runtime.drafters import DrafterRefused, attach, check_attached, detach, heldout_acceptance, served_formats
 from pie_runtime.launcher import LaunchError
+from pie_runtime.models.formats import default_format
 from pie_runtime.models.head_files import config_path
 from pie_runtime.models.mtp import read_config
 from pie_runtime.store import DEFAULT_MODEL, ModelStore, StoreError, StoreIntegrityError
@@ -222,15 +223,26 @@ def test_served_formats_by_attachment_and_flag(drafter_home, head):
     finally:
         detach(s, DEFAULT_MODEL, "fmt-draft")
     assert served_formats(s, [DEFAULT_MODEL], "int4", {}) == {DEFAULT_MODEL: "int4"}
+    assert served_formats(s, [DEFAULT_MODEL], None, {}) == {DEFAULT_MODEL: DEFAULT_WEIGHTS}  # Q4_1 + Q8_0: int4
+
+
+def test_a_model_with_kinds_int4_would_requantize_runs_in_gguf_by_default():
+    """Gemma 3 270M's Q4_K_M requantized to int4 keeps the float32 reference's top-1 at under three quarters of
+    positions (tests/models/test_gemma3_270m.py checks the default's): kinds int4 runs as stored keep int4."""
+    assert default_format(["q4_1", "q8_0"]) == DEFAULT_WEIGHTS == "int4"
+    assert default_format([]) == "int4"  # a float model
+    assert default_format(["q4_k", "q6_k", "q8_0"]) == "gguf"
+    assert default_format(["q5_0", "q8_0"]) == "gguf"
 
 
 def test_weights_flag_words():
     p = argparse.ArgumentParser()
     add_engine_options(p)
     args = p.parse_args(["--weights", "int8", "--weights", "smol-draft=bf16"])
-    assert weight_format(args) == "int8" and model_weights(args) == {"smol-draft": "bf16"}
+    assert named_format(args) == "int8" and model_weights(args) == {"smol-draft": "bf16"}
     assert weights_words(args) == ["--weights", "int8", "--weights", "smol-draft=bf16"]
-    assert weight_format(p.parse_args([])) == DEFAULT_WEIGHTS and model_weights(p.parse_args([])) == {}
+    none = p.parse_args([])  # each model in its own default (formats.default_format), decided by the engine
+    assert named_format(none) is None and model_weights(none) == {} and weights_words(none) == []
     for bad in ("int3", "smol-draft=", "=int8", "smol-draft=q4"):
         with pytest.raises(SystemExit):
             p.parse_args(["--weights", bad])
