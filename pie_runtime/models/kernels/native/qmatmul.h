@@ -9,7 +9,8 @@
  * Layout ("x8"): outputs in groups of 8, and per group and block one record of
  *     values: 4-bit: 4 chunks of 32 bytes, byte 4o + t of chunk j = value 4j + t of output o (low nibble) and
  *             value 16 + 4j + t (high nibble); 8-bit: 8 chunks of 32 bytes, byte 4o + t of chunk j = value 4j + t
- *     dw[8], mw[8] as float16
+ *     dw[8] as float16, then (4-bit only) mw[8] as float16; an 8-bit record's mw is derived (-128 dw on VNNI,
+ *     0 on AVX2), so that its bytes are GGUF's Q8_0 bytes (34 for 32 weights) and no more
  * so that one 32-byte lane of values meets a 4-byte broadcast of x in one dpbusd, and 8 outputs accumulate in
  * 8 int32 lanes with no horizontal sum. The records of a group are contiguous: a thread streams its outputs'
  * weights in one run.
@@ -24,8 +25,9 @@
 
 enum { WQ4 = 0, WQ8 = 1, WX = 2 }; /* WX: mixed kinds, below */
 
-/* Bytes of one group-block record. */
-INLINE long record_bytes(int kind) { return (kind == WQ4 ? 128 : 256) + 32; }
+/* Bytes of one group-block record, and of its values (the float16 scales follow them). */
+INLINE long values_bytes(int kind) { return kind == WQ4 ? 128 : 256; }
+INLINE long record_bytes(int kind) { return values_bytes(kind) + (kind == WQ4 ? 32 : 16); }
 
 typedef struct {
     const uint8_t *data; /* (N8 / 8, K / 32) records */
@@ -88,6 +90,12 @@ INLINE void load_values(const uint8_t *p, int kind, __m256i w[8]) {
     }
 }
 
+/* A record's mw (8 lanes): stored (4-bit), or derived from dw (8-bit; exact: a power-of-two multiple). */
+INLINE __m256 load_mw(const uint8_t *rec, int kind, __m256 dw) {
+    if (kind == WQ4) return load_f16x8((const uint16_t *)(rec + values_bytes(WQ4) + 16));
+    return PIE_VNNI ? _mm256_mul_ps(dw, _mm256_set1_ps(-128.0f)) : _mm256_setzero_ps();
+}
+
 /* Rows m0 .. m0+R-1 of group g's results: acc (+ bias) into y, or added to y (`add`); one order for every path. */
 INLINE void store_group(const QWeight *w, long g, const __m256 *acc, long m0, int R, float *y, long ldy,
                         const float *bias, int add) {
@@ -114,7 +122,7 @@ INLINE void store_group(const QWeight *w, long g, const __m256 *acc, long m0, in
 /* Rows m0 .. m0+R-1 of one group of 8 outputs; `out` gets acc (+ bias), or acc added to it (`add`). */
 INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
                        const float *bias, int add) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     const int signed8 = w->kind == WQ8 && !PIE_VNNI;
     __m256 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -128,7 +136,7 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
                 v[j] = _mm256_abs_epi8(v[j]);
             }
         const __m256 dw = load_f16x8((const uint16_t *)(rec + vb));
-        const __m256 mw = load_f16x8((const uint16_t *)(rec + vb + 16));
+        const __m256 mw = load_mw(rec, w->kind, dw);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
@@ -155,6 +163,15 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
 INLINE __m512 load_f16x16(const uint16_t *p0, const uint16_t *p1, int pair) {
     const __m128i h0 = _mm_loadu_si128((const __m128i *)p0), h1 = pair ? _mm_loadu_si128((const __m128i *)p1) : _mm_setzero_si128();
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+}
+
+/* The mw of groups g and g+1 as 16 lanes, as load_mw gives each (`pair`; else g and zeros). */
+INLINE __m512 load_mw16(const uint8_t *r0, const uint8_t *r1, int kind, __m512 dw, int pair) {
+    if (kind == WQ4) {
+        const long vb = values_bytes(WQ4) + 16;
+        return load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), pair);
+    }
+    return PIE_VNNI ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f)) : _mm512_setzero_ps();
 }
 
 /* Rows m0 .. m0+R-1 (R <= 16) of 16-lane results: lanes 0-7 to group g, lanes 8-15 to group g+1 (`pair`). */
@@ -229,10 +246,10 @@ INLINE void amx_weights(const QWeight *w, long g, long b, int pair, uint8_t *out
 /* acc[r] (16 lanes) += block b's sums for rows m0 .. m0+R-1: as group_rows does for 8 lanes. */
 INLINE void amx_epilogue(const QWeight *w, long g, long b, int pair, const QAct *a, long m0, int R,
                          const int32_t *sums, __m512 *acc) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     const uint8_t *r0 = w->data + (g * nb + b) * rb, *r1 = r0 + nb * rb;
     const __m512 dw = load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), pair);
-    const __m512 mw = load_f16x16((const uint16_t *)(r0 + vb + 16), (const uint16_t *)(r1 + vb + 16), pair);
+    const __m512 mw = load_mw16(r0, r1, w->kind, dw, pair);
     for (int r = 0; r < R; r++) {
         const long ab = (m0 + r) * nb + b;
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
@@ -313,7 +330,7 @@ INLINE void load_values_pair(const uint8_t *p0, const uint8_t *p1, int kind, __m
  * serve 16 outputs instead of 8. */
 INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
                       const float *bias, int add) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     __m512 acc[PAIR_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *r0 = w->data + g * nb * rb, *r1 = r0 + nb * rb;
@@ -321,7 +338,7 @@ INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const in
         __m512i v[8];
         load_values_pair(r0, r1, w->kind, v);
         const __m512 dw = load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), 1);
-        const __m512 mw = load_f16x16((const uint16_t *)(r0 + vb + 16), (const uint16_t *)(r1 + vb + 16), 1);
+        const __m512 mw = load_mw16(r0, r1, w->kind, dw, 1);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
