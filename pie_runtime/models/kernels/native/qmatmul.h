@@ -691,7 +691,8 @@ static void x_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, 
                      const float *bias, int add) {
     for (long g = g0; g < g1; g++) {
 #if defined(PIE_AVX512VNNI)
-        if (g + 1 < g1 && m >= PAIR_MIN_ROWS && x_code(w, g) == x_code(w, g + 1)) { /* 16 lanes, the same bits */
+        /* 16 lanes at any row count: a WX record's unpacking (fifth bits, scales) is then shared by 16 outputs */
+        if (g + 1 < g1 && x_code(w, g) == x_code(w, g + 1)) {
             x_pair_all_rows(w, g, a, m, y, ldy, bias, add);
             g++;
             continue;
