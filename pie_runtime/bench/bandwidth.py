@@ -15,13 +15,18 @@ from pathlib import Path
 
 # bytes per weight of each form a runner holds weights in (the native step's x8 records: values + scales per
 # 32 weights of 8 outputs; qmatmul.h)
-NATIVE_BYTES = {
-    "q4": 160 / 256,
-    "q8": 288 / 256,
-    "wx a4": 192 / 256,
-    "wx a5": 224 / 256,
-    "wx a8": 320 / 256,
-    "wx s16": 320 / 256,
+NATIVE_BYTES = {"q4": 160 / 256, "q8": 272 / 256}
+# WX records by GGUF kind (a float part is Q8_0): 8 outputs x 32 weights a record, the K kinds with a 32-byte
+# header per 8 records; Q6_K's values are bytes
+WX_BYTES = {
+    "q4_0": 144 / 256,
+    "q4_1": 160 / 256,
+    "q5_0": 176 / 256,
+    "q5_1": 192 / 256,
+    "q8_0": 272 / 256,
+    "q4_k": (144 + 4) / 256,
+    "q5_k": (176 + 4) / 256,
+    "q6_k": (272 + 4) / 256,
 }
 TORCH_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 _FLOOR = 512 << 20  # the smallest buffer streamed, whatever the cache
@@ -61,12 +66,11 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
 
 
 def _native_bytes(kinds: list[str], fmt: str, weights: int) -> float:
-    from ..models.quant_kinds import KINDS
     from ..native_load import plan
 
     how = plan(kinds, fmt)
-    if how == "wx":  # each part in its own record; a float part as Q8_0 (s16)
-        per = [NATIVE_BYTES[f"wx {KINDS[k].native}"] if k else NATIVE_BYTES["wx s16"] for k in kinds]
+    if how == "wx":  # each part in its own record; a float part as Q8_0
+        per = [WX_BYTES[k or "q8_0"] for k in kinds]
         return weights * sum(per) / len(per)
     return weights * NATIVE_BYTES["q4" if how.startswith("q4") else "q8"]
 

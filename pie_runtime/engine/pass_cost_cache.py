@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ValidationError
 
+from ..models import native_lib
 from ..paths import cache_dir
 from ..store import Manifest
 from .options import PASS_COST_CACHE_MODES as CACHE_MODES
@@ -48,6 +49,7 @@ class CurveKey(BaseModel):
     compiled: bool
     tensor_parallel: int
     torch: str
+    kernels: str = ""  # the native kernels' variant and source digest (models/native_lib.build_id), if they run
 
 
 class StoredCurve(BaseModel):
@@ -77,6 +79,7 @@ def curve_key(
         compiled=compiled,
         tensor_parallel=tensor_parallel,
         torch=torch.__version__,
+        kernels=native_lib.build_id() or "",
     )
 
 

@@ -105,13 +105,30 @@ def _variant() -> Variant | str:
     return choose_variant(cpu_flags(), os.environ.get("PIE_NATIVE_VARIANT") or None)
 
 
+def _flags(variant: Variant) -> tuple[str, ...]:
+    profile = ("-DPIE_PROFILE",) if os.environ.get("PIE_NATIVE_PROFILE") == "1" else ()
+    return (*BASE_FLAGS, *variant.cc_flags, *profile)
+
+
+def _digest(flags: tuple[str, ...]) -> str:
+    """Of the sources and the flags: the library's name, so builds of other sources never meet."""
+    sources = sorted(SOURCES.glob("*.[ch]"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
+
+
+def build_id() -> str | None:
+    """``variant-digest`` of the library this process has loaded (None: none loaded; nothing is built here), for
+    caches of what it measured."""
+    if not library.cache_info().currsize or library() is None:
+        return None
+    choice = _variant()
+    return f"{choice.name}-{_digest(_flags(choice))}" if isinstance(choice, Variant) else None
+
+
 def build(variant: Variant, cache: Path) -> Path:
     """The shared library of ``variant`` for the current sources and flags, compiled into ``cache`` unless there."""
-    profile = ("-DPIE_PROFILE",) if os.environ.get("PIE_NATIVE_PROFILE") == "1" else ()
-    flags = (*BASE_FLAGS, *variant.cc_flags, *profile)
-    sources = sorted(SOURCES.glob("*.[ch]"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
-    lib = cache / f"pie_native-{variant.name}-{digest}.so"
+    flags = _flags(variant)
+    lib = cache / f"pie_native-{variant.name}-{_digest(flags)}.so"
     if lib.exists():
         return lib
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -21,11 +21,12 @@ from torch import nn
 
 from . import native_lib
 from .quant import GroupQuant, QuantError
-from .quant_kinds import BlockTensor
+from .quant_kinds import BlockTensor, KScales
 
 Q4, Q8, WX = 0, 1, 2  # the kernel's weight kinds
 BLOCK = 32
 XSUB = {"a4": 0, "a8": 1, "s16": 2, "a5": 3}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
+XD, XDM, XK = 0, 1, 2  # WX's scale modes (qmatmul.h)
 _X_CHUNK = 4096  # rows repacked at a time: the int16 values of a large table are never all in memory
 
 
@@ -132,16 +133,16 @@ class PackedWeight:
             raise QuantError("WX parts need one row length and, but for the last, multiples of 8 rows")
         if k % BLOCK:
             raise QuantError(f"the native kernels need rows of whole blocks of {BLOCK}, not {k}")
-        records, subs = [], []
+        records, codes = [], []
         for p in parts:
             for r0 in range(0, p.shape[0], _X_CHUNK):
-                sub, recs = _x_records(_part_rows(p, r0, min(r0 + _X_CHUNK, p.shape[0])))
+                code, recs = _x_records(_part_rows(p, r0, min(r0 + _X_CHUNK, p.shape[0])))
                 records.append(recs)
-                subs += [sub] * recs.shape[0]
-        groups = len(subs)
-        rb = np.array([recs.shape[1] * recs.shape[2] for recs in records for _ in range(recs.shape[0])])
-        offsets = 8 * groups + np.concatenate([[0], np.cumsum(rb)[:-1]])
-        header = ((offsets.astype(np.int64) << 2) | np.array(subs, dtype=np.int64)).view(np.uint8)
+                codes += [code] * recs.shape[0]
+        groups = len(codes)
+        gb = np.array([recs.shape[1] for recs in records for _ in range(recs.shape[0])])
+        offsets = 8 * groups + np.concatenate([[0], np.cumsum(gb)[:-1]])
+        header = ((offsets.astype(np.int64) << 4) | np.array(codes, dtype=np.int64)).view(np.uint8)
         body = [header, *(r.reshape(-1) for r in records)]
         n = sum(p.shape[0] for p in parts)
         return PackedWeight(torch.from_numpy(np.concatenate(body)), WX, n, k)
@@ -175,42 +176,48 @@ class PackedWeight:
             raise QuantError(f"row ids outside 0..{self.n - 1}")
         if self.kind == WX:
             header = self.data[: 8 * ((self.n + 7) // 8)].view(torch.int64)
-            subs = set((header[ids // 8] & 3).tolist()) if ids.numel() else {0}
-            if len(subs) != 1:
+            codes = set((header[ids // 8] & 15).tolist()) if ids.numel() else {0}
+            if len(codes) != 1:
                 raise QuantError("selected rows of a WX weight must share one kind")
-            sub = subs.pop()
-            out = torch.empty(lib.pie_select_bytes_x(sub, ids.numel(), self.k), dtype=torch.uint8)
-            lib.pie_select_rows_x(_ptr(self.data), sub, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
+            code = codes.pop()
+            out = torch.empty(lib.pie_select_bytes_x(code, ids.numel(), self.k), dtype=torch.uint8)
+            lib.pie_select_rows_x(_ptr(self.data), code, self.n, self.k, _ptr(ids), ids.numel(), _ptr(out))
             return PackedWeight(out, WX, ids.numel(), self.k)
         out = torch.empty(lib.pie_packed_bytes(self.kind, ids.numel(), self.k), dtype=torch.uint8)
         lib.pie_select_rows(_ptr(self.data), self.kind, self.k, _ptr(ids), ids.numel(), _ptr(out))
         return PackedWeight(out, self.kind, ids.numel(), self.k)
 
 
-_Part = tuple[str, np.ndarray, np.ndarray, np.ndarray | None]  # sub-kind, values, scales and offsets per 16
+@dataclass
+class _Part:
+    """Rows of one part as the packer takes them: sub-kind name, values (rows, k) int16, scales and offsets per
+    16 (float32; offsets None for the symmetric kinds) and, for a K kind, its scales as stored."""
+
+    sub: str
+    q: np.ndarray
+    s16: np.ndarray
+    o16: np.ndarray | None
+    k_scales: KScales | None = None
+
+    @property
+    def mode(self) -> int:
+        """The group's scale mode (qmatmul.h): XK for a K kind, XDM with stored offsets, else XD."""
+        return XK if self.k_scales is not None else XDM if self.o16 is not None else XD
 
 
 def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> _Part:
-    """Rows r0..r1-1 of a part as (sub-kind name, values, scales per 16, offsets per 16 or None)."""
+    """Rows r0..r1-1 of a part."""
     if isinstance(p, BlockTensor):
         sub = BlockTensor(p.kind, r1 - r0, p.k, p.data[r0:r1])
-        return (p.spec.native, *sub.decompose())
+        spec = p.spec
+        ks = None if spec.k_scales is None else spec.k_scales(sub.data.numpy().reshape(-1, spec.block_bytes))
+        return _Part(spec.native, *sub.decompose(), ks)
     q, d = quantize_q8_0(p[r0:r1])
-    return "s16", q.numpy().astype(np.int16), np.repeat(d.float().numpy(), 2, axis=1), None
+    return _Part("s16", q.numpy().astype(np.int16), np.repeat(d.float().numpy(), 2, axis=1), None)
 
 
-def _x_records(part: _Part) -> tuple[int, np.ndarray]:
-    """A part's rows as WX records (groups, blocks, record bytes), rows padded to a multiple of 8 with zeros."""
-    name, q, s16, o16 = part
-    n, k = q.shape
-    groups, nb, pad = (n + 7) // 8, k // BLOCK, -n % 8
-    if name == "s16":
-        s0, s1 = s16[:, 0::2], s16[:, 1::2]  # values 0..15 and 16..31 of each block
-    else:
-        if o16 is None:  # Q5_0's signed q - 16 on an affine record: q + 16 and an offset of -16 d (both exact)
-            q, o16 = q + 16, s16 * np.float32(-16)
-        s0, s1 = s16[:, 0::2], o16[:, 0::2]  # a4 / a5 / a8: one scale and one offset a block
-    q = np.pad(q, ((0, pad), (0, 0)))
+def _x_values(name: str, q: np.ndarray, groups: int, nb: int) -> np.ndarray:
+    """Values (rows padded to groups * 8) as the records' value bytes (groups, blocks, bytes)."""
     if name in ("a4", "a5"):
         v = (q & 15).astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
         values = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 128)
@@ -218,15 +225,35 @@ def _x_records(part: _Part) -> tuple[int, np.ndarray]:
             bits = ((q >> 4) & 1).astype(np.uint8).reshape(groups, 8, nb, 32)
             plane = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3).reshape(groups, nb, 32)
             values = np.concatenate([values, plane], axis=-1)
-    else:
-        v = q.astype(np.int8).view(np.uint8).reshape(groups, 8, nb, 8, 4)
-        values = v.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+        return values
+    v = q.astype(np.int8).view(np.uint8).reshape(groups, 8, nb, 8, 4)
+    return v.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
 
-    def scales(s: np.ndarray) -> np.ndarray:
-        s = np.pad(s.astype(np.float32), ((0, pad), (0, 0)))
-        return np.ascontiguousarray(s.reshape(groups, 8, nb).transpose(0, 2, 1)).view(np.uint8)
 
-    return XSUB[name], np.concatenate([values, scales(s0), scales(s1)], axis=-1)
+def _x_records(part: _Part) -> tuple[int, np.ndarray]:
+    """A part's rows as WX groups: (mode << 2 | sub-kind, (groups, bytes a group)), rows padded to a multiple of 8
+    with zeros (qmatmul.h's layout; every scale the float32 value of the dequantized weight, exactly)."""
+    name, q, s16, mode = part.sub, part.q, part.s16, part.mode
+    n, k = q.shape
+    groups, nb, pad = (n + 7) // 8, k // BLOCK, -n % 8
+    if name != "s16" and part.o16 is None:  # Q4_0 / Q5_0: q + 8 / q + 16 with the offset -8 d / -16 d (mode XD)
+        q = q + (8 if name == "a4" else 16)
+    values = _x_values(name, np.pad(q, ((0, pad), (0, 0))), groups, nb)
+
+    def lanes(a: np.ndarray) -> np.ndarray:  # (rows, one value a block or super-block) -> (groups, blocks, bytes)
+        a = np.pad(a, ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(groups, 8, -1).transpose(0, 2, 1)).view(np.uint8)
+
+    if part.k_scales is None:
+        scales = [lanes(s16[:, 0::2].astype(np.float16))]  # exact: each came from a float16
+        if part.o16 is not None:
+            scales.append(lanes(part.o16[:, 0::2].astype(np.float16)))
+        return mode << 2 | XSUB[name], np.concatenate([values, *scales], axis=-1).reshape(groups, -1)
+    d01, a0, a1 = part.k_scales  # (rows * nb / 8, 2) float16; (rows * nb / 8, 8) int8 each
+    ints = [lanes(a.reshape(n, nb)) for a in (a0, a1)]
+    recs = np.concatenate([values, *ints], axis=-1).reshape(groups, nb // 8, -1)
+    head = [lanes(d01[:, j].reshape(n, nb // 8)) for j in (0, 1)]  # (groups, supers, 16) each
+    return mode << 2 | XSUB[name], np.concatenate([*head, recs], axis=-1).reshape(groups, -1)
 
 
 def _qmatmul(x: torch.Tensor, data: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:

@@ -1,22 +1,24 @@
 """The one table of GGUF tensor kinds this project reads (:data:`KINDS`), and :class:`BlockTensor`, a 2-d weight
 kept as its GGUF bytes: one row of ``row_bytes`` a weight row, blocks running along the row.
 
-    | kind | weights/block | bytes/block | value          | native kernel (qmatmul.h)                   |
-    |------|---------------|-------------|----------------|---------------------------------------------|
-    | q4_0 | 32            | 18          | d (q - 8)      | WQ4 (alone) / WX s16 (mixed)                 |
-    | q4_1 | 32            | 20          | d q + m        | WQ4 (alone) / WX a4 (mixed)                  |
-    | q5_0 | 32            | 22          | d (q - 16)     | WX a5 (q + 16, offset -16 d)                 |
-    | q5_1 | 32            | 24          | d q + m        | WX a5                                       |
-    | q8_0 | 32            | 34          | d q            | WQ8 (alone) / WX s16 (mixed)                 |
-    | q4_k | 256           | 144         | d sc q - dmin m (sub-blocks of 32) | WX a4                   |
-    | q5_k | 256           | 176         | d sc q - dmin m (sub-blocks of 32) | WX a5                   |
-    | q6_k | 256           | 210         | d sc (q - 32) (sub-blocks of 16)   | WX s16                  |
-    | f16, bf16, f32 | 1   | 2, 2, 4     | the float      | quantized to Q8_0 at load                    |
+    | kind | weights/block | bytes/block | value          | native kernel (qmatmul.h; WX: sub-kind / scales)  |
+    |------|---------------|-------------|----------------|---------------------------------------------------|
+    | q4_0 | 32            | 18          | d (q - 8)      | WQ4 (alone) / WX a4 (q + 8, offset -8 d) / d       |
+    | q4_1 | 32            | 20          | d q + m        | WQ4 (alone) / WX a4 / dm                           |
+    | q5_0 | 32            | 22          | d (q - 16)     | WX a5 (q + 16, offset -16 d) / d                   |
+    | q5_1 | 32            | 24          | d q + m        | WX a5 / dm                                         |
+    | q8_0 | 32            | 34          | d q            | WQ8 (alone) / WX s16 / d                           |
+    | q4_k | 256           | 144         | d sc q - dmin m (sub-blocks of 32) | WX a4 / k                     |
+    | q5_k | 256           | 176         | d sc q - dmin m (sub-blocks of 32) | WX a5 / k                     |
+    | q6_k | 256           | 210         | d sc (q - 32) (sub-blocks of 16)   | WX s16 (values as bytes) / k  |
+    | f16, bf16, f32 | 1   | 2, 2, 4     | the float      | quantized to Q8_0 at load                          |
 
 Every quantized kind decomposes (:meth:`Kind.decompose`) into integer values, a scale per 16 values and, for
 the affine kinds, an offset per 16: ``w = q * scale (+ offset)``, computed in float32 in the order
 ``gguf.quants.dequantize`` computes it, so :meth:`BlockTensor.dequantize` equals gguf's bit for bit. The native
-packer repacks that decomposition into the kernel's records as it is (no rounding). Kinds outside the table
+packer repacks that decomposition into the kernel's records as it is (no rounding): the kinds of 32 keep their
+float16 scales, the K kinds their float16 d and dmin per 256 with 8-bit sub-scales (:meth:`Kind.k_scales`,
+mode ``k``), so a record is about the GGUF block's own size. Kinds outside the table
 (IQ*, Q2_K, Q3_K, TQ*) are refused at import (:func:`check_supported`).
 """
 
@@ -31,6 +33,8 @@ import torch
 from .quant import GroupQuant, QuantError
 
 Decomposed = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # q (nb, block) int16, scale/offset (nb, block//16)
+# a K kind's scales as stored: float16 (nb, 2) D0, D1 and int8 (nb, 8) a0, a1; record j's s0 = D0 a0[j], s1 = D1 a1[j]
+KScales = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -74,14 +78,19 @@ def _q8_0(b: np.ndarray) -> Decomposed:
     return np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16), _per16(_f16(b[:, :2]), 32), None
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: d sc and dmin m of the 8 sub-blocks (6-bit sc and m packed in 12 bytes), float32 (nb, 8)."""
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+def _k_ints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the 6-bit sc and m of the 8 sub-blocks (packed in 12 bytes), int8 (nb, 8)."""
     s = b[:, 4:16].reshape(-1, 3, 4)
     lo, hi, mix = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
-    m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1).astype(np.float32)
-    return d * sc, dmin * m
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.int8), m.astype(np.int8)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: d sc and dmin m of the 8 sub-blocks, float32 (nb, 8)."""
+    sc, m = _k_ints(b)
+    return _f16(b[:, 0:2]) * sc.astype(np.float32), _f16(b[:, 2:4]) * m.astype(np.float32)
 
 
 def _k_low(qs: np.ndarray) -> np.ndarray:
@@ -99,6 +108,18 @@ def _q5_k(b: np.ndarray) -> Decomposed:
     dsc, dm = _k_scales(b)
     qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     return _k_low(b[:, 48:]) | ((qh & 1).reshape(-1, 256).astype(np.int16) << 4), _per16(dsc, 256), _per16(-dm, 256)
+
+
+def _q45_k_scales(b: np.ndarray) -> KScales:
+    sc, m = _k_ints(b)
+    d, dmin = np.ascontiguousarray(b[:, 0:2]).view(np.float16), np.ascontiguousarray(b[:, 2:4]).view(np.float16)
+    return np.concatenate([d, -dmin], axis=1), sc, m
+
+
+def _q6_k_scales(b: np.ndarray) -> KScales:
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+    d = np.ascontiguousarray(b[:, 208:210]).view(np.float16)
+    return np.concatenate([d, d], axis=1), sc[:, 0::2], sc[:, 1::2]
 
 
 def _q6_k(b: np.ndarray) -> Decomposed:
@@ -123,6 +144,7 @@ class Kind:
     native: str  # "s16" (signed values, a scale per 16), "a4" / "a5" (unsigned 4 / 5-bit, scale + offset per 32)
     decompose: Callable[[np.ndarray], Decomposed] | None = None
     float_dtype: torch.dtype | None = None
+    k_scales: Callable[[np.ndarray], KScales] | None = None  # the K kinds: scales as stored, for the packer
 
     @property
     def quantized(self) -> bool:
@@ -137,14 +159,14 @@ class Kind:
 KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
-        Kind("q4_0", 2, 32, 18, "s16", _q4_0),
+        Kind("q4_0", 2, 32, 18, "a4", _q4_0),
         Kind("q4_1", 3, 32, 20, "a4", _q4_1),
         Kind("q5_0", 6, 32, 22, "a5", _q5_0),
         Kind("q5_1", 7, 32, 24, "a5", _q5_1),
         Kind("q8_0", 8, 32, 34, "s16", _q8_0),
-        Kind("q4_k", 12, 256, 144, "a4", _q4_k),
-        Kind("q5_k", 13, 256, 176, "a5", _q5_k),
-        Kind("q6_k", 14, 256, 210, "s16", _q6_k),
+        Kind("q4_k", 12, 256, 144, "a4", _q4_k, k_scales=_q45_k_scales),
+        Kind("q5_k", 13, 256, 176, "a5", _q5_k, k_scales=_q45_k_scales),
+        Kind("q6_k", 14, 256, 210, "s16", _q6_k, k_scales=_q6_k_scales),
         Kind("f32", 0, 1, 4, "", float_dtype=torch.float32),
         Kind("f16", 1, 1, 2, "", float_dtype=torch.float16),
         Kind("bf16", 30, 1, 2, "", float_dtype=torch.bfloat16),

@@ -93,3 +93,11 @@ def test_the_key_names_the_weights_files_device_and_threads():
     assert key.device.startswith("cpu: ") and key.threads == torch.get_num_threads()
     retrained = Manifest.model_construct(name="m", files={"model.safetensors": "cd"})
     assert curve_key(retrained, "int4", torch.device("cpu"), 32, 16, False, 1).model_files != key.model_files
+
+
+def test_a_curve_measured_on_other_kernel_sources_is_not_reused(timed):
+    """The key names the native kernels' build (variant and source digest): a curve stored by an engine on other
+    kernel sources is measured again, though its checked passes might still hold."""
+    pass_costs(None, 64, KEY.model_copy(update={"kernels": "avx512vnni-0000000000000000"}))  # type: ignore[arg-type]
+    costs, how = pass_costs(None, 64, KEY.model_copy(update={"kernels": "avx512vnni-1111111111111111"}))  # type: ignore[arg-type]
+    assert how == "measured" and timed["full"] == 2

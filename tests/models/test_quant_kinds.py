@@ -84,6 +84,30 @@ def test_the_native_kernel_runs_each_kind_as_stored(kind):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+def test_the_native_records_hold_about_the_gguf_blocks_bytes(kind):
+    """The packed weight streams about the GGUF file's bytes (scales kept as float16 / 6-bit sub-scales, not
+    float32): the kinds of 32 exactly their bytes, the K kinds within 1/32 more (a float16 pair per 8 outputs
+    and 256 weights), Q6_K its values as bytes (8.6 bits a weight against 6.6)."""
+    bt = random_blocks(kind, 256, 1024, seed=3)
+    header = 8 * 256 // 8
+    packed = PackedWeight.pack_blocks([bt]).nbytes - header
+    limit = {"q6_k": 8.625 / 6.5625, "q4_k": 1 + 1 / 32, "q5_k": 1 + 1 / 32}.get(kind, 1.0)
+    assert bt.nbytes <= packed <= bt.nbytes * limit
+
+
+@needs_native
+def test_a_q4_0_weight_runs_the_same_bits_mixed_or_alone():
+    """Q4_0 among other kinds (WX, 4-bit values with an offset of -8 d) makes the int32 sums and scale order of
+    the 4-bit kernel it runs alone."""
+    bt = random_blocks("q4_0", 40, 512, seed=12)
+    gq = bt.group_quant()
+    assert gq is not None
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(PackedWeight.pack_blocks([bt]).matmul(x), PackedWeight.from_group_quant(gq).matmul(x))
+
+
+@needs_native
 def test_a_fused_weight_keeps_each_part_in_its_kind():
     """Q4_K_M files fuse a Q4_K q/k beside a Q6_K or Q8_0 v: each group of 8 outputs runs its own kind; a float
     part is quantized to Q8_0."""

@@ -9,7 +9,8 @@
  * Layout ("x8"): outputs in groups of 8, and per group and block one record of
  *     values: 4-bit: 4 chunks of 32 bytes, byte 4o + t of chunk j = value 4j + t of output o (low nibble) and
  *             value 16 + 4j + t (high nibble); 8-bit: 8 chunks of 32 bytes, byte 4o + t of chunk j = value 4j + t
- *     dw[8], mw[8] as float16
+ *     dw[8] as float16, then (4-bit only) mw[8] as float16; an 8-bit record's mw is derived (-128 dw on VNNI,
+ *     0 on AVX2), so that its bytes are GGUF's Q8_0 bytes (34 for 32 weights) and no more
  * so that one 32-byte lane of values meets a 4-byte broadcast of x in one dpbusd, and 8 outputs accumulate in
  * 8 int32 lanes with no horizontal sum. The records of a group are contiguous: a thread streams its outputs'
  * weights in one run.
@@ -24,8 +25,9 @@
 
 enum { WQ4 = 0, WQ8 = 1, WX = 2 }; /* WX: mixed kinds, below */
 
-/* Bytes of one group-block record. */
-INLINE long record_bytes(int kind) { return (kind == WQ4 ? 128 : 256) + 32; }
+/* Bytes of one group-block record, and of its values (the float16 scales follow them). */
+INLINE long values_bytes(int kind) { return kind == WQ4 ? 128 : 256; }
+INLINE long record_bytes(int kind) { return values_bytes(kind) + (kind == WQ4 ? 32 : 16); }
 
 typedef struct {
     const uint8_t *data; /* (N8 / 8, K / 32) records */
@@ -88,6 +90,12 @@ INLINE void load_values(const uint8_t *p, int kind, __m256i w[8]) {
     }
 }
 
+/* A record's mw (8 lanes): stored (4-bit), or derived from dw (8-bit; exact: a power-of-two multiple). */
+INLINE __m256 load_mw(const uint8_t *rec, int kind, __m256 dw) {
+    if (kind == WQ4) return load_f16x8((const uint16_t *)(rec + values_bytes(WQ4) + 16));
+    return PIE_VNNI ? _mm256_mul_ps(dw, _mm256_set1_ps(-128.0f)) : _mm256_setzero_ps();
+}
+
 /* Rows m0 .. m0+R-1 of group g's results: acc (+ bias) into y, or added to y (`add`); one order for every path. */
 INLINE void store_group(const QWeight *w, long g, const __m256 *acc, long m0, int R, float *y, long ldy,
                         const float *bias, int add) {
@@ -114,7 +122,7 @@ INLINE void store_group(const QWeight *w, long g, const __m256 *acc, long m0, in
 /* Rows m0 .. m0+R-1 of one group of 8 outputs; `out` gets acc (+ bias), or acc added to it (`add`). */
 INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
                        const float *bias, int add) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     const int signed8 = w->kind == WQ8 && !PIE_VNNI;
     __m256 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -128,7 +136,7 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
                 v[j] = _mm256_abs_epi8(v[j]);
             }
         const __m256 dw = load_f16x8((const uint16_t *)(rec + vb));
-        const __m256 mw = load_f16x8((const uint16_t *)(rec + vb + 16));
+        const __m256 mw = load_mw(rec, w->kind, dw);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
@@ -155,6 +163,15 @@ INLINE void group_rows(const QWeight *w, long g, const QAct *a, long m0, const i
 INLINE __m512 load_f16x16(const uint16_t *p0, const uint16_t *p1, int pair) {
     const __m128i h0 = _mm_loadu_si128((const __m128i *)p0), h1 = pair ? _mm_loadu_si128((const __m128i *)p1) : _mm_setzero_si128();
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+}
+
+/* The mw of groups g and g+1 as 16 lanes, as load_mw gives each (`pair`; else g and zeros). */
+INLINE __m512 load_mw16(const uint8_t *r0, const uint8_t *r1, int kind, __m512 dw, int pair) {
+    if (kind == WQ4) {
+        const long vb = values_bytes(WQ4) + 16;
+        return load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), pair);
+    }
+    return PIE_VNNI ? _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f)) : _mm512_setzero_ps();
 }
 
 /* Rows m0 .. m0+R-1 (R <= 16) of 16-lane results: lanes 0-7 to group g, lanes 8-15 to group g+1 (`pair`). */
@@ -229,10 +246,10 @@ INLINE void amx_weights(const QWeight *w, long g, long b, int pair, uint8_t *out
 /* acc[r] (16 lanes) += block b's sums for rows m0 .. m0+R-1: as group_rows does for 8 lanes. */
 INLINE void amx_epilogue(const QWeight *w, long g, long b, int pair, const QAct *a, long m0, int R,
                          const int32_t *sums, __m512 *acc) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     const uint8_t *r0 = w->data + (g * nb + b) * rb, *r1 = r0 + nb * rb;
     const __m512 dw = load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), pair);
-    const __m512 mw = load_f16x16((const uint16_t *)(r0 + vb + 16), (const uint16_t *)(r1 + vb + 16), pair);
+    const __m512 mw = load_mw16(r0, r1, w->kind, dw, pair);
     for (int r = 0; r < R; r++) {
         const long ab = (m0 + r) * nb + b;
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[ab]));
@@ -313,7 +330,7 @@ INLINE void load_values_pair(const uint8_t *p0, const uint8_t *p1, int kind, __m
  * serve 16 outputs instead of 8. */
 INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
                       const float *bias, int add) {
-    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = rb - 32;
+    const long nb = w->k / QK, rb = record_bytes(w->kind), vb = values_bytes(w->kind);
     __m512 acc[PAIR_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *r0 = w->data + g * nb * rb, *r1 = r0 + nb * rb;
@@ -321,7 +338,7 @@ INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const in
         __m512i v[8];
         load_values_pair(r0, r1, w->kind, v);
         const __m512 dw = load_f16x16((const uint16_t *)(r0 + vb), (const uint16_t *)(r1 + vb), 1);
-        const __m512 mw = load_f16x16((const uint16_t *)(r0 + vb + 16), (const uint16_t *)(r1 + vb + 16), 1);
+        const __m512 mw = load_mw16(r0, r1, w->kind, dw, 1);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
@@ -387,119 +404,7 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
     }
 }
 
-/* ---- WX: a weight of mixed kinds (GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and, beside them, Q4_0/Q4_1/Q8_0) ----
- * data: a header of one int64 per group of 8 outputs, (byte offset of the group's records << 2) | sub-kind, then
- * the records. Each group is one sub-kind (a fused weight's parts may differ: Q4_K q/k beside a Q6_K v); its
- * records hold the GGUF values as they are, scales float32 (exact: a K-kind's d * sc is a float16 times a small
- * integer):
- *     XA4  4-bit values as WQ4's record, then dw[8], mw[8]        w = dw q + mw        (Q4_1, Q4_K)
- *     XA5  XA4's low 4 bits, then the fifth bits (4 bytes an output: bit v = value v), then dw[8], mw[8]
- *                                                                  w = dw q + mw        (Q5_0 as q + 16 with
- *                                                                  mw = -16 dw, Q5_1, Q5_K)
- *     XA8  8-bit values (0..63) as WQ8's, then dw[8], mw[8]         w = dw q + mw        (none at present)
- *     XS16 signed 8-bit values as WQ8's, then d_lo[8], d_hi[8]      w = d_half q         (Q4_0, Q8_0, Q6_K)
- * XS16's values 0..15 of a block take d_lo and 16..31 d_hi (Q6_K's sub-blocks of 16); the sign moves onto x as
- * on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates), on every variant, so its integer sums and
- * hence its bits are the same on every variant. A row's operations never depend on the other rows of a call. */
-enum { XA4 = 0, XA8 = 1, XS16 = 2, XA5 = 3 };
-
-INLINE long x_record_bytes(int sub) { return (sub == XA4 ? 128 : sub == XA5 ? 160 : 256) + 64; }
-
-/* XA5: ORs each value's fifth bit (16) into the 8 value registers of load_values(WQ4). Chunk j's byte 4o + t is
- * value 4j + t of output o, whose bit sits at bit 4j + t of output o's 32-bit word: shift the words right by
- * 4j, spread byte 0 of each word over its 4 bytes, and test bit t of byte t. */
-INLINE void or_fifth_bits(const uint8_t *plane, __m256i w[8]) {
-    const __m256i words = _mm256_loadu_si256((const __m256i *)plane);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
-                                            8, 8, 8, 8, 12, 12, 12, 12);
-    const __m256i bit = _mm256_set1_epi32(0x08040201), sixteen = _mm256_set1_epi8(16);
-    for (int j = 0; j < 8; j++) {
-        const __m256i b = _mm256_shuffle_epi8(_mm256_srli_epi32(words, 4 * j), spread);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
-        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(set, sixteen));
-    }
-}
-
-INLINE void x_group(const QWeight *w, long g, int *sub, const uint8_t **rec) {
-    const int64_t h = ((const int64_t *)w->data)[g];
-    *sub = (int)(h & 3);
-    *rec = w->data + (h >> 2);
-}
-
-INLINE void x_rows(const uint8_t *rec, const int sub, long nb, const QAct *a, long m0, const int R, __m256 *acc) {
-    const long rb = x_record_bytes(sub), vb = rb - 64;
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (long b = 0; b < nb; b++, rec += rb) {
-        __m256i v[8], sv[8];
-        load_values(rec, sub == XA4 || sub == XA5 ? WQ4 : WQ8, v);
-        if (sub == XA5) or_fifth_bits(rec + 128, v);
-        if (sub == XS16)
-            for (int j = 0; j < 8; j++) {
-                sv[j] = v[j];
-                v[j] = _mm256_abs_epi8(v[j]);
-            }
-        const __m256 s0 = _mm256_loadu_ps((const float *)(rec + vb)), s1 = _mm256_loadu_ps((const float *)(rec + vb + 32));
-        for (int r = 0; r < R; r++) {
-            const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
-            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j += 2) { /* values 0..15: chunks 0-3; 16..31: chunks 4-7 */
-                __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
-                __m256i y0 = bcast4(xq + 16 + 4 * j), y1 = bcast4(xq + 16 + 4 * j + 4);
-                if (sub == XS16) {
-                    x0 = _mm256_sign_epi8(x0, sv[j]);
-                    x1 = _mm256_sign_epi8(x1, sv[j + 1]);
-                    y0 = _mm256_sign_epi8(y0, sv[j + 4]);
-                    y1 = _mm256_sign_epi8(y1, sv[j + 5]);
-                }
-                i0 = dpbusd(i0, v[j], x0);
-                i1 = dpbusd(i1, v[j + 1], x1);
-                h0 = dpbusd(h0, v[j + 4], y0);
-                h1 = dpbusd(h1, v[j + 5], y1);
-            }
-            const long ab = (m0 + r) * nb + b;
-            const __m256 dx = _mm256_set1_ps(a->d[ab]);
-            if (sub == XS16) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_mul_ps(s0, dx), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), _mm256_mul_ps(s1, dx), acc[r]);
-            } else {
-                const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(h0, h1));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s0, dx), acc[r]);
-                acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(a->s[ab]), acc[r]);
-            }
-        }
-    }
-}
-
-/* Rows m0 .. m0+R-1 of WX group g. */
-INLINE void x_group_rows(const QWeight *w, long g, const QAct *a, long m0, const int R, float *y, long ldy,
-                         const float *bias, int add) {
-    int sub;
-    const uint8_t *rec;
-    x_group(w, g, &sub, &rec);
-    __m256 acc[ROW_TILE];
-    const long nb = w->k / QK;
-    switch (sub) { /* a constant sub-kind: each its own loop */
-    case XA4: x_rows(rec, XA4, nb, a, m0, R, acc); break;
-    case XA8: x_rows(rec, XA8, nb, a, m0, R, acc); break;
-    case XA5: x_rows(rec, XA5, nb, a, m0, R, acc); break;
-    default: x_rows(rec, XS16, nb, a, m0, R, acc); break;
-    }
-    store_group(w, g, acc, m0, R, y, ldy, bias, add);
-}
-
-static void x_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, float *y, long ldy,
-                     const float *bias, int add) {
-    for (long g = g0; g < g1; g++) {
-        long m0 = 0;
-        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) x_group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
-        switch (m - m0) {
-        case 3: x_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-        case 2: x_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-        case 1: x_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-        }
-    }
-}
+#include "xmatmul.h" /* WX: mixed GGUF kinds (x_groups) */
 
 INLINE long n_groups(const QWeight *w) { return (w->n + 7) / 8; }
 

@@ -84,14 +84,14 @@ void pie_pack_q4(const uint8_t *q, const uint16_t *d, const uint16_t *m, long n,
         }
 }
 
-/* 8-bit: q (n, k) int8, d (n, k / 32) float16. On VNNI the values are stored + 128 with m = -128 d. */
+/* 8-bit: q (n, k) int8, d (n, k / 32) float16. On VNNI the values are stored + 128 (the kernel's m = -128 d). */
 void pie_pack_q8(const int8_t *q, const uint16_t *d, long n, long k, uint8_t *out) {
     const long nb = k / QK, rb = record_bytes(WQ8);
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < (n + 7) / 8; g++)
         for (long b = 0; b < nb; b++) {
             uint8_t *rec = out + (g * nb + b) * rb;
-            uint16_t *dm = (uint16_t *)(rec + 256);
+            uint16_t *dm = (uint16_t *)(rec + values_bytes(WQ8));
             memset(rec, 0, rb);
             for (int o = 0; o < 8; o++) {
                 const long row = g * 8 + o;
@@ -102,10 +102,7 @@ void pie_pack_q8(const int8_t *q, const uint16_t *d, long n, long k, uint8_t *ou
                         const int8_t v = src[4 * j + t];
                         rec[32 * j + 4 * o + t] = PIE_VNNI ? (uint8_t)(v + 128) : (uint8_t)v;
                     }
-                const uint16_t dh = d[row * nb + b];
-                dm[o] = dh;
-                /* -128 d in float16: the exponent moves by 7, exact for every finite d that does not overflow */
-                dm[8 + o] = PIE_VNNI ? (uint16_t)_cvtss_sh(-128.0f * _cvtsh_ss(dh), 0) : 0;
+                dm[o] = d[row * nb + b];
             }
         }
 }
@@ -113,7 +110,7 @@ void pie_pack_q8(const int8_t *q, const uint16_t *d, long n, long k, uint8_t *ou
 /* Rows `ids` of a packed weight, dequantized (float32, k values each): an embedding table shared with a tied
  * lm head is kept once. */
 void pie_dequant_rows(const uint8_t *data, int32_t kind, long n, long k, const int64_t *ids, long count, float *out) {
-    const long nb = k / QK, rb = record_bytes(kind), vb = rb - 32;
+    const long nb = k / QK, rb = record_bytes(kind), vb = values_bytes(kind);
     for (long i = 0; i < count; i++) {
         const long row = ids[i], g = row / 8, o = row % 8;
         float *y = out + i * k;
@@ -124,7 +121,8 @@ void pie_dequant_rows(const uint8_t *data, int32_t kind, long n, long k, const i
         for (long b = 0; b < nb; b++) {
             const uint8_t *rec = data + (g * nb + b) * rb;
             const uint16_t *dm = (const uint16_t *)(rec + vb);
-            const float dw = _cvtsh_ss(dm[o]), mw = _cvtsh_ss(dm[8 + o]);
+            const float dw = _cvtsh_ss(dm[o]);
+            const float mw = kind == WQ4 ? _cvtsh_ss(dm[8 + o]) : PIE_VNNI ? -128.0f * dw : 0.0f;
             for (int v = 0; v < QK; v++) {
                 int q;
                 if (kind == WQ4) {
@@ -144,7 +142,7 @@ void pie_dequant_rows(const uint8_t *data, int32_t kind, long n, long k, const i
 /* Rows `ids` (count of them) of a packed weight as a packed weight of their own (a drafter's slice of the lm
  * head): the same values and scales, so the slice's outputs are the head's, bit for bit. */
 void pie_select_rows(const uint8_t *data, int32_t kind, long k, const int64_t *ids, long count, uint8_t *out) {
-    const long nb = k / QK, rb = record_bytes(kind), vb = rb - 32, chunks = vb / 32;
+    const long nb = k / QK, rb = record_bytes(kind), vb = values_bytes(kind), chunks = vb / 32;
     memset(out, 0, (count + 7) / 8 * nb * rb);
     for (long i = 0; i < count; i++) {
         const long src_g = ids[i] / 8, src_o = ids[i] % 8, g = i / 8, o = i % 8;
@@ -155,7 +153,7 @@ void pie_select_rows(const uint8_t *data, int32_t kind, long k, const int64_t *i
             uint16_t *tdm = (uint16_t *)(t + vb);
             const uint16_t *sdm = (const uint16_t *)(s + vb);
             tdm[o] = sdm[src_o];
-            tdm[8 + o] = sdm[8 + src_o];
+            if (kind == WQ4) tdm[8 + o] = sdm[8 + src_o];
         }
     }
 }
