@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferlet.args import CompletionArgs, DecodeArgs, parse_arg_dict, parse_args
 from inferlet.errors import ArgumentError, UsageError
+from inferlet.text.arguments import CompletionArgs, DecodeArgs, parse_arg_dict, parse_args
 
 
 async def completion(args: CompletionArgs) -> dict:
