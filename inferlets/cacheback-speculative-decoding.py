@@ -22,13 +22,8 @@ from __future__ import annotations
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.device_rounds import verify_rounds
-from inferlet.drafter import Drafter, Proposal
-from inferlet.lookup import NgramIndex
-from inferlet.tree import TokenTree, parse_shape
+from inferlet.spec import Drafter, NgramIndex, Proposal, TokenTree, parse_shape, speculate, verify_rounds
+from inferlet.text import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape, run_choices
 
 
 class Args(DecodeArgs):

@@ -27,12 +27,18 @@ import numpy as np
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.sampler import Verifier, draw
-from inferlet.tree import ROOT, TokenTree, draw_without_replacement, parse_shape, shape_rows
+from inferlet.spec import (
+    ROOT,
+    Drafter,
+    Proposal,
+    TokenTree,
+    Verifier,
+    draw_without_replacement,
+    parse_shape,
+    shape_rows,
+    speculate,
+)
+from inferlet.text import MAX_DRAFT, DecodeArgs, TreeShape, draw, run_choices
 
 
 class Args(DecodeArgs):

@@ -27,14 +27,10 @@ import math
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, MAX_MATCH, DecodeArgs
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.model import Model
-from inferlet.suffix import Candidates, SuffixIndex
-from inferlet.tree import MAX_TREE_NODES, TokenTree
-from inferlet.working_set import CACHE_SALT
+from inferlet import Model
+from inferlet.kv import CACHE_SALT
+from inferlet.spec import MAX_TREE_NODES, Candidates, Drafter, Proposal, SuffixIndex, TokenTree, speculate
+from inferlet.text import MAX_DRAFT, MAX_MATCH, DecodeArgs, run_choices
 
 
 class Args(DecodeArgs):

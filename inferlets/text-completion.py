@@ -21,12 +21,9 @@ from __future__ import annotations
 import time
 
 import inferlet
-from inferlet.args import CompletionArgs
-from inferlet.choices import run_choices
-from inferlet.output import Output
 from inferlet.programs import Builder, Sym, sample
-from inferlet.run_ahead import RunAhead
-from inferlet.sampler import StepSampler
+from inferlet.spec import RunAhead
+from inferlet.text import CompletionArgs, Output, StepSampler, run_choices
 
 
 class Args(CompletionArgs):

@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ROOT = -1  # the parent of a depth-1 node: the last emitted token (window row 0)
+ROOT = -1
+"""The parent of a depth-1 node: the last emitted token (window row 0)."""
 
 
 MAX_TREE_DEPTH = 64  # a draft tree's depths
-MAX_TREE_NODES = 512  # a draft tree's nodes (its full shape's)
+MAX_TREE_NODES = 512
+"""The most nodes a draft tree (its full shape) may have."""
 
 
 def parse_shape(shape: str) -> list[int]:

@@ -3,7 +3,8 @@
 with their meanings), and ``DecodeArgs``, those plus the options of the speculative inferlets.
 
 ``--max-tokens 8`` → ``max_tokens=8``; a bare ``--chat`` → ``chat=True``; a repeated flag gives a list.
-Values are typed by the pydantic model; in a dict, numbers become numbers and the rest stays text.
+Values are typed by the pydantic model; in a dict, the names ``CompletionArgs`` types as text (``--prompt 42``,
+``--stop 1``) stay text, other numbers become numbers and the rest stays text.
 """
 
 from __future__ import annotations
@@ -21,16 +22,24 @@ from ..errors import ArgumentError
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-MAX_CHOICES = 64  # n: forks of one prompt
 # upper bounds of what one run may ask (a server's --max-n/--max-tokens are usually lower): no argument sizes
 # a run's work or memory past what a host can hold for every tenant beside it
-MAX_NEW_TOKENS = 1 << 17  # max_tokens
-MAX_LIST = 1024  # stop strings, stop token ids, logit_bias entries
-MAX_PROMPT_IDS = 1 << 20  # prompt_token_ids
-MAX_DRAFT = 64  # draft_length and lookup: tokens one round drafts
-MAX_NGRAM = 16  # n-gram sizes of the lookup drafters
-MAX_MATCH = 1024  # the suffix drafter's match lengths
-MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's default limit
+MAX_CHOICES = 64
+"""The most ``n``: forks of one prompt."""
+MAX_NEW_TOKENS = 1 << 17
+"""The most ``max_tokens``."""
+MAX_LIST = 1024
+"""The most entries of a list argument: stop strings, stop token ids, ``logit_bias``."""
+MAX_PROMPT_IDS = 1 << 20
+"""The most ``prompt_token_ids``."""
+MAX_DRAFT = 64
+"""The most tokens one round drafts: the bound of a speculative inferlet's ``draft_length`` (and ``lookup``)."""
+MAX_NGRAM = 16
+"""The longest n-gram of the lookup drafters."""
+MAX_MATCH = 1024
+"""The longest match of the suffix drafter."""
+MAX_TOP_LOGPROBS = 20
+"""The most ``top_logprobs`` (OpenAI's and vLLM's limit)."""
 LOGIT_BIAS_RANGE = 100.0
 
 
@@ -156,6 +165,8 @@ def check_tree(shape: str | None) -> str | None:
 
 
 TreeShape = Annotated[str | None, AfterValidator(check_tree)]
+"""The type of a ``tree`` argument: widths per depth (``"3,2,1"``), checked when the arguments are read, so a
+bad shape is refused before the run starts."""
 
 
 def split_words(words: list[str]) -> dict[str, Any]:
@@ -182,6 +193,14 @@ def split_words(words: list[str]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _text_fields() -> frozenset[str]:
+    """The names ``CompletionArgs`` types as text (``str`` or ``list[str]``): a dict inferlet reading
+    ``args["prompt"]`` gets the words it was given, ``"42"`` too, as a typed one would."""
+    return frozenset(
+        name for name, f in CompletionArgs.model_fields.items() if f.annotation in (str, list[str], str | None)
+    )
 
 
 def _guess(value: Any) -> Any:
@@ -238,7 +257,8 @@ def parse_args(words: list[str], fn) -> Any:
             elif key in fields and fields[key].annotation is dict and isinstance(value, str):
                 raw[key] = json.loads(value)
         return validated(ann, raw, flags=True)
-    return {k: _guess(v) for k, v in raw.items()}
+    text = _text_fields()
+    return {k: v if k in text else _guess(v) for k, v in raw.items()}
 
 
 def validated(model: type[BaseModel], raw: dict[str, Any], flags: bool) -> BaseModel:
