@@ -11,7 +11,7 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
 
 With --tree W1,W2,.. (widths per depth) the draft model branches: its first fire reads the distribution after
 `last` and the root gets W1 children (greedy: its top-W1; sampled: W1 draws without replacement, which the
-target verifies by recursive rejection sampling, inferlet.tree); each further fire embeds the tree so far as a
+target verifies by recursive rejection sampling, inferlet.spec.TokenTree); each further fire embeds the tree so far as a
 tree window (fold nothing) and gives every deepest node W_(d+1) children the same way. One target fire then
 verifies the whole tree and folds the kept path.
 

@@ -12,7 +12,7 @@ chains its drafts on the verify pass, so a round is one fire:
     ws.fold(1 + v.accepted);  next drafts = Eagle tokens[v.accepted, 1..k] when the emitted token is column 0
 
 Attach a head first: ``pie drafter train --kind eagle ... --attach`` or ``pie model drafter attach MODEL
-eagle:FILE``. n > 1 runs one loop per choice (inferlet.choices).
+eagle:FILE``. n > 1 runs one loop per choice (inferlet.text.run_choices).
 """
 
 from __future__ import annotations
