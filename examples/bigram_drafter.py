@@ -13,10 +13,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import inferlet
-from inferlet.args import DecodeArgs
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.speculative import verify_greedy
+from inferlet.spec import Drafter, Proposal, speculate, verify_greedy
+from inferlet.text import DecodeArgs
 
 
 # --8<-- [start:table]

@@ -7,14 +7,14 @@ Saxena 2023, "Prompt Lookup Decoding" (drafting); Leviathan et al. 2023 / Chen e
     res = fire([last] + drafts, readout every row, fold=DEFERRED)   # verify
     keep the longest agreeing prefix + the target's own next token; ws.fold(1 + accepted)
 
-With --tree W1,W2,.. (widths per depth) the drafts are a token tree instead (inferlet.tree): the
+With --tree W1,W2,.. (widths per depth) the drafts are a token tree instead (inferlet.spec.TokenTree): the
 continuations of several earlier occurrences of the match, merged into a trie whose depth-d nodes keep at
 most W_(d+1) children, verified in one tree window; the draft-length planner takes a chain instead when it
 expects more tokens per millisecond from one.
 
 With --device-verify (greedy) a round is one fire: its epilogue verifies and folds 1 + accepted on the
 device, and an Argmax readout on every row tells this inferlet what was kept (sdk/inferlet/device_rounds.py).
-Sampled runs, and n > 1 (forks of the prompt, inferlet.choices), use the host loop.
+Sampled runs, and n > 1 (forks of the prompt, inferlet.text.run_choices), use the host loop.
 """
 
 from __future__ import annotations
@@ -22,13 +22,8 @@ from __future__ import annotations
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.device_rounds import verify_rounds
-from inferlet.drafter import Drafter, Proposal
-from inferlet.lookup import NgramIndex
-from inferlet.tree import TokenTree, parse_shape
+from inferlet.spec import Drafter, NgramIndex, Proposal, TokenTree, parse_shape, speculate, verify_rounds
+from inferlet.text import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape, run_choices
 
 
 class Args(DecodeArgs):

@@ -17,12 +17,8 @@ import numpy as np
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.grammar import Constraint, grammar_text
-from inferlet.lookup import lookup_drafts
+from inferlet.spec import Drafter, Proposal, lookup_drafts, speculate
+from inferlet.text import MAX_DRAFT, MAX_NGRAM, Constraint, DecodeArgs, grammar_text, run_choices
 
 
 class Args(DecodeArgs):

@@ -11,7 +11,7 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
 
 With --tree W1,W2,.. (widths per depth) the draft model branches: its first fire reads the distribution after
 `last` and the root gets W1 children (greedy: its top-W1; sampled: W1 draws without replacement, which the
-target verifies by recursive rejection sampling, inferlet.tree); each further fire embeds the tree so far as a
+target verifies by recursive rejection sampling, inferlet.spec.TokenTree); each further fire embeds the tree so far as a
 tree window (fold nothing) and gives every deepest node W_(d+1) children the same way. One target fire then
 verifies the whole tree and folds the kept path.
 
@@ -27,12 +27,18 @@ import numpy as np
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.sampler import Verifier, draw
-from inferlet.tree import ROOT, TokenTree, draw_without_replacement, parse_shape, shape_rows
+from inferlet.spec import (
+    ROOT,
+    Drafter,
+    Proposal,
+    TokenTree,
+    Verifier,
+    draw_without_replacement,
+    parse_shape,
+    shape_rows,
+    speculate,
+)
+from inferlet.text import MAX_DRAFT, DecodeArgs, TreeShape, draw, run_choices
 
 
 class Args(DecodeArgs):

@@ -12,7 +12,7 @@ chains its drafts on the verify pass, so a round is one fire:
     ws.fold(1 + v.accepted);  next drafts = Eagle tokens[v.accepted, 1..k] when the emitted token is column 0
 
 Attach a head first: ``pie drafter train --kind eagle ... --attach`` or ``pie model drafter attach MODEL
-eagle:FILE``. n > 1 runs one loop per choice (inferlet.choices).
+eagle:FILE``. n > 1 runs one loop per choice (inferlet.text.run_choices).
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from __future__ import annotations
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, DecodeArgs
-from inferlet.chained import ChainedDrafter
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
+from inferlet.spec import ChainedDrafter, speculate
+from inferlet.text import MAX_DRAFT, DecodeArgs, run_choices
 
 
 class Args(DecodeArgs):
@@ -34,9 +32,9 @@ class Args(DecodeArgs):
 async def main(args: Args) -> dict:
     model = inferlet.model()
     if model.eagle_depth == 0:
-        raise ValueError(
-            f"model {model.name} has no EAGLE head: train one with `pie drafter train --kind eagle --corpus FILE "
-            f"--attach`, or attach one with `pie model drafter attach {model.name} eagle:FILE`"
+        raise inferlet.UsageError(  # the user's to fix: `pie run` prints it as one line, no traceback
+            f"model {model.name} has no EAGLE head: train one with `pie drafter train --model {model.name} --kind "
+            "eagle --corpus FILE --attach`, or attach one with `pie model drafter attach {model.name} eagle:FILE`"
         )
     k = min(args.draft_length, model.eagle_depth)
 

@@ -30,9 +30,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 import inferlet
-from inferlet.args import CompletionArgs
-from inferlet.output import Output
-from inferlet.sampler import StepSampler
+from inferlet.text import CompletionArgs, Output, StepSampler
 
 
 class Args(CompletionArgs):

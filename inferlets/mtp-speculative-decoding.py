@@ -38,17 +38,21 @@ import numpy as np
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
-from inferlet.chained import next_depth
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.device_rounds import mtp_run_ahead
-from inferlet.drafter import Drafter, Proposal
-from inferlet.errors import ArgumentError
-from inferlet.lookup import NgramIndex
-from inferlet.sampler import Verifier
-from inferlet.speculative import VerifyResult
-from inferlet.tree import TokenTree, TreeVerdict, parse_shape, shape_rows
+from inferlet.spec import (
+    Drafter,
+    NgramIndex,
+    Proposal,
+    TokenTree,
+    TreeVerdict,
+    Verifier,
+    VerifyResult,
+    mtp_run_ahead,
+    next_depth,
+    parse_shape,
+    shape_rows,
+    speculate,
+)
+from inferlet.text import MAX_DRAFT, ArgumentError, DecodeArgs, TreeShape, run_choices
 
 
 class Args(DecodeArgs):

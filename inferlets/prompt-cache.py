@@ -36,9 +36,7 @@ import time
 from pydantic import model_validator
 
 import inferlet
-from inferlet.args import CompletionArgs
-from inferlet.output import Output
-from inferlet.sampler import StepSampler
+from inferlet.text import CompletionArgs, Output, StepSampler
 
 
 class Args(CompletionArgs):

@@ -2,7 +2,7 @@
 
 Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications"
 (arXiv:2411.04975; vLLM ships it through arctic-inference); Leviathan et al. 2023 / Chen et al. 2023
-(verification). Two suffix indexes (inferlet.suffix): this run's prompt + output, and a store of earlier
+(verification). Two suffix indexes (inferlet.spec.SuffixIndex): this run's prompt + output, and a store of earlier
 runs' outputs shared by the runs of this process (``Model.shared``), bounded by --store-tokens (LRU).
 
     for index in (this run's, the shared store):                                 # draft
@@ -15,9 +15,9 @@ runs' outputs shared by the runs of this process (``Model.shared``), bounded by 
     keep the longest agreeing prefix + the target's own next token; ws.fold(1 + accepted)
     at the end: the store adds this run's output (--save-index FILE writes the store)
 
---suffix-index FILE starts the store from a static index (``python -m inferlet.suffix build CORPUS FILE
+--suffix-index FILE starts the store from a static index (``python -m inferlet.spec.suffix_index build CORPUS FILE
 --tokenizer tokenizer.json``). Sampled runs verify the point-mass drafts exactly (speculative sampling; a
-tree's children by the target's draw). n > 1 runs a choice per fork (inferlet.choices).
+tree's children by the target's draw). n > 1 runs a choice per fork (inferlet.text.run_choices).
 """
 
 from __future__ import annotations
@@ -27,14 +27,10 @@ import math
 from pydantic import Field
 
 import inferlet
-from inferlet.args import MAX_DRAFT, MAX_MATCH, DecodeArgs
-from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.model import Model
-from inferlet.suffix import Candidates, SuffixIndex
-from inferlet.tree import MAX_TREE_NODES, TokenTree
-from inferlet.working_set import CACHE_SALT
+from inferlet import Model
+from inferlet.kv import CACHE_SALT
+from inferlet.spec import MAX_TREE_NODES, Candidates, Drafter, Proposal, SuffixIndex, TokenTree, speculate
+from inferlet.text import MAX_DRAFT, MAX_MATCH, DecodeArgs, run_choices
 
 
 class Args(DecodeArgs):

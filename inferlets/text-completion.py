@@ -2,11 +2,11 @@
 policy is compared against.
 
     prefill the prompt, read the last row;  loop: embed the new token, read it, until EOS / stop / max_tokens
-    (the tokens go through inferlet.output.Output, which cuts them there and at the model's capacity)
+    (the tokens go through inferlet.text.Output, which cuts them there and at the model's capacity)
 
 Each step reads the engine's Argmax (greedy) or seeded Sample; with presence/frequency/repetition penalties or
 a logit bias it reads the step's Logits and picks on the host; with logprobs a Logits readout rides along
-(inferlet.sampler.StepSampler). ``n > 1`` decodes n forks of the prompt after one prefill (inferlet.choices;
+(inferlet.text.StepSampler). ``n > 1`` decodes n forks of the prompt after one prefill (inferlet.text.run_choices;
 only choice 0 streams).
 
 With --run-ahead the loop stays in the engine (inferlet.run_ahead): an epilogue picks each token (argmax, or
@@ -21,12 +21,9 @@ from __future__ import annotations
 import time
 
 import inferlet
-from inferlet.args import CompletionArgs
-from inferlet.choices import run_choices
-from inferlet.output import Output
 from inferlet.programs import Builder, Sym, sample
-from inferlet.run_ahead import RunAhead
-from inferlet.sampler import StepSampler
+from inferlet.spec import RunAhead
+from inferlet.text import CompletionArgs, Output, StepSampler, run_choices
 
 
 class Args(CompletionArgs):

@@ -31,8 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from inferlet.chained import ChainedDrafter, next_depth
-from inferlet.draft_length import DraftPlanner
+from inferlet.spec import ChainedDrafter, DraftPlanner, next_depth
 from pie_runtime.bench.prompts import prompt_text
 from pie_runtime.launcher import EmbeddedEngine, LaunchError, run_inferlet
 

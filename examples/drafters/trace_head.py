@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import inferlet
-from inferlet.args import CompletionArgs
+from inferlet.text import CompletionArgs
 
 
 class Args(CompletionArgs):

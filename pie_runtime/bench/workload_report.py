@@ -67,7 +67,7 @@ def compare(by_label: dict[str, list[dict]], reference: str = "text-completion")
 def store_bytes_per_1000(outputs: list[list[int]], min_match: int = 2) -> dict[str, float]:
     """The memory a suffix store of these outputs takes (tracemalloc, Python objects and arrays), scaled to
     1,000 requests of the same lengths; also per token."""
-    from inferlet.suffix import SuffixIndex
+    from inferlet.spec.suffix_index import SuffixIndex
 
     tracemalloc.start()
     try:

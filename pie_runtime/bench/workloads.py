@@ -182,8 +182,8 @@ def run_workload(
 async def _run_all(
     address: str, runs: list[tuple[str, Path, list[str]]], texts: list[str], progress: bool
 ) -> dict[str, list[dict]]:
-    from inferlet.args import parse_args
     from inferlet.runtime import connect, jsonable, load_module, run_in_context
+    from inferlet.text.arguments import parse_args
 
     entries = {label: load_module(path, f"bench_{label.replace('-', '_')}")[1] for label, path, _ in runs}
     session = await connect(address)

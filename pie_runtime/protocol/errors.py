@@ -6,6 +6,9 @@ from enum import Enum
 
 
 class ErrorCode(str, Enum):
+    """Why the engine refused a request: the ``code`` of a :class:`PieError` (``except PieError as e: if
+    e.code is ErrorCode.OUT_OF_PAGES: ...``)."""
+
     BAD_MESSAGE = "bad_message"  # not msgpack, not a map, or fields of the wrong type
     UNKNOWN_OP = "unknown_op"
     VERSION_MISMATCH = "version_mismatch"

@@ -19,7 +19,10 @@ from .dtypes import ChannelDtype
 # (a working set's K/V out to a client and into another engine: prompt caches); 5: the attention readout
 PROTOCOL_VERSION = 5
 Deferred = Literal["deferred"]
-DEFERRED: Final[Deferred] = "deferred"  # a fire's fold left for ``ws_fold``, a later fire's settle or the epilogue
+DEFERRED: Final[Deferred] = "deferred"
+"""The fold of a fire that commits nothing yet: ``fp.fold(DEFERRED)`` leaves the window's rows to a later
+``ws.fold(n)``, the next fire's settle (``ws.settle(n)``) or the epilogue program, once the host knows how many
+rows to keep (speculative decoding: how many drafts were accepted)."""
 
 
 class _Msg(BaseModel):

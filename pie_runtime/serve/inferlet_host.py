@@ -30,9 +30,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from inferlet.args import parse_arg_dict
 from inferlet.errors import UsageError
 from inferlet.runtime import Entry, Session, jsonable, load_module, run_in_context
+from inferlet.text.arguments import parse_arg_dict
 
 from . import control as c
 from .limits import HostLimits, apply, die_with_parent, reap_strays

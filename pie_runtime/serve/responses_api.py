@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferlet.tool_calls import ToolCallParser
+from inferlet.text.tool_calls import ToolCallParser
 
 from .errors import invalid_request
 from .openai_api import ChatMessage, ChatRequest, SpeculationRequest, TextPart, Usage

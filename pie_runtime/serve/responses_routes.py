@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from inferlet.text.tool_calls import CallArguments, CallStart, Content, Event, ToolCallParser, parse_tool_calls
 from inferlet.tokenizer import Tokenizer
-from inferlet.tool_calls import CallArguments, CallStart, Content, Event, ToolCallParser, parse_tool_calls
 
 from .errors import APIError, invalid_request, not_found
 from .generation import Job, choices_of, usage

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from inferlet.suffix import SuffixIndex
+from inferlet.spec.suffix_index import SuffixIndex
 
 STORE_TOKENS = 1_000_000  # the store's bound in tokens (the inferlet's default: ~155 MB, docs/performance.md)
 

@@ -1,5 +1,5 @@
 """Chat responses whose output may hold tool calls (tools.py): the calls read out of the run's text
-(inferlet.tool_calls' parser) into ``message.tool_calls``, whole or streamed as OpenAI's deltas:
+(inferlet.text.tool_calls' parser) into ``message.tool_calls``, whole or streamed as OpenAI's deltas:
 
     {"delta": {"role": "assistant", "content": ""}}                               each choice's role first
     {"delta": {"tool_calls": [{"index": 0, "id": "call_..", "type": "function",
@@ -19,8 +19,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from inferlet.text.tool_calls import CallArguments, CallStart, Content, Event, ToolCallParser, parse_tool_calls
 from inferlet.tokenizer import Tokenizer
-from inferlet.tool_calls import CallArguments, CallStart, Content, Event, ToolCallParser, parse_tool_calls
 
 from .errors import APIError
 from .generation import Job, choices_of, finish, speculation, usage

@@ -1,5 +1,5 @@
 """Tool calling on /v1/chat/completions: the request's tools checked, the prompt that shows them to the model,
-and the grammar its calls are generated under (inferlet.tool_calls: the Hermes format, every call's arguments
+and the grammar its calls are generated under (inferlet.text.tool_calls: the Hermes format, every call's arguments
 held to its function's JSON schema by llguidance).
 
     tool_choice      grammar                          what the model may write
@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferlet.text.tool_calls import Mode, render_call, tool_call_grammar
 from inferlet.tokenizer import Tokenizer
-from inferlet.tool_calls import Mode, render_call, tool_call_grammar
 
 from .errors import invalid_request
 from .openai_api import ChatMessage, ChatRequest

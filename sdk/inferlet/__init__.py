@@ -1,17 +1,31 @@
 """The inferlet SDK: write your own decode loop against a pie engine.
 
+A whole inferlet, greedy decoding of ``--max-tokens`` tokens (``pie run FILE -- --prompt "Hello"``)::
+
     import inferlet
 
+
     @inferlet.main
-    async def main(args):
+    async def main(args: dict) -> str:
         model = inferlet.model()
         ws = model.working_set()
-        fp = inferlet.ForwardPass(ws)
-        fp.embed(model.tokenizer.encode_prompt(args["prompt"]))
-        fp.readout([0], inferlet.Argmax())
-        res = await fp.submit()
+        ids = model.tokenizer.encode_prompt(args["prompt"])
+        out: list[int] = []
+        for _ in range(int(args.get("max_tokens", 8))):
+            fp = inferlet.ForwardPass(ws).embed(ids)
+            fp.readout([len(ids) - 1], inferlet.Argmax())  # the last row's argmax: the token after it
+            res = await fp.submit()  # commits the rows it embedded
+            ids = [int(res.tokens[0])]
+            out += ids
+        return model.tokenizer.decode(out)
 
-The SDK reaches the engine only through the wire protocol; it never imports engine or model code.
+The core is here (the model, working sets, ``ForwardPass``, readouts, programs, channels, errors and the
+runtime); what a user does beyond one pass lives in subpackages, each with its own ``__all__``:
+:mod:`inferlet.text` (completion arguments, sampling, streaming output, ``n`` choices, grammars),
+:mod:`inferlet.spec` (speculative decoding: drafters, verification, token trees, draft planning) and
+:mod:`inferlet.kv` (attention scores for eviction, saved KV). :mod:`inferlet.programs` holds the device
+program tracer and its ops. The SDK reaches the engine only through the wire protocol; it never imports
+engine or model code.
 """
 
 from pie_runtime.protocol import ErrorCode, PieError

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 
 class Channel:
+    """A bounded queue of fixed-shape cells on the model's device (``await Channel.open(model, shape, dtype,
+    capacity)``): an epilogue program reads and writes it during a fire; the host puts, sets, takes and reads
+    it with one message each. ``close`` frees it (a run's channels are closed when it ends)."""
+
     def __init__(self, model: Model, handle: int, shape: tuple[int, ...], dtype: str, capacity: int):
         self.model, self.handle, self.shape, self.dtype, self.capacity = model, handle, shape, dtype, capacity
 

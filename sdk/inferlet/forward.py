@@ -74,6 +74,11 @@ class PassResult:
 
 
 class ForwardPass:
+    """One fire of the model over a working set: ``embed`` the window's tokens, ``readout`` what to read at
+    which rows, optionally ``fold`` (how many rows to commit; all of them by default, or ``DEFERRED``),
+    ``tree`` or ``epilogue``; then ``await submit()`` for the :class:`PassResult`. Each setter returns the pass,
+    so calls chain."""
+
     def __init__(self, ws: WorkingSet):
         self.ws = ws
         self._tokens: list[int] = []

@@ -22,6 +22,10 @@ T = TypeVar("T")
 
 @dataclass
 class Model:
+    """A model the engine serves, as ``inferlet.model()`` (or ``inferlet.model(name)``) returns it: its facts
+    (``name``, ``vocab_size``, ``max_positions``, ``page_size``, the drafters attached), its ``tokenizer``, and
+    ``working_set()`` to open a KV cache on it."""
+
     info: ModelInfo
     client: Client
     tokenizer: Tokenizer

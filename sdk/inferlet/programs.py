@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from .channels import Channel
     from .model import Model
 
+# a public module of the core: the tracer and its free ops (``Program`` and ``trace`` are also ``inferlet``'s)
+__all__ = [
+    "Builder",
+    "Sym",
+    "Program",
+    "trace",
+    "where",
+    "maximum",
+    "minimum",
+    "concat",
+    "masked_argmax",
+    "sample",
+    "uniform",
+]
+
 
 class Sym:
     """A symbolic tensor: a node of the program being traced, with a static shape and dtype kind."""
@@ -246,24 +261,29 @@ class Builder:
 
 
 def where(cond: Sym, a, b) -> Sym:
+    """``a`` where ``cond`` holds, else ``b``, element-wise (``a`` or ``b`` may be a Python number)."""
     bld = cond.b
     return bld.op("where", cond, bld.lift(a), bld.lift(b))
 
 
 def maximum(a: Sym, b) -> Sym:
+    """The element-wise larger of ``a`` and ``b``."""
     return a.b.op("maximum", a, a.b.lift(b))
 
 
 def minimum(a: Sym, b) -> Sym:
+    """The element-wise smaller of ``a`` and ``b``."""
     return a.b.op("minimum", a, a.b.lift(b))
 
 
 def concat(xs: list, dim: int = -1) -> Sym:
+    """``xs`` joined along ``dim`` (at least one must be a Sym; numbers become constants)."""
     bld = next(x.b for x in xs if isinstance(x, Sym))
     return bld.op("concat", *[bld.lift(x) for x in xs], dim=dim)
 
 
 def masked_argmax(x: Sym, mask: Sym, dim: int = -1) -> Sym:
+    """The argmax of ``x`` along ``dim`` among the entries ``mask`` allows."""
     return x.b.op("masked_argmax", x, mask, dim=dim)
 
 

@@ -31,10 +31,10 @@ from pydantic import BaseModel
 from pie_runtime.protocol.errors import ErrorCode, PieError
 from pie_runtime.protocol.messages import PROTOCOL_VERSION, ModelInfo
 
-from .args import parse_args
 from .client import Client, Holdings, holding, release_holding
 from .errors import EngineUnreachable, UsageError
 from .model import Model
+from .text.arguments import parse_args
 from .tokenizer import Tokenizer
 from .working_set import CACHE_SALT
 

@@ -23,6 +23,10 @@ class NoChatTemplate(UsageError, ValueError):
 
 
 class Tokenizer:
+    """The model's tokenizer (``model.tokenizer``): ``encode`` a text's own ids, ``encode_prompt`` a whole
+    prompt with the BOS the model asks for, ``decode`` ids, ``chat`` to render messages with the model's chat
+    template, and the special ids (``eos_token_ids``)."""
+
     def __init__(
         self,
         tokenizer_json: str,

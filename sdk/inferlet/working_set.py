@@ -15,9 +15,10 @@ from pie_runtime.protocol.messages import KV_WIRE_DTYPES, MAX_KV_TRANSFER_BYTES
 
 from .kv_file import SavedKV, write_saved
 
-# the prefix-cache salt of the run in this context (runtime.run_in_context: `pie serve` gives each API key one):
-# the working sets it opens share cached prefixes only with those opened under the same salt
 CACHE_SALT: ContextVar[str | None] = ContextVar("pie_cache_salt", default=None)
+"""The prefix-cache salt of the run in this context (``runtime.run_in_context``; ``pie serve`` gives each API
+key one): the working sets it opens share cached prefixes only with those opened under the same salt. An
+inferlet that keeps state across runs (a shared index) keys it by ``CACHE_SALT.get()`` to keep tenants apart."""
 
 if TYPE_CHECKING:
     from .model import Model

@@ -143,6 +143,7 @@ def test_pie_run_unknown_inferlet_is_one_line_error():
         ("mtp-speculative-decoding", [], ["has no MTP head", "pie model drafter attach"]),
         ("draft-model-speculative-decoding", [], ["has no draft model attached", "pie drafter train"]),
         ("draft-model-speculative-decoding", ["--draft", "nope"], ["serves no model 'nope'"]),
+        ("eagle-speculative-decoding", [], ["has no EAGLE head", "pie drafter train --model", "--kind eagle"]),
     ],
 )
 def test_a_missing_drafter_is_one_line_naming_the_command(tiny_engine, inferlet, words, says):

@@ -268,7 +268,7 @@ def stats_of(eng: EmbeddedEngine) -> dict:
 
 def chat_ids(eng: EmbeddedEngine, prompt: str) -> list[int]:
     """The prompt's ids as ``text-completion --chat`` renders them."""
-    from inferlet.args import CompletionArgs
+    from inferlet.text.arguments import CompletionArgs
 
     async def go() -> list[int]:
         session, model = await _session(eng.address)

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlet.args import DecodeArgs
-from inferlet.choices import merge_choices
-from inferlet.output import Output
 from inferlet.sampler import PlainSampler
 from inferlet.speculative import SpecStats, VerifyResult
+from inferlet.text.arguments import DecodeArgs
+from inferlet.text.choices import merge_choices
+from inferlet.text.output import Output
 from inferlet.tokenizer import Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 

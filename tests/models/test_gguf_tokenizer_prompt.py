@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferlet.args import CompletionArgs as Args
 from inferlet.errors import UsageError
+from inferlet.text.arguments import CompletionArgs as Args
 from inferlet.tokenizer import NoChatTemplate, Tokenizer
 from pie_runtime.models.hf_import import adds_bos_eos
 from pie_runtime.protocol import ModelInfo

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferlet.args import CompletionArgs, DecodeArgs, parse_arg_dict, parse_args
 from inferlet.errors import ArgumentError, UsageError
+from inferlet.text.arguments import CompletionArgs, DecodeArgs, parse_arg_dict, parse_args
 
 
 async def completion(args: CompletionArgs) -> dict:
@@ -57,3 +57,15 @@ def test_the_error_is_a_usage_error_for_pie_run_and_a_value_error_for_the_host()
 
 def test_an_inferlet_taking_a_dict_gets_every_word():
     assert parse_args(["--n", "3", "--name", "x", "--on"], untyped) == {"n": 3, "name": "x", "on": True}
+
+
+def test_a_number_given_to_a_text_argument_stays_text():
+    """``--prompt 42``: a typed inferlet's str field and a dict inferlet's ``prompt`` (and ``stop``, the other
+    name CompletionArgs types as text) get the word as given; other numbers in a dict still become numbers."""
+    assert parse_args(["--prompt", "42", "--stop", "7"], completion).prompt == "42"
+    assert parse_args(["--prompt", "42", "--stop", "7", "--n", "3", "--t", "0.5"], untyped) == {
+        "prompt": "42",
+        "stop": "7",
+        "n": 3,
+        "t": 0.5,
+    }

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlet.grammar import Constraint, grammar_text
+from inferlet.spec.token_tree import ROOT, TokenTree, draw_without_replacement, verify_tree_sampled
 from inferlet.speculative import filter_distribution, verify_sampled
+from inferlet.text.grammar import Constraint, grammar_text
 from inferlet.tokenizer import Tokenizer
-from inferlet.tree import ROOT, TokenTree, draw_without_replacement, verify_tree_sampled
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 
 GRAMMAR = r"(cat|dog|bird)"

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlet.lookup import NgramIndex, lookup_drafts
+from inferlet.spec.ngram_lookup import NgramIndex, lookup_drafts
 
 
 def both(tokens, max_ngram, min_ngram, k):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from inferlet.args import DecodeArgs
-from inferlet.output import Output
+from inferlet.text.arguments import DecodeArgs
+from inferlet.text.output import Output
 from inferlet.tokenizer import StreamDecoder, Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 

@@ -1,4 +1,4 @@
-"""The suffix index (inferlet.suffix) and the per-process registry it is shared through (inferlet.shared):
+"""The suffix index (inferlet.spec.suffix_index) and the per-process registry it is shared through (inferlet.shared):
 matches, candidate counts and scores, the store's eviction bound, and the build/save/load round trip."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from inferlet import shared
-from inferlet.suffix import MAX_OCCURRENCES, SuffixIndex, main, read_corpus
-from inferlet.tree import ROOT
+from inferlet.spec.suffix_index import MAX_OCCURRENCES, SuffixIndex, main, read_corpus
+from inferlet.spec.token_tree import ROOT
 
 
 def test_match_finds_the_longest_earlier_suffix_not_itself():

@@ -1,4 +1,4 @@
-"""The tool-call grammar and parser (inferlet.tool_calls) over generated tool definitions (nested objects, enums,
+"""The tool-call grammar and parser (inferlet.text.tool_calls) over generated tool definitions (nested objects, enums,
 arrays, optional fields, numbers with bounds, refs): text walked through the grammar token by token (the default
 model's real tokenizer under llguidance, a seeded random choice among the tokens each mask allows, biased toward
 closing characters so strings and arrays end) always parses into calls of a given function whose arguments
@@ -16,9 +16,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from inferlet.grammar import Constraint
-from inferlet.tokenizer import Tokenizer
-from inferlet.tool_calls import (
+from inferlet.text.grammar import Constraint
+from inferlet.text.tool_calls import (
     CallArguments,
     CallStart,
     Content,
@@ -27,6 +26,7 @@ from inferlet.tool_calls import (
     render_call,
     tool_call_grammar,
 )
+from inferlet.tokenizer import Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 
 DEFINITIONS = 120  # generated tool sets; each is walked once under "required" and once named

@@ -1,4 +1,4 @@
-"""Token trees (inferlet.tree): building from candidates, flattening into a tree window, greedy verification,
+"""Token trees (inferlet.spec.token_tree): building from candidates, flattening into a tree window, greedy verification,
 and sampled verification whose emitted tokens follow the target's distribution exactly — with point-mass
 children and with children drawn from a drafter without replacement (recursive rejection sampling)."""
 
@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferlet.speculative import SpecStats
-from inferlet.tree import (
+from inferlet.spec.token_tree import (
     ROOT,
     TokenTree,
     draw_without_replacement,
@@ -17,6 +16,7 @@ from inferlet.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
+from inferlet.speculative import SpecStats
 from pie_runtime.protocol.tree import fold_path, tree_depths
 from tests.sdk.test_speculative import Q, T, assert_matches, fails_check
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlet.args import CompletionArgs
+from inferlet.text.arguments import CompletionArgs
 from inferlet.tokenizer import Tokenizer
 from pie_runtime.serve import control as c
 from pie_runtime.serve.errors import APIError

@@ -59,7 +59,7 @@ def test_choose_suffix_decoding():
 
 
 def build_index(path: Path, docs: list[list[int]]) -> Path:
-    from inferlet.suffix import SuffixIndex
+    from inferlet.spec.suffix_index import SuffixIndex
 
     index = SuffixIndex()
     for d in docs:

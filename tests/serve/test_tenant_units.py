@@ -13,9 +13,9 @@ import annotated_types
 import pytest
 from pydantic import ValidationError
 
-from inferlet.args import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.runtime import load_module
-from inferlet.tree import MAX_TREE_NODES, parse_shape
+from inferlet.spec.token_tree import MAX_TREE_NODES, parse_shape
+from inferlet.text.arguments import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.working_set import CACHE_SALT
 from pie_runtime.cli.secrets import secret, secret_list
 from pie_runtime.engine.channels import MAX_CLIENT_CHANNEL_ELEMENTS
