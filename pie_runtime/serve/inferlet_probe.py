@@ -21,7 +21,7 @@ from typing import Any
 
 def probe(path: Path, index: int) -> dict[str, Any]:
     """One file's verdict: ``{"completion": bool, "why": str}``."""
-    from inferlet.args import CompletionArgs, args_model
+    from inferlet.text.arguments import CompletionArgs, args_model
     from inferlet.runtime import load_module
 
     try:
@@ -34,7 +34,7 @@ def probe(path: Path, index: int) -> dict[str, Any]:
     wanted = set(CompletionArgs.model_fields)
     missing = sorted(wanted - set(model.model_fields))
     if missing:
-        why = f"its {model.__name__} lacks {', '.join(missing)} (subclass inferlet.args.CompletionArgs)"
+        why = f"its {model.__name__} lacks {', '.join(missing)} (subclass inferlet.text.CompletionArgs)"
         return {"completion": False, "why": why}
     needed = sorted(n for n, f in model.model_fields.items() if f.is_required() and n not in wanted)
     if needed:

@@ -31,7 +31,7 @@ PARTIAL = (
     "@inferlet.main\nasync def main(args: Args) -> dict:\n    return {}\n"
 )
 NEEDY = (
-    "import inferlet\nfrom inferlet.args import CompletionArgs\n\nclass Args(CompletionArgs):\n    corpus: str\n\n"
+    "import inferlet\nfrom inferlet.text import CompletionArgs\n\nclass Args(CompletionArgs):\n    corpus: str\n\n"
     "@inferlet.main\nasync def main(args: Args) -> dict:\n    return {}\n"
 )
 
