@@ -342,9 +342,7 @@ def load_eagle_head(
     return EagleHead(serve_drafter(load_eagle(path, dtype, device), weights, native=_native(model)), model)
 
 
-def served_formats(
-    store: ModelStore, names: list[str], default: str | None, chosen: dict[str, str]
-) -> dict[str, str]:
+def served_formats(store: ModelStore, names: list[str], default: str | None, chosen: dict[str, str]) -> dict[str, str]:
     """Every model an engine serves, in order, with its weight format: the named models, then their draft
     models. A model's format is the one ``chosen`` for it (--weights MODEL=FORMAT), else the format its draft
     model attachment records (the first target's), else ``default``, else (no plain --weights) the model's own

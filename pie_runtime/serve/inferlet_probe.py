@@ -21,8 +21,8 @@ from typing import Any
 
 def probe(path: Path, index: int) -> dict[str, Any]:
     """One file's verdict: ``{"completion": bool, "why": str}``."""
-    from inferlet.text.arguments import CompletionArgs, args_model
     from inferlet.runtime import load_module
+    from inferlet.text.arguments import CompletionArgs, args_model
 
     try:
         _, entry = load_module(path, f"inferlet_probe_{index}_{path.stem.replace('-', '_')}")
