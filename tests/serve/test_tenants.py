@@ -394,6 +394,9 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
         # K3 may hold one run: the stalled stream's, until the server gives up on its reader
         small = {"model": TINY, "prompt": "hi", "max_tokens": 2, "temperature": 0}
         time.sleep(1.0)  # the flood's request reaches the server and is admitted
+        # an uploaded inferlet's run takes the same slot: uploading buys the key no runs beside its quota
+        nap = run(served, K3, "nap", {"seconds": 0})
+        assert nap.status_code == 429 and nap.json()["error"]["param"] == "concurrent", nap.text
         statuses = []
         for _ in range(600):  # a safety net, not a bound under test
             statuses.append(call(served, "POST", "/v1/completions", K3, small).status_code)
