@@ -10,8 +10,8 @@ Each round the key, in turn:
   refusal by code;
 - starts a stream of an uploaded inferlet that emits without end and never reads it (the server cancels it
   after ``--stream-stall-timeout``);
-- asks what admission refuses: ``n`` past ``--max-n`` (400), a KV-page flood past its quota (429), an MTP
-  tree past its Args' bounds (400).
+- asks what admission refuses: ``n`` past ``--max-n`` (400), a KV-page flood past its quota (429: the key
+  needs a page quota, ``key_file``), an MTP tree past its Args' bounds (400).
 
 Every answer is an expected one unless it is a 5xx or a dropped connection: the hostile key's own runs may
 fail (their limits are the point), other keys' must not.
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+HOSTILE_PAGES = 64  # the hostile key's KV-page quota
 HOG = """
 import asyncio
 import collections
@@ -226,5 +227,11 @@ def tenant_flags(folder: Path) -> tuple[list[str], list[str], str]:
     honest = [f"honest-{i}-{n}" for i, n in enumerate(("4e1a", "77c2", "b0d9"))]
     hostile = "hostile-3f8e"
     keys = folder / "keys.json"
-    keys.write_text(json.dumps({"keys": {k: {} for k in [*honest, hostile]}}))
+    keys.write_text(json.dumps(key_file(honest, hostile)))
     return ["--keys", str(keys), "--allow-upload", "--stream-stall-timeout", "5"], honest, hostile
+
+
+def key_file(honest: list[str], hostile: str) -> dict:
+    """The ``--keys`` file: the honest keys unlimited, the hostile one under a 64-page KV quota (as
+    tests/serve/test_tenants.py's key: its page flood is refused 429, not run)."""
+    return {"keys": {**{k: {} for k in honest}, hostile: {"kv_pages": HOSTILE_PAGES}}}

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
-from hostile_tenant import hostile_loop, unexpected
+from hostile_tenant import hostile_loop, key_file, unexpected
 from soak_serve import start_server
 
 HONEST, HOSTILE = "honest-key-5a1e", "hostile-key-9d0b"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     keys = Path(tempfile.mkstemp(prefix="pie-keys-", suffix=".json")[1])
-    keys.write_text(json.dumps({"keys": {HONEST: {}, HOSTILE: {}}}))
+    keys.write_text(json.dumps(key_file([HONEST], HOSTILE)))
     log = Path(tempfile.mkstemp(prefix="pie-interference-", suffix=".log")[1])
     serve_flags = ["--keys", str(keys), "--allow-upload", "--stream-stall-timeout", "5", *flags]
     proc, url = start_server(a.model, serve_flags, log)
