@@ -17,6 +17,10 @@ both, every outcome by kind, status and error code, and a verdict: FLAT when the
 value, the descriptors grew by at most 4 a process, RSS by at most 10% + 32 MiB a process, and no request got
 an answer it should not have (a 5xx, a refused good request, an accepted bad one, a dropped connection).
 
+``--hostile``: the server it starts has four API keys; the clients take turns with three of them, and the
+fourth runs examples/hostile_tenant.py's loop for the whole time (uploads allowed). The verdict is the same,
+over the sandboxed hosts too; the hostile key's outcomes are listed, a fault among them is unexpected.
+
 ``--kill-engine-after S`` SIGKILLs the engine S seconds in: the 503s that follow (``engine_lost`` for the
 requests in flight, ``engine_restarting`` until a new engine serves) are deliberate, and the report says how
 soon the first came back and when /health said the server serves again. The end's "engine" is then the new
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -43,18 +48,15 @@ from pathlib import Path
 
 import httpx
 
+if not __package__:  # run as a script: its neighbours import by name
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hostile_tenant import hostile_loop, tenant_flags, unexpected
+from soak_procs import Proc, children, descendants, footprint, listener_pid
+
 FD_SLACK, RSS_SLACK, RSS_SLACK_BYTES = 4, 0.10, 32 << 20
 WEIGHTS = {"stream": 30, "whole": 25, "cancel": 20, "oversized": 5, "malformed": 20}
 DELIBERATE = {"engine_lost", "engine_restarting"}  # 503s expected after --kill-engine-after
-
-
-@dataclass
-class Proc:
-    """One process's footprint."""
-
-    pid: int
-    rss_bytes: int
-    open_fds: int
 
 
 @dataclass
@@ -105,50 +107,6 @@ def start_server(model: str | None, flags: list[str], log: Path) -> tuple[subpro
             raise SystemExit(f"pie serve did not start: {log.read_text()[-2000:]}")
 
 
-def listener_pid(port: int) -> int | None:
-    """The pid holding the listening TCP socket on ``port`` (from /proc), or None."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
-                inodes.add(f"socket:[{cols[9]}]")
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
-
-
-def footprint(pid: int) -> Proc | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-    rss = next((int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return Proc(pid, rss, fds)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
-
-
 async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapshot:
     """Waits until no request runs or waits and the pages in use held still for a second (a cancelled run
     releases its pages just after its request ends; 60 s at most), then reads pages, RSS and descriptors."""
@@ -166,7 +124,8 @@ async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapsho
     procs = {"engine": footprint(engine_pid) if engine_pid else None}
     if server_pid is not None:
         procs["server"] = footprint(server_pid)
-        hosts = [fp for p in children(server_pid) if p != engine_pid and (fp := footprint(p)) is not None]
+        below = [d for c in children(server_pid) if c != engine_pid for d in (c, *descendants(c))]
+        hosts = [fp for p in below if (fp := footprint(p)) is not None]  # a sandboxed host is bwrap's child
         if hosts:  # summed: a restarted engine comes with new hosts
             procs["hosts"] = Proc(hosts[0].pid, sum(h.rss_bytes for h in hosts), sum(h.open_fds for h in hosts))
     return Snapshot(_sum(page, "pie_kv_pages_used"), {k: v for k, v in procs.items() if v is not None})
@@ -299,14 +258,30 @@ async def traffic(
 
     async def worker(i: int) -> None:
         rng = random.Random(a.seed * 1000 + i)
-        while time.monotonic() < stop:
-            await one(client, t, rng.choices(kinds, weights)[0], rng, tally)
-            if tally.last_status == "503":
-                await asyncio.sleep(0.25)  # as a client backs off: not a busy loop while the engine restarts
+        mine = client
+        if a.honest_keys:  # each worker one of the honest keys, in turn
+            key = a.honest_keys[i % len(a.honest_keys)]
+            mine = httpx.AsyncClient(base_url=client.base_url, timeout=600, headers=_auth(key))
+        async with mine if mine is not client else contextlib.nullcontext():
+            while time.monotonic() < stop:
+                await one(mine, t, rng.choices(kinds, weights)[0], rng, tally)
+                if tally.last_status == "503":
+                    await asyncio.sleep(0.25)  # as a client backs off: not a busy loop while the engine restarts
 
     kill = asyncio.create_task(kill_engine(client, a.kill_engine_after, tally)) if a.kill_engine_after else None
+    hostile = asyncio.create_task(hostile_loop(str(client.base_url), a.hostile_key, stop)) if a.hostile_key else None
     await asyncio.gather(*(worker(i) for i in range(a.concurrency)))
+    if hostile is not None:  # the hostile key's outcomes, as kind "hostile"; its faults are unexpected
+        outcomes = await hostile
+        bad = unexpected(outcomes)
+        for key, n in outcomes.items():
+            for _ in range(n):
+                tally.add("hostile", key.replace(" ", ":"), None, key not in bad)
     return tally, (await kill if kill is not None else None)
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
 
 
 async def kill_engine(client: httpx.AsyncClient, after: float, tally: Tally) -> dict:
@@ -381,7 +356,8 @@ def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float) -> dict
 
 async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
     seconds = a.seconds if a.seconds is not None else a.minutes * 60
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    keyed = _auth(a.honest_keys[0]) if a.honest_keys else {}  # /metrics and /v1/models need a key then
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=keyed) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
         t = Target(card["id"], card["max_model_len"], a.oversize_bytes)
         warm = Tally()
@@ -393,7 +369,7 @@ async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
         began = time.monotonic()
         tally, killed = await traffic(client, t, a, seconds)
         elapsed = time.monotonic() - began
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:  # fresh: the soak's connections are closed
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=keyed) as client:  # fresh: the soak's are closed
         end = await snapshot(client, server_pid)
     if killed is not None:
         first = tally.first_lost
@@ -422,8 +398,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="SIGKILL the engine this many seconds in: its 503s (engine_lost, engine_restarting) are deliberate",
     )
+    p.add_argument(
+        "--hostile",
+        action="store_true",
+        help="a started server gets three honest keys (the clients take turns) and a hostile one running "
+        "examples/hostile_tenant.py's loop beside them (--allow-upload); its faults count as unexpected",
+    )
     a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    a.honest_keys, a.hostile_key = [], None
     proc = None
+    if a.hostile:
+        if a.url is not None:
+            raise SystemExit("--hostile starts its own server (its keys): no --url")
+        extra, a.honest_keys, a.hostile_key = tenant_flags(Path(tempfile.mkdtemp(prefix="pie-soak-keys-")))
+        flags = [*extra, *flags]
     if a.url is None:
         log = Path(tempfile.mkstemp(prefix="pie-soak-", suffix=".log")[1])
         proc, url = start_server(a.model, flags, log)

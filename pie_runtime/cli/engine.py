@@ -149,7 +149,7 @@ def _add_memory_options(p: argparse.ArgumentParser) -> None:
         "--max-programs",
         type=_positive,
         default=DEFAULT_MAX_PROGRAMS,
-        help="epilogue programs one client holds at once; registering one more evicts its least recently used "
+        help="epilogue programs one client identity holds at once; registering one more evicts its least recently used "
         "program that no queued fire uses (the SDK registers an evicted one again by itself; "
         f"default {DEFAULT_MAX_PROGRAMS})",
     )
@@ -193,6 +193,13 @@ def register(sub) -> None:
     p.add_argument(
         "--also-listen", action="append", default=[], help="another address to bind (repeatable; same --token)"
     )
+    p.add_argument(
+        "--tenant-listen",
+        action="append",
+        default=[],
+        help="an ipc:// address to bind whose connections are one client identity: they share one set of the "
+        "per-client limits (repeatable; pie serve binds one per API key for its upload sandboxes)",
+    )
     add_engine_options(p)
     p.set_defaults(func=run_engine)
 
@@ -219,7 +226,12 @@ def run_engine(args) -> int:
             max_programs=args.max_programs,
         )
         server = EngineServer(
-            core, args.listen, token, simulate_step_s=args.simulate_step_ms / 1000, also=args.also_listen
+            core,
+            args.listen,
+            token,
+            simulate_step_s=args.simulate_step_ms / 1000,
+            also=args.also_listen,
+            tenants=args.tenant_listen,
         )
         broken = _stop_when_a_group_breaks(served, server) if args.tensor_parallel > 1 else []
     except (StoreError, ValueError) as e:

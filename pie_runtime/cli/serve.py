@@ -206,7 +206,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     models = [model] + ([config.caps.draft_model] if config.caps.draft_model else [])
     try:
-        upload_dir, uploads = _uploads(args)
+        upload_dir, uploads = _uploads(args, list(quotas.keys) or [""])
     except ValueError as e:
         print(f"error: --allow-upload: {e}", file=sys.stderr)
         return 2
@@ -299,10 +299,10 @@ def _prompt_cache_dir(folder: Path | None) -> Path | None:
     return folder
 
 
-def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:
+def _uploads(args: argparse.Namespace, keys: list[str]) -> tuple[tempfile.TemporaryDirectory | None, Uploads | None]:
     """With --allow-upload: the folder uploaded inferlets go to (removed when the server stops), the limits
-    of the hosts that run them and their sandbox, checked to start here; else (None, None). ValueError
-    saying why uploads cannot be served safely."""
+    of the hosts that run them and their sandbox, checked to start here, for ``keys`` (the API keys, or the
+    anonymous ``""``); else (None, None). ValueError saying why uploads cannot be served safely."""
     from ..serve.backend import Uploads
     from ..serve.limits import HostLimits
     from ..serve.sandbox import Sandbox, SandboxUnavailable
@@ -327,7 +327,7 @@ def _uploads(args: argparse.Namespace) -> tuple[tempfile.TemporaryDirectory | No
         processes=args.upload_processes,
         clean_env=True,
     )
-    return folder, Uploads(Path(folder.name), limits, sandbox)
+    return folder, Uploads(Path(folder.name), limits, sandbox, keys)
 
 
 def _backend(args: argparse.Namespace, spec: EngineSpec, template: str | None, uploads: Uploads | None) -> Backend:

@@ -6,8 +6,9 @@ channels it writes: the error is kept and surfaces at the next take or read, unt
 
 Limits, checked when a channel opens (``limit_exceeded``, naming the limit): a cell holds at most
 ``MAX_CELL_ELEMENTS`` elements and a channel at most ``MAX_CHANNEL_ELEMENTS`` (cell elements times capacity);
-the channels one client holds open at once, together, at most ``MAX_CLIENT_CHANNEL_ELEMENTS`` (a client that
-opened many channels and filled them could otherwise hold any amount of the device's memory).
+the channels one client identity holds open at once (all its connections', identities.py), together, at most
+``MAX_IDENTITY_CHANNEL_BYTES`` at their full capacity (a tenant that opened many channels, on as many
+connections as it likes, and filled them could otherwise hold any amount of the device's memory).
 A host put or set must match the channel's dtype and shape exactly (no cast: ``invalid_argument``); an
 epilogue's writes are checked by the program's rules before it runs. A host take whose ``min`` (at most its
 ``max``) exceeds the channel's capacity could never be served and is refused (``invalid_argument``).
@@ -27,11 +28,11 @@ import torch
 from ..protocol import ErrorCode, PieError
 from ..protocol.arrays import encode_array
 from ..protocol.dtypes import CHANNEL_DTYPES
+from .identities import MAX_IDENTITY_CHANNEL_BYTES, Identities
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CHANNEL_DTYPES}
 MAX_CELL_ELEMENTS = 1 << 20  # elements of one cell
 MAX_CHANNEL_ELEMENTS = 1 << 24  # elements of a channel: a cell's times its capacity
-MAX_CLIENT_CHANNEL_ELEMENTS = 1 << 26  # elements of the channels one client holds open, capacities summed
 
 
 @dataclass(eq=False)
@@ -49,6 +50,11 @@ class Channel:
     @property
     def free(self) -> int:
         return self.capacity - len(self.cells)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the channel holds when full."""
+        return math.prod(self.shape) * self.capacity * TORCH_DTYPES[self.dtype].itemsize
 
     def check_live(self) -> None:
         if self.poison is not None:
@@ -164,10 +170,16 @@ class Waiter:
 class ChannelTable:
     """The channels of every client, and the host takes and reads waiting on them."""
 
-    def __init__(self) -> None:
+    def __init__(self, identities: Identities | None = None) -> None:
         self.channels: dict[int, Channel] = {}
         self.waiters: list[Waiter] = []
+        self.identities = identities or Identities()
         self._ids = itertools.count(1)
+
+    def held_by(self, owner: bytes) -> list[Channel]:
+        """The open channels of ``owner``'s identity (all its clients')."""
+        identity = self.identities.of(owner)
+        return [c for c in self.channels.values() if self.identities.of(c.owner) == identity]
 
     def open(
         self, owner: bytes, model: str, shape: list[int], dtype: str, capacity: int, device: torch.device
@@ -186,14 +198,15 @@ class ChannelTable:
                 f"a channel holds at most MAX_CHANNEL_ELEMENTS={MAX_CHANNEL_ELEMENTS} elements "
                 f"(cell elements x capacity), got {cell} x {capacity}",
             )
-        held = sum(math.prod(c.shape) * c.capacity for c in self.channels.values() if c.owner == owner)
-        if held + cell * capacity > MAX_CLIENT_CHANNEL_ELEMENTS:
+        ch = Channel(next(self._ids), owner, model, tuple(shape), dtype, capacity, device)
+        held = sum(c.nbytes for c in self.held_by(owner))
+        if held + ch.nbytes > MAX_IDENTITY_CHANNEL_BYTES:
             raise PieError(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"a client's open channels hold at most MAX_CLIENT_CHANNEL_ELEMENTS={MAX_CLIENT_CHANNEL_ELEMENTS} "
-                f"elements together; it holds {held} and asks {cell * capacity} more: close one first",
+                f"MAX_IDENTITY_CHANNEL_BYTES: a client's identity (all its connections) holds open channels of at "
+                f"most {MAX_IDENTITY_CHANNEL_BYTES} bytes together (at full capacity); it holds {held} and asks "
+                f"{ch.nbytes} more: close one first",
             )
-        ch = Channel(next(self._ids), owner, model, tuple(shape), dtype, capacity, device)
         self.channels[ch.id] = ch
         return ch
 

@@ -14,11 +14,14 @@ not a connection. So the descriptor stays the key, read so that it can never fai
 - a client is tracked from its first message that names its connection; a client never tracked is refused
   (:meth:`Connections.note` says False), since nothing it held could be released when it leaves.
 
-Each connection also has an identity: over ``ipc://``, the uid of the process at its other end (the kernel's
-``SO_PEERCRED``), else None. A uid other than the engine's own (`pie serve`'s sandboxed upload hosts run as one
-uid per API key) may hold at most ``MAX_FOREIGN_CONNECTIONS`` connections at once, so a tenant cannot multiply
-the engine's per-client limits by opening more connections (:meth:`Connections.admit`). (Under a server that
-is not root, its sandboxes keep its uid: no cap.)
+Each connection also has an identity (identities.py), which the engine's per-client limits are charged to:
+a connection made to a tenant listener (``--tenant-listen``: the kernel names the listener's path as the
+accepted socket's own address) is ``listen:PATH``, whatever its uid; else, over ``ipc://``, one whose peer is
+a uid other than the engine's own (the kernel's ``SO_PEERCRED``; a root `pie serve` runs each key's sandboxed
+hosts as a uid of their own) is ``uid:N``; any other connection (the operator's own hosts, a token holder on
+tcp) is None: its clients are each their own identity. A tenant identity holds at most
+``MAX_IDENTITY_CONNECTIONS`` connections at once (:meth:`Connections.admit`): its limits are its identity's
+whatever it opens, and the cap bounds the descriptors it can make the engine hold.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import struct
 
 import zmq
 
-MAX_FOREIGN_CONNECTIONS = 4  # connections one foreign uid holds at once (a sandboxed host needs one)
+MAX_IDENTITY_CONNECTIONS = 4  # connections one tenant identity holds at once (a sandboxed host needs one)
 
 
 def message_fd(frame: zmq.Frame) -> int | None:
@@ -41,39 +44,63 @@ def message_fd(frame: zmq.Frame) -> int | None:
     return fd if isinstance(fd, int) and fd >= 0 else None
 
 
-def peer_uid(fd: int) -> int | None:
-    """The uid of the process at the other end of a unix-socket connection (None for tcp or when unknown)."""
+def ipc_path(address: str) -> str | None:
+    """The socket path of an ``ipc://`` address, as the kernel names it (None for another transport)."""
+    return os.path.abspath(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
+
+
+def peer(fd: int) -> tuple[int | None, str | None]:
+    """The uid of the process at the other end of a unix-socket connection and the path of the listener it
+    connected to ((None, None) for tcp or when unknown)."""
     try:
         dup = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return None
+        return None, None
     with dup:
         if dup.family != socket.AF_UNIX:
-            return None
+            return None, None
         try:
             creds = dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            local = dup.getsockname()
         except OSError:
-            return None
-    return struct.unpack("3i", creds)[1]
+            return None, None
+    return struct.unpack("3i", creds)[1], local if isinstance(local, str) and local else None
+
+
+def identity_of(fd: int, tenants: frozenset[str]) -> str | None:
+    """The identity of the connection on ``fd`` (the module's docstring), None: not a tenant's."""
+    uid, local = peer(fd)
+    if local is not None and local in tenants:
+        return f"listen:{local}"
+    if uid is not None and uid != os.geteuid():
+        return f"uid:{uid}"
+    return None
 
 
 class Connections:
-    def __init__(self) -> None:
+    def __init__(self, tenants: frozenset[str] = frozenset()) -> None:
+        """``tenants``: the socket paths of the tenant listeners (``ipc_path`` of each ``--tenant-listen``)."""
+        self.tenants = tenants
         self.clients_on: dict[int, set[bytes]] = {}  # descriptor → the routing ids heard on it
         self.fd_of: dict[bytes, int] = {}
-        self.uid_on: dict[int, int | None] = {}  # descriptor → its peer's uid (ipc), None (tcp)
+        self.identity_on: dict[int, str | None] = {}  # descriptor → its identity, None: not a tenant's
 
     def admit(self, fd: int | None) -> str | None:
-        """Why a message on ``fd`` is refused (its peer, a foreign uid, holds too many connections), else None."""
-        if fd is None or fd in self.uid_on:
+        """Why a message on ``fd`` is refused (its tenant identity holds too many connections), else None."""
+        if fd is None or fd in self.identity_on:
             return None
-        uid = peer_uid(fd)
-        if uid is not None and uid != os.geteuid():
-            held = sum(1 for u in self.uid_on.values() if u == uid)
-            if held >= MAX_FOREIGN_CONNECTIONS:
-                return f"MAX_FOREIGN_CONNECTIONS: uid {uid} holds {held} connections to this engine already"
-        self.uid_on[fd] = uid
+        identity = identity_of(fd, self.tenants)
+        if identity is not None:
+            held = sum(1 for i in self.identity_on.values() if i == identity)
+            if held >= MAX_IDENTITY_CONNECTIONS:
+                return f"MAX_IDENTITY_CONNECTIONS: {identity} holds {held} connections to this engine already"
+        self.identity_on[fd] = identity
         return None
+
+    def identity(self, client: bytes) -> str | None:
+        """The identity of the connection ``client`` speaks on (None: its own, or not known)."""
+        fd = self.fd_of.get(client)
+        return self.identity_on.get(fd) if fd is not None else None
 
     def note(self, client: bytes, fd: int | None) -> bool:
         """Records that ``client`` spoke on ``fd``. Returns whether the client is tracked: it is once any of its
@@ -89,7 +116,7 @@ class Connections:
 
     def closed(self, fd: int) -> set[bytes]:
         """The clients of a connection that has just closed; they are forgotten."""
-        self.uid_on.pop(fd, None)
+        self.identity_on.pop(fd, None)
         gone = self.clients_on.pop(fd, set())
         for client in gone:
             self.fd_of.pop(client, None)

@@ -23,6 +23,7 @@ from ..protocol import messages as m
 from ..protocol.programs import PROGRAM_MEMORY
 from .channels import ChannelTable
 from .fire_requests import FireRequests
+from .identities import Identities, Identity
 from .jobs import Handler, Reply, StepStats
 from .kv_transfer import KVTransferRequests
 from .programs.registry import MAX_PROGRAMS
@@ -44,15 +45,16 @@ class EngineCore:
         max_programs: int = MAX_PROGRAMS,
     ):
         """``prefix_cache``: name full committed KV pages and let new working sets reuse them (prefix_cache.py).
-        ``max_programs``: the programs one client holds at once, least recently used evicted
+        ``max_programs``: the programs one client identity holds at once, least recently used evicted
         (programs/registry.py)."""
         self.models = ServedModels(models)
         self.sets = WorkingSetTable()
-        self.channels = ChannelTable()
+        self.identities = Identities()  # whose totals a client's requests are charged to (identities.py)
+        self.channels = ChannelTable(self.identities)
         self.stats = StepStats()
         self.outbox: list[Reply] = []  # replies owed outside the request being handled (waiting takes)
         self.spec_totals: dict[str, dict[str, SpecTotals]] = {}  # model → inferlet → summed run counters
-        self.working_sets = WorkingSetRequests(self.models, self.sets, self.outbox, self.channels)
+        self.working_sets = WorkingSetRequests(self.models, self.sets, self.outbox, self.channels, self.identities)
         self.programs = ProgramRequests(self.models, self.channels, self.outbox, program_memory, max_programs)
         self.fires = FireRequests(self.models, self.sets, self.programs)
         self._step = Step(self.models, self.channels, self.stats, max_batch_tokens)
@@ -88,6 +90,14 @@ class EngineCore:
     def has_work(self) -> bool:
         return self._step.has_work()
 
+    def identify(self, client: bytes, identity: Identity | None) -> None:
+        """Charges ``client``'s requests to ``identity`` (None: the client is its own; identities.py)."""
+        self.identities.set(client, identity)
+
+    def new_round(self) -> None:
+        """The server's loop went round: per-round totals (evict spans) start again."""
+        self.identities.new_round()
+
     def step(self) -> list[Reply]:
         """One engine step; its replies, and any others owed."""
         return self._step() + self.drain_outbox()
@@ -98,6 +108,7 @@ class EngineCore:
         released = self.working_sets.drop_client(client)
         self.programs.drop_client(client)
         self.outbox[:] = [r for r in self.outbox if r[0] != client]
+        self.identities.forget(client)  # last: the releases above are counted against its identity
         return released
 
     def drain_outbox(self) -> list[Reply]:

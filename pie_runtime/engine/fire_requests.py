@@ -8,9 +8,11 @@ from a channel, and stay with the engine as a run-ahead (docs/architecture.md, "
 Readouts are bounded before any work, so a small message cannot make the lm head allocate without limit:
 each readout reads at most ``max(w, MIN_READOUT_ROWS)`` rows (``w`` the fire's window; a row may repeat
 within that count, so a short window may still draw several samples of one row) and all the readouts of
-one fire at most ``MAX_READOUT_ROWS`` rows (``limit_exceeded``). Every row of a readout's
-allowed-token mask must allow at least one token of the vocabulary (``empty_mask``), so no sampler ever
-sees a row with nothing to choose.
+one fire at most ``MAX_READOUT_ROWS`` rows (``limit_exceeded``); their replies' bytes at most
+``MAX_FIRE_READOUT_BYTES`` a fire, and those of the fires a client's identity has queued at most
+``MAX_IDENTITY_READOUT_BYTES`` together (identities.py: a tenant's connections and runs share it). Every row
+of a readout's allowed-token mask must allow at least one token of the vocabulary (``empty_mask``), so no
+sampler ever sees a row with nothing to choose.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from ..protocol.tree import Fold, fold_path, tree_depths
 from .fold import settle_fold
+from .identities import MAX_FIRE_READOUT_BYTES, MAX_IDENTITY_READOUT_BYTES, Identities, readout_bytes
 from .jobs import FireJob, Handler
 from .programs import Program
 from .programs.requests import ProgramRequests
@@ -32,10 +35,17 @@ MIN_READOUT_ROWS = 64  # one readout reads at most max(window, this) rows: e.g. 
 
 
 class FireRequests:
-    def __init__(self, models: ServedModels, sets: WorkingSetTable, programs: ProgramRequests):
+    def __init__(
+        self,
+        models: ServedModels,
+        sets: WorkingSetTable,
+        programs: ProgramRequests,
+        identities: Identities | None = None,
+    ):
         self.models = models
         self.sets = sets
         self.programs = programs
+        self.identities = identities or programs.identities
 
     def ops(self) -> dict[str, Handler]:
         return {"fire": self.fire}
@@ -54,6 +64,7 @@ class FireRequests:
         positions = self._check_window(served, req, ws.position(start), w, depths)
         self._check_readout_rows(req, w)
         self._check_attention(served, req, start + w)
+        nbytes = self._check_readout_bytes(client, served, req, start + w)
         masks = [self._check_readout(r, w, served, req.parents) for r in req.readouts]
         program, bindings = self.programs.bind(client, req, ws, w)
         fold = self._fold(req, program, w)
@@ -90,8 +101,35 @@ class FireRequests:
                 bindings=bindings,
                 source=source,
                 run=run,
+                readout_bytes=nbytes,
             )
         )
+
+    def _check_readout_bytes(self, client: bytes, served: ServedModel, req: m.Fire, width: int) -> int:
+        """The bytes of the fire's readout replies, bounded alone (MAX_FIRE_READOUT_BYTES) and beside those of
+        the fires its client's identity has queued (MAX_IDENTITY_READOUT_BYTES): replies held until sent."""
+        info = served.info
+        attention = any(r.kind == "attention" for r in req.readouts)  # _check_attention: the model reads them
+        layers = served.runner.model.config.num_hidden_layers if attention else 1
+        nbytes = sum(readout_bytes(r, info.vocab_size, info.hidden_size, layers, width) for r in req.readouts)
+        if nbytes > MAX_FIRE_READOUT_BYTES:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"MAX_FIRE_READOUT_BYTES: the readouts of one fire reply at most {MAX_FIRE_READOUT_BYTES} bytes, "
+                f"these {nbytes}: read fewer rows a fire",
+            )
+        if not nbytes:
+            return 0
+        identity = self.identities.of(client)
+        queued = sum(job.readout_bytes for job in self.models.jobs() if self.identities.of(job.client) == identity)
+        if queued + nbytes > MAX_IDENTITY_READOUT_BYTES:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"MAX_IDENTITY_READOUT_BYTES: the queued fires of a client's identity (all its connections) reply "
+                f"at most {MAX_IDENTITY_READOUT_BYTES} bytes of readouts together; they hold {queued} and this "
+                f"one asks {nbytes}: wait for their replies",
+            )
+        return nbytes
 
     @staticmethod
     def _may_reuse(ws: WorkingSet, req: m.Fire, start: int) -> bool:

@@ -43,6 +43,7 @@ class FireJob:
     bindings: list[Channel] = field(default_factory=list)
     source: Channel | None = None  # tokens come from this channel's front cell, taken when the fire runs
     run: RunState | None = None
+    readout_bytes: int = 0  # its readouts' replies (identities.readout_bytes), charged to its client's identity
 
     @property
     def tree(self) -> TreeWindow | None:

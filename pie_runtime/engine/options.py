@@ -11,7 +11,7 @@ DEFAULT_STATE_SLOTS = 64  # working sets of a model with recurrent state at once
 DEFAULT_PER_ROW_STATES = 8  # per-row states a working set keeps under --recurrent-fold per-row (--per-row-states)
 PASS_COST_CACHE_MODES = ("reuse", "refresh", "off")  # --pass-cost-cache (engine/pass_cost_cache.py)
 DEFAULT_MAX_PROGRAMS = (
-    256  # epilogue programs a client holds at once, LRU evicted (--max-programs; programs/registry.py)
+    256  # epilogue programs a client identity holds at once, LRU evicted (--max-programs; programs/registry.py)
 )
 
 

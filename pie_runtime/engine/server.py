@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import ErrorCode, PieError
 from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request, unpack
-from .connections import Connections, message_fd
+from .connections import Connections, ipc_path, message_fd
 from .core import EngineCore
 
 log = logging.getLogger("pie.engine")
@@ -48,9 +48,15 @@ class EngineServer:
         token: str | None = None,
         simulate_step_s: float = 0.0,
         also: list[str] | None = None,
+        tenants: list[str] | None = None,
     ):
         """``also``: more addresses the one socket binds (``--also-listen``), e.g. an ``ipc://`` one for the
-        inferlet hosts beside a ``tcp://`` one; the token, when there is one, is asked on every one."""
+        inferlet hosts beside a ``tcp://`` one; the token, when there is one, is asked on every one.
+        ``tenants``: ``ipc://`` addresses bound as well, each one client identity (``--tenant-listen``: every
+        connection made to it shares one set of the engine's per-client limits, connections.py)."""
+        tenants = tenants or []
+        if any(not a.startswith("ipc://") for a in tenants):
+            raise ValueError("a tenant listener is an ipc:// address (its connections are named by its path)")
         if any(a.startswith("tcp://") for a in [address, *(also or [])]) and not token:
             raise ValueError("a tcp:// address needs an auth token (--token)")
         self.core = core
@@ -67,10 +73,10 @@ class EngineServer:
         # (connections.py); with no ZAP handler bound, ZMTP 3 peers pass as before
         self.sock.setsockopt(zmq.ZAP_DOMAIN, b"pie")
         self.sock.bind(address)
-        for extra in also or []:
+        for extra in [*(also or []), *tenants]:
             self.sock.bind(extra)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.connections = Connections()
+        self.connections = Connections(frozenset(p for p in map(ipc_path, tenants) if p is not None))
         self._running = False
 
     def serve_forever(self) -> None:
@@ -83,6 +89,7 @@ class EngineServer:
             while self._running:
                 timeout = 0 if self.core.has_work() else 100
                 poller.poll(timeout)
+                self.core.new_round()
                 self._drain()
                 if self.core.has_work():
                     replies = self.core.step()
@@ -122,6 +129,7 @@ class EngineServer:
         if not self.connections.note(client, fd):
             self._refuse(client, ErrorCode.UNSUPPORTED, "the engine cannot tell which connection this came on")
             return
+        self.core.identify(client, self.connections.identity(client))
         if len(frames) != 2:
             self._refuse(client, ErrorCode.BAD_MESSAGE, f"a request is one frame, got {len(frames) - 1}")
             return

@@ -4,8 +4,10 @@ anything. A working set of a model with recurrent state holds a state slot (engi
 one, fork copies the parent's state into another, release frees it; truncate and evict, which would need the
 state without some rows, are refused.
 
-A client holds at most ``MAX_WORKING_SETS`` working sets at once (open and fork refuse more with
-``limit_exceeded``), so one client cannot grow the engine's tables without bound."""
+A client's identity (identities.py: all the connections of one tenant) holds at most ``MAX_WORKING_SETS``
+working sets at once (open and fork refuse more with ``limit_exceeded``), so one tenant cannot grow the
+engine's tables without bound by opening more connections. Its evicts' rows and ranges between two steps are
+bounded too (``MAX_IDENTITY_EVICT_SPANS``)."""
 
 from __future__ import annotations
 
@@ -13,23 +15,30 @@ from ..protocol import ErrorCode, PieError
 from ..protocol import messages as m
 from .channels import ChannelTable
 from .fold import settle_fold
+from .identities import Identities
 from .jobs import Handler, Reply
 from .prefix_cache import salted_root
 from .served import ServedModels
 from .working_set import WorkingSet, WorkingSetTable
 
-MAX_WORKING_SETS = 4096  # per client
+MAX_WORKING_SETS = 4096  # per identity
 
 
 class WorkingSetRequests:
     def __init__(
-        self, models: ServedModels, sets: WorkingSetTable, outbox: list[Reply], channels: ChannelTable | None = None
+        self,
+        models: ServedModels,
+        sets: WorkingSetTable,
+        outbox: list[Reply],
+        channels: ChannelTable | None = None,
+        identities: Identities | None = None,
     ):
         self.models = models
         self.sets = sets
         self.outbox = outbox  # replies owed to the fires a release drops, and to the takes it settles
         self.channels = channels
-        self._held: dict[bytes, int] = {}  # client → working sets it holds
+        self.identities = identities or Identities()
+        self._held: dict[str, int] = {}  # identity → working sets its clients hold
 
     def ops(self) -> dict[str, Handler]:
         return {
@@ -49,7 +58,7 @@ class WorkingSetRequests:
         ws.state = hold
         if served.pages.cache is not None:  # its prefix-cache entries are its salt's own (prefix_cache.py)
             ws.chain.root = salted_root(served.pages.cache.root, req.cache_salt)
-        self._held[client] = self._held.get(client, 0) + 1
+        self._count(client, +1)
         return {"ws": ws.id, "model": served.name, "committed": 0}
 
     def fork(self, client: bytes, req: m.WsFork) -> dict:
@@ -65,15 +74,24 @@ class WorkingSetRequests:
         child.held_from = parent.held_from
         child.chain = parent.chain.prefix(parent.committed, kv.page_size)
         child.drafter_tail = parent.drafter_tail  # read-only: the child's first row finds its parent's last
-        self._held[client] = self._held.get(client, 0) + 1
+        self._count(client, +1)
         return {"ws": child.id, "committed": child.committed}
 
     def _check_room(self, client: bytes) -> None:
-        if self._held.get(client, 0) >= MAX_WORKING_SETS:
+        if self._held.get(self.identities.of(client), 0) >= MAX_WORKING_SETS:
             raise PieError(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"MAX_WORKING_SETS: a client holds at most {MAX_WORKING_SETS} working sets; release one first",
+                f"MAX_WORKING_SETS: a client's identity (all its connections) holds at most {MAX_WORKING_SETS} "
+                "working sets; release one first",
             )
+
+    def _count(self, client: bytes, change: int) -> None:
+        identity = self.identities.of(client)
+        held = self._held.get(identity, 0) + change
+        if held > 0:
+            self._held[identity] = held
+        else:
+            self._held.pop(identity, None)
 
     def release_request(self, client: bytes, req: m.WsRelease) -> dict:
         self.release(self.sets.get(client, req.ws))
@@ -112,6 +130,7 @@ class WorkingSetRequests:
                 ErrorCode.UNSUPPORTED,
                 f"model {ws.model} carries recurrent state, which cannot forget a row: evict needs attention layers",
             )
+        self.identities.charge_evict(client, len(req.rows) + len(req.ranges))
         last = max([r + 1 for r in req.rows] + [stop for _, stop in req.ranges], default=0)
         if last > ws.committed:  # checked before the set is built: a range may be huge
             raise PieError(
@@ -129,11 +148,7 @@ class WorkingSetRequests:
         once (with what the channel holds, or ``channel_empty``): no fire will write for them any more."""
         served = self.models[ws.model]
         self.sets.remove(ws)
-        held = self._held.get(ws.owner, 0) - 1
-        if held > 0:
-            self._held[ws.owner] = held
-        else:
-            self._held.pop(ws.owner, None)
+        self._count(ws.owner, -1)
         dropped = served.queue.drop(ws)
         if notify and dropped:
             err = PieError(ErrorCode.UNKNOWN_WORKING_SET, f"working set {ws.id} was released in flight")

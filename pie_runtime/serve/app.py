@@ -64,7 +64,7 @@ from .policies import Capabilities, Policy
 from .prompt_cache_routes import add_prompt_cache_routes
 from .prompt_caches import PromptCaches, disabled, start_from
 from .responses_routes import add_responses_routes
-from .runs import Runs
+from .runs import Runs, RunSlots
 from .sandbox import key_dir
 from .streams import chat_response, chat_stream, completion_response, completion_stream, prime, sse_response
 from .tenants import RunOwners
@@ -114,6 +114,7 @@ class Server:
         self.created = int(time.time())
         self._runs: Runs | None = None
         self._upload_runs: dict[str, Runs] = {}
+        self.slots = RunSlots(config.max_running, config.max_waiting)  # every pool's runs, uploads' included
         self.owners = RunOwners()
         self._salt_secret = os.urandom(32)  # salts no key can derive for another key
         folder = config.prompt_cache_dir
@@ -135,8 +136,7 @@ class Server:
                 "the model is loading" if b.state == "starting" else f"not serving: {b.error}", "starting"
             )
         if self._runs is None:
-            c = self.config
-            self._runs = Runs(b.pool, self.metrics, b.model, c.max_running, c.max_waiting)
+            self._runs = Runs(b.pool, self.metrics, b.model, self.slots)
         self._runs.pool = b.pool  # a restarted engine's
         return self._runs
 
@@ -149,9 +149,8 @@ class Server:
         except RunFailed as e:
             raise run_failed(e.code, e.message) from None
         runs = self._upload_runs.get(key)
-        if runs is None:
-            c = self.config
-            runs = self._upload_runs[key] = Runs(pool, self.metrics, self.backend.model, c.max_running, c.max_waiting)
+        if runs is None:  # the server's slots: uploading buys a key no run slots beside its other runs
+            runs = self._upload_runs[key] = Runs(pool, self.metrics, self.backend.model, self.slots)
         runs.pool = pool
         return runs
 
@@ -279,10 +278,9 @@ def _add_probe_routes(app: FastAPI, server: Server, guard: list[Any]) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS, dependencies=guard)
     async def metrics() -> Response:
-        runs = server._runs
         model = backend.model
-        server.metrics.running.labels(model=model).set(runs.running if runs else 0)
-        server.metrics.waiting.labels(model=model).set(runs.waiting if runs else 0)
+        server.metrics.running.labels(model=model).set(server.slots.running)  # uploads' runs included
+        server.metrics.waiting.labels(model=model).set(server.slots.waiting)
         page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts(), backend.engine_health())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -9,8 +9,9 @@ once with ``engine_lost`` (503), the hosts and the server's connection go with i
 and pools are brought up as the ``RestartPolicy`` allows (``engine_life.py``); past it the state is ``failed``.
 
 With uploads allowed (``Uploads``), each key's uploaded files run in a pool of that key's own, in hosts inside
-the OS sandbox (sandbox.py, tenants.py), which reach the engine through an extra ``ipc://`` listener in the
-sandbox's private folder (``--also-listen``); those pools start on a key's first run and go with the engine.
+the OS sandbox (sandbox.py, tenants.py), which reach the engine through an ``ipc://`` listener of their key's
+own in the sandbox's private folder (``--tenant-listen``: one engine identity a key, engine/identities.py);
+those pools start on a key's first run and go with the engine.
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ State = Literal["starting", "ready", "restarting", "draining", "failed"]
 
 @dataclass
 class Uploads:
-    """Where uploaded inferlets are written (a folder per key), the limits of the hosts that run them and the
-    sandbox they run in."""
+    """Where uploaded inferlets are written (a folder per key), the limits of the hosts that run them, the
+    sandbox they run in and the keys that may upload (each one engine identity: a tenant listener of its own)."""
 
     folder: Path
     limits: HostLimits
     sandbox: Sandbox
+    keys: list[str] = field(default_factory=lambda: [""])
 
     def __post_init__(self) -> None:
-        self.hosts = UploadHosts(self.folder, self.sandbox, self.limits)
+        self.hosts = UploadHosts(self.folder, self.sandbox, self.limits, self.keys)
 
 
 @dataclass
@@ -209,8 +211,9 @@ class Backend:
         env = dict(self.spec.env or {})
         if self.spec.token:
             env["PIE_ENGINE_TOKEN"] = self.spec.token  # never on argv (`pie engine` reads it from there)
-        if self.uploads is not None:
-            extra += ["--also-listen", self.uploads.sandbox.engine_address]
+        if self.uploads is not None:  # a listener per key: the engine charges all its connections' totals together
+            for key in self.uploads.keys:
+                extra += ["--tenant-listen", self.uploads.sandbox.engine_address(key)]
         engine = EmbeddedEngine(self.spec.models, extra, env=env)
         if self.spec.listen:
             engine.address = self.spec.listen

@@ -1,7 +1,9 @@
 """Hands admitted requests to the host pool, one inferlet run each, and keeps what the metrics need.
 
 At most ``max_running`` runs are in hosts at once; later requests wait (their queue time) and past
-``max_waiting`` waiting ones a request gets 503 ``overloaded``. A run whose consumer goes away (a client
+``max_waiting`` waiting ones a request gets 503 ``overloaded``. Those slots are the server's (``RunSlots``),
+shared by the main hosts' runs and every key's uploaded-inferlet runs: a key that uploads its own inferlet
+gets no run slots beside them. A run whose consumer goes away (a client
 that disconnects mid-stream, a cancelled handler) is cancelled in its host, which releases its working sets.
 """
 
@@ -30,15 +32,32 @@ class RunStats:
     last_text: float = 0.0
 
 
+class RunSlots:
+    """The server's ``max_running`` run slots and its count of runs waiting for one (at most ``max_waiting``)."""
+
+    def __init__(self, max_running: int, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.sem = asyncio.Semaphore(max_running)
+        self.waiting = 0
+        self.running = 0
+
+
 class Runs:
-    def __init__(self, pool: HostPool, metrics: Metrics, model: str, max_running: int, max_waiting: int) -> None:
+    def __init__(self, pool: HostPool, metrics: Metrics, model: str, slots: RunSlots) -> None:
         self.pool = pool
         self.metrics = metrics
         self.model = model
-        self.max_waiting = max_waiting
-        self._slots = asyncio.Semaphore(max_running)
-        self.waiting = 0
-        self.running = 0
+        self.slots = slots
+
+    @property
+    def waiting(self) -> int:
+        """Runs waiting for a slot, the server's (every pool's)."""
+        return self.slots.waiting
+
+    @property
+    def running(self) -> int:
+        """Runs in hosts, the server's (every pool's)."""
+        return self.slots.running
 
     def new_id(self) -> str:
         return f"run-{uuid.uuid4().hex[:16]}"
@@ -61,15 +80,16 @@ class Runs:
         st = RunStats(arrival=arrival or time.monotonic())
         run_id = run_id or self.new_id()
         done = False
+        slots = self.slots
         try:
-            if self.waiting >= self.max_waiting and self._slots.locked():
-                raise unavailable(f"{self.waiting} requests are waiting; try again later", "overloaded")
-            self.waiting += 1
+            if slots.waiting >= slots.max_waiting and slots.sem.locked():
+                raise unavailable(f"{slots.waiting} requests are waiting; try again later", "overloaded")
+            slots.waiting += 1
             try:
-                await self._slots.acquire()
+                await slots.sem.acquire()
             finally:
-                self.waiting -= 1
-            self.running += 1
+                slots.waiting -= 1
+            slots.running += 1
             try:
                 st.started = time.monotonic()
                 self.metrics.queue.labels(**labels).observe(st.started - st.arrival)
@@ -86,8 +106,8 @@ class Runs:
                 self.metrics.requests.labels(**labels, outcome=e.code).inc()
                 raise run_failed(e.code, e.message) from e
             finally:
-                self.running -= 1
-                self._slots.release()
+                slots.running -= 1
+                slots.sem.release()
                 if not done:
                     self.metrics.requests.labels(**labels, outcome="cancelled").inc()
                     await asyncio.shield(self._cancel(run_id))

@@ -8,8 +8,9 @@
 What the process inside sees and may do:
 
 - **network**: a network namespace of its own (only a loopback with nothing on it); the two sockets it needs,
-  the engine's and its pool's control socket, are ``ipc://`` files bind-mounted at ``/run/pie/``. Their outer
-  folder (``Sandbox.private``) is the server's, mode 0700: no other local user reaches them by path;
+  its key's own engine listener and its pool's control socket, are ``ipc://`` files bind-mounted at
+  ``/run/pie/``. Their outer folder (``Sandbox.private``) is the server's, mode 0700: no other local user
+  reaches them by path;
 - **files**: read-only views of the interpreter (``sys.base_prefix``), the venv (``sys.prefix``), the system
   libraries (``/usr``), the ``pie_runtime`` and ``inferlet`` packages and its own key's upload folder, each at
   its own path; a private ``/tmp`` (a size-capped tmpfs, its HOME and working folder); a fresh ``/dev`` and
@@ -81,10 +82,10 @@ class Sandbox:
         os.chmod(self.private, 0o700)
         self._uids: dict[str, int] = {}
 
-    @property
-    def engine_address(self) -> str:
-        """The ipc:// listener the engine opens for sandboxed hosts (``--also-listen``)."""
-        return f"ipc://{self.private}/engine.sock"
+    def engine_address(self, key: str) -> str:
+        """The ipc:// listener the engine opens for ``key``'s sandboxed hosts (``--tenant-listen``): its
+        connections are one engine identity, whatever uid the hosts run as (engine/identities.py)."""
+        return f"ipc://{self.private}/{key_dir(key)}.engine.sock"
 
     def control_dir(self, key: str) -> Path:
         return self.private / key_dir(key)

@@ -21,10 +21,11 @@ from .sandbox import Sandbox, SandboxLauncher, key_dir
 class UploadHosts:
     """Each key's upload folder and, once it has run one, its sandboxed host pool."""
 
-    def __init__(self, root: Path, sandbox: Sandbox, limits: HostLimits) -> None:
+    def __init__(self, root: Path, sandbox: Sandbox, limits: HostLimits, keys: list[str] | None = None) -> None:
         self.root = root
         self.sandbox = sandbox
         self.limits = limits
+        self.keys = set(keys if keys is not None else [""])  # the keys the engine has a tenant listener for
         self._pools: dict[str, HostPool] = {}
         self._lock = asyncio.Lock()
 
@@ -50,11 +51,13 @@ class UploadHosts:
         async with self._lock:
             pool = self._pools.get(key)
             if pool is None:
+                if key not in self.keys:  # no engine listener of its own: it would share another's identity
+                    raise RunFailed("host_crashed", "this key has no engine listener (keys are read at start)")
                 control = self.sandbox.control_dir(key)
                 control.mkdir(mode=0o700, parents=True, exist_ok=True)
                 folder = self.folder(key)
                 pool = HostPool(
-                    self.sandbox.engine_address,
+                    self.sandbox.engine_address(key),
                     1,
                     inferlet_dirs=[folder],
                     limits=self.limits,

@@ -6,6 +6,7 @@ process, the tiny random Llama of tests/engine/test_core.py). Secrets come from 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import random
 
@@ -18,11 +19,15 @@ from inferlet.spec.token_tree import MAX_TREE_NODES, parse_shape
 from inferlet.text.arguments import MAX_NEW_TOKENS, CompletionArgs, args_model
 from inferlet.working_set import CACHE_SALT
 from pie_runtime.cli.secrets import secret, secret_list
-from pie_runtime.engine.channels import MAX_CLIENT_CHANNEL_ELEMENTS
+from pie_runtime.engine.identities import MAX_IDENTITY_CHANNEL_BYTES
 from pie_runtime.engine.ws_requests import rows_named
 from pie_runtime.launcher import SHIPPED
 from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol import messages as m
+from pie_runtime.serve.errors import APIError
+from pie_runtime.serve.host_pool import RunEvent
+from pie_runtime.serve.metrics import Metrics
+from pie_runtime.serve.runs import Runs, RunSlots
 from tests.engine.test_core import PROMPT, A, B, Core
 
 SHIPPED_FILES = sorted(p for p in SHIPPED.glob("*.py") if not p.stem.startswith("_"))
@@ -113,8 +118,8 @@ def test_one_fires_attention_readouts_are_bounded_together(monkeypatch):
 def test_a_clients_open_channels_are_bounded_together():
     c = Core(num_pages=32)
     big = {"shape": [1 << 20], "dtype": "float32", "capacity": 16}  # MAX_CHANNEL_ELEMENTS: allowed alone
-    opened = [c.call(A, "channel_open", **big)["channel"] for _ in range(MAX_CLIENT_CHANNEL_ELEMENTS // (16 << 20))]
-    with pytest.raises(PieError, match="MAX_CLIENT_CHANNEL_ELEMENTS"):
+    opened = [c.call(A, "channel_open", **big)["channel"] for _ in range(MAX_IDENTITY_CHANNEL_BYTES // (64 << 20))]
+    with pytest.raises(PieError, match="MAX_IDENTITY_CHANNEL_BYTES"):
         c.call(A, "channel_open", **big)
     assert c.call(B, "channel_open", **big)["channel"]  # another client has its own budget
     c.call(A, "channel_close", channel=opened[0])
@@ -140,3 +145,39 @@ def test_each_keys_suffix_runs_share_a_store_of_their_own():
 
     assert store_of("key-a") is store_of("key-a")
     assert store_of("key-a") is not store_of("key-b") and store_of(None) is not store_of("key-a")
+
+
+class _Pool:
+    """A host pool whose runs wait for ``go`` and then end with a result."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def run(self, inferlet: str, args: dict, **_: object):
+        await self.go.wait()
+        yield RunEvent("result", result={"ok": True})
+
+    async def cancel(self, run_id: str) -> bool:
+        return False
+
+
+async def test_uploaded_runs_take_the_servers_run_slots():
+    """A key's uploaded-inferlet runs (their own pool, their own Runs) wait for the same --max-running slots as
+    the main hosts' runs: uploading buys no slots. With one slot and no queue, a second run on another pool is
+    refused 503 overloaded while the first holds it, and runs once it is given back."""
+    slots = RunSlots(max_running=1, max_waiting=0)
+    main_pool, upload_pool = _Pool(), _Pool()
+    main = Runs(main_pool, Metrics(), "m", slots)  # type: ignore[arg-type]  # the pool's duck type
+    uploads = Runs(upload_pool, Metrics(), "m", slots)  # type: ignore[arg-type]
+    first = asyncio.create_task(main.collect(main.events("text-completion", {})))
+    while slots.running == 0:
+        await asyncio.sleep(0)
+    with pytest.raises(APIError) as e:
+        await uploads.collect(uploads.events("mine", {}))
+    assert e.value.status == 503 and e.value.code == "overloaded"
+    assert uploads.running == main.running == 1
+    main_pool.go.set()
+    assert await first == {"ok": True}
+    upload_pool.go.set()
+    assert await uploads.collect(uploads.events("mine", {})) == {"ok": True}
+    assert slots.running == slots.waiting == 0

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pie_runtime.engine.connections import MAX_FOREIGN_CONNECTIONS
+from pie_runtime.engine.connections import MAX_IDENTITY_CONNECTIONS
+from pie_runtime.engine.identities import MAX_IDENTITY_CHANNEL_BYTES
 from pie_runtime.serve.sandbox import Sandbox
 from tests.conftest import REPO, TINY
 from tests.serve.server_proc import assert_refused_before_bind, children, start_serve
@@ -166,6 +167,18 @@ def more_engine_connections(count):
                 answers.append("ok" if reply["ok"] else reply["error"]["code"])
             else:
                 answers.append("silent")
+        # 64 MiB channels (at capacity) from every connection let in: the identity's total binds, not each one's
+        big = {"op": "channel_open", "shape": [1 << 20], "dtype": "float32", "capacity": 16}
+        for s, answer in zip(socks, answers):
+            for i in range(8):
+                if answer != "ok":
+                    break
+                s.send(pack({"id": 100 + i, **big}))
+                reply = unpack(s.recv()) if s.poll(10000) else {"ok": False, "error": {"code": "silent"}}
+                error = reply.get("error") or {}
+                answers.append("channel" if reply["ok"] else f"{error['code']}:{error.get('message', '')[:40]}")
+                if not reply["ok"]:
+                    break
     finally:
         for s in socks:
             s.close(0)
@@ -246,7 +259,11 @@ def test_the_upload_probe_gets_nothing(served, quiet):
     assert got["scratch"][0] == "ok" and got["fork"][0] == "ok"
     # its uid's connections to the engine are capped: more sockets do not buy more per-client limits
     answers = got["engine_connections"]
-    assert "limit_exceeded" in answers and answers.count("ok") < MAX_FOREIGN_CONNECTIONS, answers
+    assert "limit_exceeded" in answers and answers.count("ok") < MAX_IDENTITY_CONNECTIONS, answers
+    # and those connections share one identity's totals: its channel bytes, whatever connection asks
+    assert answers.count("channel") == MAX_IDENTITY_CHANNEL_BYTES // (64 << 20), answers
+    refusals = [a for a in answers if a.startswith("limit_exceeded:")]
+    assert len(refusals) == answers.count("ok") and all("MAX_IDENTITY_CHANNEL_BYTES" in a for a in refusals), answers
     # the engine lives on, and the fork did not outlive its run: the next run's pid namespace holds only
     # the sandbox's init, its host and that run's own fork
     assert Path(f"/proc/{engine}").exists()
@@ -377,6 +394,9 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
         # K3 may hold one run: the stalled stream's, until the server gives up on its reader
         small = {"model": TINY, "prompt": "hi", "max_tokens": 2, "temperature": 0}
         time.sleep(1.0)  # the flood's request reaches the server and is admitted
+        # an uploaded inferlet's run takes the same slot: uploading buys the key no runs beside its quota
+        nap = run(served, K3, "nap", {"seconds": 0})
+        assert nap.status_code == 429 and nap.json()["error"]["param"] == "concurrent", nap.text
         statuses = []
         for _ in range(600):  # a safety net, not a bound under test
             statuses.append(call(served, "POST", "/v1/completions", K3, small).status_code)

@@ -1,7 +1,8 @@
 """The requests of epilogue programs and device channels: ``program_register/unregister``,
 ``channel_open/put/set/take/read/close``, and the checks a fire with a program, a channel-fed window or a
-run-ahead passes before it is queued. Channels and programs belong to the client that made them; a client's
-programs are a bounded cache (registry.py)."""
+run-ahead passes before it is queued. Channels and programs belong to the client that made them; a client
+identity's (identities.py) channels are bounded in number and bytes, its programs a bounded cache
+(registry.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ...protocol import messages as m
 from ...protocol.dtypes import CHANNEL_DTYPES
 from ...protocol.programs import PROGRAM_MEMORY, ModelDims
 from ..channels import Channel, ChannelTable
+from ..identities import Identities
 from ..jobs import Handler, Reply
 from ..served import ServedModels
 from ..working_set import WorkingSet
@@ -19,7 +21,7 @@ from .fire import RunState
 from .registry import MAX_PROGRAMS, ProgramTable
 from .validate import Program, validate
 
-MAX_CHANNELS = 256  # per client
+MAX_CHANNELS = 256  # per identity
 
 
 class ProgramRequests:
@@ -30,12 +32,14 @@ class ProgramRequests:
         outbox: list[Reply],
         program_memory: int = PROGRAM_MEMORY,
         max_programs: int = MAX_PROGRAMS,
+        identities: Identities | None = None,
     ):
         self.models = models
+        self.identities = identities or channels.identities
         self.program_memory = program_memory  # bytes: a program whose values peak above it is refused
         self.channels = channels
         self.outbox = outbox  # replies owed to waiting takes that a host put or close answers
-        self.programs = ProgramTable(max_programs)
+        self.programs = ProgramTable(max_programs, self.identities)
 
     def ops(self) -> dict[str, Handler]:
         return {
@@ -116,14 +120,22 @@ class ProgramRequests:
     def unregister(self, client: bytes, req: m.ProgramUnregister) -> dict:
         return {"removed": self.programs.remove(client, req.program)}
 
-    def _in_use(self, client: bytes) -> set[str]:
-        """The hashes of the client's programs that its queued fires use."""
-        return {job.program.hash for job in self.models.jobs() if job.client == client and job.program is not None}
+    def _in_use(self, client: bytes) -> set[tuple[bytes, str]]:
+        """The (client, hash) of the programs that the queued fires of ``client``'s identity use."""
+        identity = self.identities.of(client)
+        return {
+            (job.client, job.program.hash)
+            for job in self.models.jobs()
+            if job.program is not None and self.identities.of(job.client) == identity
+        }
 
     def open(self, client: bytes, req: m.ChannelOpen) -> dict:
         served = self.models.get(req.model)
-        if sum(c.owner == client for c in self.channels.channels.values()) >= MAX_CHANNELS:
-            raise PieError(ErrorCode.INVALID_ARGUMENT, f"a client holds at most {MAX_CHANNELS} channels")
+        if len(self.channels.held_by(client)) >= MAX_CHANNELS:
+            raise PieError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"MAX_CHANNELS: a client's identity (all its connections) holds at most {MAX_CHANNELS} channels",
+            )
         ch = self.channels.open(client, served.name, req.shape, req.dtype, req.capacity, served.runner.device)
         return {"channel": ch.id}
 
