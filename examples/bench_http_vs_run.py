@@ -1,7 +1,7 @@
 """One stream over HTTP against `pie run` on the same engine, alternated in one run.
 
     python examples/bench_http_vs_run.py [--rounds 6] [--max-tokens 128] [--prompt-tokens 128] [--threads 2]
-                                         [--weights int4] [--profile DIR]
+                                         [--weights int4] [--base TREE] [--profile DIR]
 
 Starts one `pie serve --listen ipc://...` (its engine also reachable by address), then per round: one
 streaming chat completion over HTTP (greedy, ``ignore_eos``, a fresh prompt) and one
@@ -11,6 +11,10 @@ kind of request. Both prompts are new to the prefix cache. Rates:
 - ``http``: the client's decode rate (tokens after the first over the first-to-last content chunk, as
   `pie bench serve` counts it);
 - ``run``: the inferlet's own ``stats.decode_tokens_per_s`` (the baseline `pie bench serve --runs 1` uses).
+
+``--base TREE``: a second server run from another source tree (an older commit's, unpacked), its HTTP stream
+alternated with ours in each round: before and after in one run. Each HTTP row also gives the CPU milliseconds
+a token costs the server, the engine, the inferlet host and the client (less what each spends idle).
 
 ``--profile DIR``: runs ``py-spy record`` on the server, the inferlet host and the engine over the HTTP rounds
 (flame graphs as speedscope JSON under DIR). Prints one line a round and the median ratio, and the load average.
@@ -94,6 +98,41 @@ def profile(server_pid: int, folder: Path, seconds: int) -> list[subprocess.Pope
     return procs
 
 
+def start_server(model: str, a: argparse.Namespace, tree: str | None) -> tuple[ServerChild, str]:
+    """A `pie serve` whose engine also listens on an ipc address; ``tree``: the source tree it runs from (its
+    PYTHONPATH: the tree and the tree's sdk), else this one's."""
+    engine = f"ipc://{tempfile.gettempdir()}/pie-bench-http-{os.getpid()}-{free_port()}.sock"
+    port = free_port()
+    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model, "--http", f"127.0.0.1:{port}"]
+    cmd += ["--listen", engine, "--threads", str(a.threads), "--weights", a.weights]
+    saved = os.environ.get("PYTHONPATH")
+    if tree:
+        os.environ["PYTHONPATH"] = f"{tree}:{tree}/sdk"
+    try:
+        return ServerChild("pie serve", f"http://127.0.0.1:{port}", cmd), engine
+    finally:
+        if tree:
+            os.environ["PYTHONPATH"] = saved or ""
+
+
+def idle_rates(pids: dict[str, int], seconds: float = 3.0) -> dict[str, float]:
+    """CPU seconds a second each process spends with no request (heartbeats, watchdogs)."""
+    before = {k: cpu_s(v) for k, v in pids.items()}
+    time.sleep(seconds)
+    return {k: (cpu_s(v) - before[k]) / seconds for k, v in pids.items()}
+
+
+def timed_http(base: str, model: str, prompt: str, a: argparse.Namespace, pids: dict[str, int], idle: dict) -> tuple:
+    """(decode rate, CPU ms per token of each process less its idle rate, the client's included)."""
+    t0 = time.perf_counter()
+    before = {k: cpu_s(v) for k, v in pids.items()} | {"client": time.process_time()}
+    rate = http_rate(base, model, prompt, a.max_tokens)
+    after = {k: cpu_s(v) for k, v in pids.items()} | {"client": time.process_time()}
+    wall = time.perf_counter() - t0
+    cpu = {k: (after[k] - before[k] - idle.get(k, 0.0) * wall) / a.max_tokens * 1e3 for k in after}
+    return rate, cpu
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=6)
@@ -101,39 +140,46 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="int4")
+    p.add_argument("--base", default=None, help="also a server run from this source tree, alternated with ours")
     p.add_argument("--profile", type=Path, default=None)
     a = p.parse_args()
     model = DEFAULT_MODEL
-    texts = prompts(model, 2 * a.rounds + 1, a.prompt_tokens)
-    engine = f"ipc://{tempfile.gettempdir()}/pie-bench-http-{os.getpid()}.sock"
-    port = free_port()
-    cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model, "--http", f"127.0.0.1:{port}"]
-    cmd += ["--listen", engine, "--threads", str(a.threads), "--weights", a.weights]
-    server = ServerChild("pie serve", f"http://127.0.0.1:{port}", cmd)
+    texts = prompts(model, 3 * a.rounds + 1, a.prompt_tokens)
+    trees = {"http": None} | ({"http(base)": a.base} if a.base else {})
+    servers = {}
     try:
-        http_rate(server.base, model, texts[-1], 8)  # first-call costs
+        for label, tree in trees.items():
+            servers[label] = start_server(model, a, tree)
+            http_rate(servers[label][0].base, model, texts[-1], 8)  # first-call costs
+        engine = servers["http"][1]
         run_rate(engine, texts[-1], 8)
-        spies = profile(server.proc.pid, a.profile, 60) if a.profile else []
-        pids = roles(server.proc.pid)
-        ratios = []
+        pids = {k: roles(srv.proc.pid) for k, (srv, _) in servers.items()}
+        idle = {k: idle_rates(v) for k, v in pids.items()}
+        spies = profile(servers["http"][0].proc.pid, a.profile, 60) if a.profile else []
+        ratios: dict[str, list[float]] = {k: [] for k in servers}
+        cpus: dict[str, list[dict]] = {k: [] for k in servers}
         for r in range(a.rounds):
-            before = {k: cpu_s(v) for k, v in pids.items()} | {"client": time.process_time()}
-            h = http_rate(server.base, model, texts[2 * r], a.max_tokens)
-            after = {k: cpu_s(v) for k, v in pids.items()} | {"client": time.process_time()}
-            cpu = " ".join(f"{k} {(after[k] - before[k]) / a.max_tokens * 1e3:.2f}" for k in after)
-            e0 = cpu_s(pids["engine"])
-            u = run_rate(engine, texts[2 * r + 1], a.max_tokens)
-            e1 = cpu_s(pids["engine"])
-            ratios.append(h / u)
-            print(f"round {r}: http {h:.1f} tok/s, pie run {u:.1f} tok/s, ratio {h / u:.3f}; "
-                  f"CPU ms/token over HTTP: {cpu}; engine under pie run {(e1 - e0) / a.max_tokens * 1e3:.2f}",
-                  flush=True)  # fmt: skip
+            line = []
+            rates = {}
+            for j, (label, (srv, _)) in enumerate(servers.items()):
+                rates[label], cpu = timed_http(srv.base, model, texts[3 * r + j], a, pids[label], idle[label])
+                cpus[label].append(cpu)
+                line.append(f"{label} {rates[label]:.1f} tok/s (CPU ms/token: "
+                            + " ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + ")")  # fmt: skip
+            u = run_rate(engine, texts[3 * r + 2], a.max_tokens)
+            for label in servers:
+                ratios[label].append(rates[label] / u)
+            print(f"round {r}: pie run {u:.1f} tok/s; " + "; ".join(line), flush=True)
         for s in spies:
             s.wait()
-        print(f"median ratio http/run {statistics.median(ratios):.3f} over {len(ratios)} rounds; "
-              f"load average {os.getloadavg()}")  # fmt: skip
+        for label in servers:
+            med = {k: round(statistics.median(c[k] for c in cpus[label]), 3) for k in cpus[label][0]}
+            print(f"{label}: median ratio to pie run {statistics.median(ratios[label]):.3f} over {a.rounds} rounds; "
+                  f"median CPU ms/token {med}")  # fmt: skip
+        print(f"load average {os.getloadavg()}")
     finally:
-        server.stop()
+        for srv, _ in servers.values():
+            srv.stop()
     return 0
 
 
