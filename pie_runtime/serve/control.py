@@ -87,6 +87,13 @@ def encode(msg: _Msg) -> bytes:
     return data
 
 
+def encode_text(run: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    """``encode(Text(...))`` without building the model: a host sends one a token."""
+    data = msgpack.packb({"t": "text", "run": run, "text": text, "logprobs": logprobs}, use_bin_type=True)
+    assert data is not None
+    return data
+
+
 def decode_to_host(data: bytes) -> StartRun | CancelRun | Stop:
     return _to_host.validate_python(msgpack.unpackb(data, raw=False))
 

@@ -38,6 +38,16 @@ from . import control as c
 from .limits import HostLimits, apply, die_with_parent, reap_strays
 
 
+@dataclass(slots=True)
+class Chunk:
+    """Text a run emitted, on its way out as a ``text`` message (``control.encode_text``): a plain record, as
+    a token's text is queued for every token and its fields are the host's own, not to be validated."""
+
+    run: str
+    text: str
+    logprobs: list[dict] | None = None
+
+
 @dataclass
 class _Loaded:
     mtime_ns: int
@@ -53,7 +63,7 @@ class Host:
     modules: dict[str, _Loaded] = field(default_factory=dict)
     runs: dict[str, asyncio.Task] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)  # runs whose task was cancelled (once)
-    outbox: asyncio.Queue[c.Text | c.Result | c.Error | c.Ready | c.Heartbeat] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[Chunk | c.Result | c.Error | c.Ready | c.Heartbeat] = field(default_factory=asyncio.Queue)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     def entry(self, path: Path) -> Entry:
@@ -92,7 +102,7 @@ class Host:
     async def _run(self, run_id: str, inferlet: str, fn: Entry, args: Any, salt: str | None = None) -> None:
         def sink(text: str, logprobs: list[dict] | None = None) -> None:
             if text:
-                self.outbox.put_nowait(c.Text(run=run_id, text=text, logprobs=logprobs))
+                self.outbox.put_nowait(Chunk(run_id, text, logprobs))
 
         try:
             salted = {"cache_salt": salt} if salt else {}  # unsalted runs ask nothing new of the SDK
@@ -154,7 +164,8 @@ class Host:
             while not self.outbox.empty():
                 batch.append(self.outbox.get_nowait())
             for msg in _coalesce(batch):
-                await self.sock.send(c.encode(msg))
+                data = c.encode_text(msg.run, msg.text, msg.logprobs) if isinstance(msg, Chunk) else c.encode(msg)
+                await self.sock.send(data)
 
     async def heartbeat(self) -> None:
         while True:
@@ -166,11 +177,11 @@ def _coalesce(batch: list[Any]) -> list[Any]:
     out: list[Any] = []
     for msg in batch:
         prev = out[-1] if out else None
-        if isinstance(msg, c.Text) and isinstance(prev, c.Text) and prev.run == msg.run:
+        if isinstance(msg, Chunk) and isinstance(prev, Chunk) and prev.run == msg.run:
             lps = (
                 None if prev.logprobs is None and msg.logprobs is None else (prev.logprobs or []) + (msg.logprobs or [])
             )
-            out[-1] = c.Text(run=msg.run, text=prev.text + msg.text, logprobs=lps)
+            out[-1] = Chunk(msg.run, prev.text + msg.text, lps)
         else:
             out.append(msg)
     return out

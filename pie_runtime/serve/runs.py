@@ -30,6 +30,7 @@ class RunStats:
     started: float = 0.0
     first_text: float = 0.0
     last_text: float = 0.0
+    itl: Any = None  # the inter-token histogram of the run's labels, looked up once (it is observed a token)
 
 
 class RunSlots:
@@ -126,8 +127,9 @@ class Runs:
         if not st.first_text:
             st.first_text = now
             self.metrics.ttft.labels(**labels).observe(now - st.arrival)
+            st.itl = self.metrics.itl.labels(**labels)
         else:
-            self.metrics.itl.labels(**labels).observe(now - st.last_text)
+            st.itl.observe(now - st.last_text)
         st.last_text = now
 
     def _result(self, st: RunStats, labels: dict[str, str], result: dict, lease: Lease | None) -> None:

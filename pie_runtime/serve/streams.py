@@ -252,8 +252,11 @@ class StallGuardedStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         async def guarded(message: Message) -> None:
+            # asyncio.timeout, not wait_for: wait_for wraps each send in a task of its own (Python 3.11),
+            # an extra task and loop turn for every streamed token
             try:
-                await asyncio.wait_for(send(message), self.stall_s)
+                async with asyncio.timeout(self.stall_s):
+                    await send(message)
             except TimeoutError:
                 self.stalled = True
                 raise
