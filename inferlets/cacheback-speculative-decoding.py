@@ -24,10 +24,10 @@ from pydantic import Field
 import inferlet
 from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs, TreeShape
 from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.device_rounds import verify_rounds
-from inferlet.drafter import Drafter, Proposal
 from inferlet.lookup import NgramIndex
+from inferlet.spec.device_rounds import verify_rounds
+from inferlet.spec.drafter import Drafter, Proposal
+from inferlet.spec.host_rounds import speculate
 from inferlet.tree import TokenTree, parse_shape
 
 
@@ -56,7 +56,7 @@ class LookupDrafter(Drafter):
         if self.widths is not None:
             paths = self.index.draft_paths(len(self.widths), self.widths[0] * 2)
             tree = TokenTree.from_paths(paths, self.widths)
-            if len(tree) and (self.planner is None or self.planner.use_tree(self.widths, len(tree))):
+            if len(tree) and self.tree_pays(self.widths, len(tree)):
                 return Proposal(tree=tree)
         return Proposal(self.index.draft(k))
 

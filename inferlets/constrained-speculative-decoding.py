@@ -19,10 +19,10 @@ from pydantic import Field
 import inferlet
 from inferlet.args import MAX_DRAFT, MAX_NGRAM, DecodeArgs
 from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
 from inferlet.grammar import Constraint, grammar_text
 from inferlet.lookup import lookup_drafts
+from inferlet.spec.drafter import Drafter, Proposal
+from inferlet.spec.host_rounds import speculate
 
 
 class Args(DecodeArgs):

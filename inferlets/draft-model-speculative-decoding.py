@@ -29,9 +29,10 @@ from pydantic import Field
 import inferlet
 from inferlet.args import MAX_DRAFT, DecodeArgs, TreeShape
 from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
-from inferlet.sampler import Verifier, draw
+from inferlet.sampler import draw
+from inferlet.spec.drafter import Drafter, Proposal
+from inferlet.spec.host_rounds import speculate
+from inferlet.spec.verifier import Verifier
 from inferlet.tree import ROOT, TokenTree, draw_without_replacement, parse_shape, shape_rows
 
 
@@ -57,7 +58,7 @@ class ModelDrafter(Drafter):
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
         w = self.widths
-        if w is not None and (self.planner is None or self.planner.use_tree(w, shape_rows(w), len(w))):
+        if w is not None and self.tree_pays(w, shape_rows(w), len(w)):
             return Proposal(tree=await self.propose_tree(seq, w))
         lacking = seq[self.ws.committed :]  # final tokens the draft has not seen, ending with `last`
         drafts: list[int] = []

@@ -21,9 +21,9 @@ from pydantic import Field
 
 import inferlet
 from inferlet.args import MAX_DRAFT, DecodeArgs
-from inferlet.chained import ChainedDrafter
 from inferlet.choices import run_choices
-from inferlet.decode import speculate
+from inferlet.spec.chained import ChainedDrafter
+from inferlet.spec.host_rounds import speculate
 
 
 class Args(DecodeArgs):

@@ -29,9 +29,9 @@ from pydantic import Field
 import inferlet
 from inferlet.args import MAX_DRAFT, MAX_MATCH, DecodeArgs
 from inferlet.choices import run_choices
-from inferlet.decode import speculate
-from inferlet.drafter import Drafter, Proposal
 from inferlet.model import Model
+from inferlet.spec.drafter import Drafter, Proposal
+from inferlet.spec.host_rounds import speculate
 from inferlet.suffix import Candidates, SuffixIndex
 from inferlet.tree import MAX_TREE_NODES, TokenTree
 from inferlet.working_set import CACHE_SALT
@@ -101,7 +101,7 @@ class SuffixDrafter(Drafter):
         self.counts[name] += 1
         if self.args.tree_rows:
             tree = cand.tree.pruned(depth, self.args.tree_rows)
-            if not tree.is_chain() and (self.planner is None or self.planner.use_tree(widths(tree), len(tree))):
+            if not tree.is_chain() and self.tree_pays(widths(tree), len(tree)):
                 return Proposal(tree=tree)
         return Proposal(cand.chain()[0][:depth])
 

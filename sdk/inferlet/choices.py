@@ -26,7 +26,7 @@ from typing import TypeVar
 from .args import CompletionArgs
 from .forward import ForwardPass
 from .model import Model
-from .speculative import SpecStats
+from .spec.stats import SpecStats
 from .working_set import WorkingSet
 
 A = TypeVar("A", bound=CompletionArgs)

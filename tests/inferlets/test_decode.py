@@ -13,7 +13,8 @@ from inferlet.args import DecodeArgs
 from inferlet.choices import merge_choices
 from inferlet.output import Output
 from inferlet.sampler import PlainSampler
-from inferlet.speculative import SpecStats, VerifyResult
+from inferlet.spec.stats import SpecStats
+from inferlet.spec.verify import VerifyResult
 from inferlet.tokenizer import Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
 

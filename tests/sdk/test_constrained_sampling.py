@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 from inferlet.grammar import Constraint, grammar_text
-from inferlet.speculative import filter_distribution, verify_sampled
+from inferlet.spec.distribution import filter_distribution
+from inferlet.spec.verify import verify_sampled
 from inferlet.tokenizer import Tokenizer
 from inferlet.tree import ROOT, TokenTree, draw_without_replacement, verify_tree_sampled
 from pie_runtime.store import DEFAULT_MODEL, ModelStore
