@@ -2,7 +2,7 @@
 
 The drafter guesses that a token is followed by what followed it most often so far in this run (prompt and
 output): from the last token it chains up to k such guesses. The target verifies them in one fire by the SDK's
-speculative rule (inferlet.speculative), so greedy output equals plain decoding's token for token.
+speculative rule (inferlet.spec.verify), so greedy output equals plain decoding's token for token.
 
     pie run examples/bigram_drafter.py -- --prompt "1, 2, 3, 1, 2, 3, 1, 2," --max-tokens 32
     pie run examples/bigram_drafter.py -- --prompt "..." --by-hand      # step 2's hand-written loop (greedy)

@@ -51,7 +51,7 @@ class LookupDrafter(Drafter):
         if self.widths is not None:
             paths = self.index.draft_paths(len(self.widths), self.widths[0] * 2)
             tree = TokenTree.from_paths(paths, self.widths)
-            if len(tree) and (self.planner is None or self.planner.use_tree(self.widths, len(tree))):
+            if len(tree) and self.tree_pays(self.widths, len(tree)):
                 return Proposal(tree=tree)
         return Proposal(self.index.draft(k))
 

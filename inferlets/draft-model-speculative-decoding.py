@@ -63,7 +63,7 @@ class ModelDrafter(Drafter):
 
     async def propose(self, seq: list[int], k: int) -> Proposal:
         w = self.widths
-        if w is not None and (self.planner is None or self.planner.use_tree(w, shape_rows(w), len(w))):
+        if w is not None and self.tree_pays(w, shape_rows(w), len(w)):
             return Proposal(tree=await self.propose_tree(seq, w))
         lacking = seq[self.ws.committed :]  # final tokens the draft has not seen, ending with `last`
         drafts: list[int] = []

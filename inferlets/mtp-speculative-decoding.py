@@ -24,9 +24,9 @@ part of the round's measured overhead.
 
 With --run-ahead (greedy) the loop stays in the engine: the window comes from a channel, the epilogue
 verifies (n = cumprod(drafts == target[:k]).sum()), folds n + 1, writes target[0..n] to an output channel
-and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/device_rounds.py); this
+and the next window [target[n], MTP drafts at row n] to the input (sdk/inferlet/spec/device_rounds.py); this
 inferlet only takes the output and replays the host loop's stats from it. Sampled runs use the host loop.
-Run-ahead drafts --draft-length every round: the adaptive schedule (inferlet.draft_length) is host-side.
+Run-ahead drafts --draft-length every round: the adaptive schedule (inferlet.spec.draft_policy) is host-side.
 n > 1 (forks of the prompt, inferlet.choices) and ignore_eos (the engine loop stops at EOS) use the host loop.
 """
 
@@ -39,7 +39,7 @@ from pydantic import Field
 
 import inferlet
 from inferlet.spec import (
-    Drafter,
+    ChainedDrafter,
     NgramIndex,
     Proposal,
     TokenTree,
@@ -47,7 +47,6 @@ from inferlet.spec import (
     Verifier,
     VerifyResult,
     mtp_run_ahead,
-    next_depth,
     parse_shape,
     shape_rows,
     speculate,
@@ -69,10 +68,10 @@ class Args(DecodeArgs):
 LOOKUP_NGRAM = (2, 3)  # --lookup matches the last 3 tokens, else the last 2 (one token matches too much text)
 
 
-class MTPDrafter(Drafter):
-    """Each fire's MTP readout drafts the next round. Its depth is the planner's, weighed over this round's
-    possible verdicts (``next_depth``), since every level of depth costs an MTP step and an lm head whether or
-    not its draft is used; before a round the planner will not draft in, the fire reads out no MTP at all."""
+class MTPDrafter(ChainedDrafter):
+    """Each fire's MTP readout drafts the next round (inferlet.spec.chained: its depth is the policy's, weighed
+    over this round's possible verdicts). With ``widths`` the fire may read the head's distributions on every
+    row instead, for a tree; with ``lookup`` a prompt lookup's drafts go first where they match."""
 
     def __init__(
         self,
@@ -82,53 +81,38 @@ class MTPDrafter(Drafter):
         lookup: int = 0,
         acceptance: Sequence[float] = (),
     ):
-        self.k = k
+        # a lookup draft costs nothing, and the head's chain, run every fire, is then the round's overhead; the
+        # head's training record (Model.mtp_acceptance) is the policy's prior unless lookups share the rounds
+        super().__init__(mtp_head, k, 0.0 if lookup else step_ms, () if lookup else acceptance)
         # with --lookup: the text so far, n-gram indexed, and the longest lookup draft
         self.index = NgramIndex(LOOKUP_NGRAM[1], LOOKUP_NGRAM[0]) if lookup else None
         self.lookup = lookup
-        self.proposed = 0  # chain drafts the fire being built verifies
-        self.next: list[int] = []
         self.next_tree: TokenTree | None = None
-        # a lookup draft costs nothing; the head's chain, run every fire, is then the round's overhead
-        self.draft_cost_ms = 0.0 if lookup else step_ms
-        # the head's training record (Model.mtp_acceptance) as the planner's prior, unless lookups share the rounds
-        self.acceptance_prior = () if lookup else acceptance
         self.widths = widths[:k] if widths else None
         self.tree_fire = False  # the fire being built verifies a tree (at_accepted reads chains only)
         self.reading_tree = False  # the fire being built reads the next round's tree
 
     def readouts(self, verifier: Verifier) -> list:
         self.reading_tree = False
-        depth = next_depth(self, self.proposed, self.k)
-        if depth == 0:
-            return [verifier.kind()]  # the next round is a plain step: no drafts to compute for it
+        depth = self.chain_depth()
         w = self.widths
         # reading the tree's distributions costs an MTP chain on every row of this fire, not on one
-        if w is not None and (
-            self.planner is None or self.planner.use_tree(w, shape_rows(w), (shape_rows(w) + 1) * len(w))
-        ):
+        if depth and w is not None and self.tree_pays(w, shape_rows(w), (shape_rows(w) + 1) * len(w)):
             self.reading_tree = True  # the head's distributions at every row: the top-k per depth
             mtp = inferlet.MTP(len(w), with_probs=True)
             return [mtp] if verifier.greedy else [verifier.kind(), mtp]
-        if verifier.greedy and not self.tree_fire:  # the engine chains drafts only from the kept row
-            return [inferlet.MTP(depth, at_accepted=True)]
-        return [verifier.kind(), inferlet.MTP(depth)]
+        return self.chain_readouts(verifier, depth, at_accepted=not self.tree_fire)
 
     def observe(self, res: inferlet.PassResult, verified: VerifyResult | TreeVerdict) -> None:
-        self.next, self.next_tree, self.tree_fire, self.proposed = [], None, False, 0
-        if res.readouts[-1].kind != "mtp":
-            return
-        row = verified.path[-1] if isinstance(verified, TreeVerdict) else verified.accepted
-        readout = res.readouts[-1]
-        tokens = readout.tokens[row]  # (1+depth,) at the last kept row
-        # the drafts follow column 0; a sampled token that differs from it leaves none
-        if int(tokens[0]) != verified.tokens[-1] or min(tokens[1:], default=0) < 0:
-            return
-        if self.reading_tree and self.widths is not None and readout.probs is not None:
-            cands = [np.argsort(-readout.probs[row, d], kind="stable")[:w].tolist() for d, w in enumerate(self.widths)]
-            self.next_tree = TokenTree.from_topk(cands, self.widths)
-        else:
-            self.next = [int(t) for t in tokens[1:]]
+        probs, widths = res.readouts[-1].probs, self.widths
+        reading_tree = self.reading_tree
+        super().observe(res, verified)
+        self.next_tree, self.tree_fire = None, False
+        if reading_tree and widths is not None and probs is not None and self.next:
+            self.next = []  # the head's distributions at the kept row: the top-k per depth, a tree
+            row = verified.path[-1] if isinstance(verified, TreeVerdict) else verified.accepted
+            cands = [np.argsort(-probs[row, d], kind="stable")[:w].tolist() for d, w in enumerate(widths)]
+            self.next_tree = TokenTree.from_topk(cands, widths)
 
     async def prefill(self, prompt: list[int]) -> None:
         if self.index is not None:
@@ -146,6 +130,11 @@ class MTPDrafter(Drafter):
         drafts = found or self.next[: min(k, self.k)]
         self.proposed = len(drafts)
         return Proposal(drafts)
+
+
+def mtp_head(depth: int, at_accepted: bool) -> inferlet.MTP:
+    """The head readout of a fire that chains ``depth`` drafts."""
+    return inferlet.MTP(depth, at_accepted=at_accepted)
 
 
 @inferlet.main

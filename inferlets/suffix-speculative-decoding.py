@@ -97,7 +97,7 @@ class SuffixDrafter(Drafter):
         self.counts[name] += 1
         if self.args.tree_rows:
             tree = cand.tree.pruned(depth, self.args.tree_rows)
-            if not tree.is_chain() and (self.planner is None or self.planner.use_tree(widths(tree), len(tree))):
+            if not tree.is_chain() and self.tree_pays(widths(tree), len(tree)):
                 return Proposal(tree=tree)
         return Proposal(cand.chain()[0][:depth])
 

@@ -9,7 +9,7 @@ a logit bias it reads the step's Logits and picks on the host; with logprobs a L
 (inferlet.text.StepSampler). ``n > 1`` decodes n forks of the prompt after one prefill (inferlet.text.run_choices;
 only choice 0 streams).
 
-With --run-ahead the loop stays in the engine (inferlet.run_ahead): an epilogue picks each token (argmax, or
+With --run-ahead the loop stays in the engine (inferlet.spec.run_ahead): an epilogue picks each token (argmax, or
 Gumbel sampling from a seeded rng state in a channel) and writes it to the input and output channels; the
 engine re-fires the pass with no round trip until EOS or the token budget, and this inferlet only takes the
 tokens. A run the engine loop cannot do (n > 1, ignore_eos, penalties, logit bias, logprobs) uses the host loop

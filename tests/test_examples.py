@@ -32,6 +32,30 @@ def test_best_of_n_forks_share_the_prompt(engine):
     assert result["best"] == result["candidates"][0]["text"]
 
 
+@pytest.mark.e2e
+def test_tutorial_drafter_honours_n(engine):
+    """speculate runs ``--n`` choices on forks of the prompt, each with its own copy of the tutorial's drafter:
+    greedy, every choice is text-completion's text; sampled, four choices, the first the run's own."""
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
+    words = ["--prompt", prompt, "--max-tokens", "16"]
+    plain = run("text-completion", engine.address, *words)
+    greedy = run(str(REPO / "examples/bigram_drafter.py"), engine.address, *words, "--n", "4")
+    assert [c["token_ids"] for c in greedy["choices"]] == [plain["token_ids"]] * 4
+    assert greedy["speculation"]["accepted"] > 0 and greedy["stats"]["generated_tokens"] == 4 * len(plain["token_ids"])
+    sampled = run(
+        str(REPO / "examples/bigram_drafter.py"),
+        engine.address,
+        *words,
+        "--n",
+        "4",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+    )
+    assert len(sampled["choices"]) == 4 and sampled["choices"][0]["token_ids"] == sampled["token_ids"]
+
+
 def test_fuzz_engine_imports_without_running_and_its_cases_are_seeded():
     """examples/fuzz_engine.py is a module (tests/engine/test_fuzz.py runs it): importing it starts nothing,
     and a seed fixes every hostile message it builds."""

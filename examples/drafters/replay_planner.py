@@ -1,12 +1,12 @@
 """Replays draft-length schedules offline on real greedy decodes: the same speedup comparison as `pie bench
-speculation`, without the machine's noise, so that a change to the planner (sdk/inferlet/draft_length.py)
+speculation`, without the machine's noise, so that a change to the planner (sdk/inferlet/spec/draft_policy.py)
 can be judged in seconds on many prompts.
 
 Speculative greedy output is the target's greedy output, and the head's drafts at a row depend only on the
 text before it, so one greedy decode that reads the MTP head's chain at every step
 (examples/drafters/trace_head.py) says what every round of every schedule would draft and keep. Each
-schedule is then replayed through the SDK's own planner and head-depth code (``DraftPlanner``,
-``chained.next_depth``), each round priced as the engine measured it at start: the pass cost of
+schedule is then replayed through the SDK's own planner and head-depth code (``DraftPolicy``,
+``ChainedDrafter.chain_depth``), each round priced as the engine measured it at start: the pass cost of
 its rows, a head step per level of the chain its fire reads, and the prompt's overhead (the median wall time
 of the traced steps past a 1-row pass: messages, sampling, attention over a longer context than the curve's).
 Modelled, not timed: it has no noise, but it is only as right as its prices. The ratios run above `pie
@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from inferlet.spec import ChainedDrafter, DraftPlanner, next_depth
+from inferlet.spec import ChainedDrafter, DraftPolicy, PassCostModel
 from pie_runtime.bench.prompts import prompt_text
 from pie_runtime.launcher import EmbeddedEngine, LaunchError, run_inferlet
 
@@ -71,17 +71,18 @@ class Trace:
 
 def replay(trace: Trace, k: int, adaptive: bool) -> tuple[float, float]:
     """(speedup over plain steps, rows a round) of a run drafting up to ``k`` a round, the planner's count with
-    ``adaptive``, else always ``k``; the loop mirrors inferlet.decode.drive_rounds for a chained head."""
+    ``adaptive``, else always ``k``; the loop mirrors inferlet.spec.drafting.DraftRounds for a chained head."""
     drafter = ChainedDrafter(lambda depth, at_accepted: None, k, trace.step_ms, trace.acceptance)  # type: ignore[arg-type, return-value]
     costs = trace.pass_cost_ms if adaptive else []
-    planner = drafter.planner = DraftPlanner(k, costs, trace.step_ms, prior=drafter.acceptance_prior)
-    pass_cost = DraftPlanner(k, trace.pass_cost_ms).pass_cost  # the price of a round, whatever the schedule
+    planner = drafter.planner = DraftPolicy(k, costs, trace.step_ms, prior=drafter.acceptance_prior)
+    pass_cost = PassCostModel(trace.pass_cost_ms).pass_cost  # the price of a round, whatever the schedule
     n, ms, chained, rounds, rows = 0, 0.0, k, 0, 0
     last = len(trace.tokens) - 1  # the first token comes with the prefill
     while n < last:
         want = planner.next() if last - n > 1 else 0
         drafts = trace.drafts[n][: min(chained, want, last - n - 1)]
-        depth = next_depth(drafter, len(drafts), k)
+        drafter.proposed = len(drafts)
+        depth = drafter.chain_depth()
         kept = 0
         while kept < len(drafts) and drafts[kept] == trace.tokens[n + 1 + kept]:
             kept += 1

@@ -38,7 +38,7 @@ needs well above a stateless model's; per-row states bring it back near stateles
 costs an accepting round little. Memory is the price: a working set holds 2 + ``--per-row-states`` states
 instead of 2. Hence the default per-row, ``--per-row-states`` to bound it and ``--recurrent-fold replay`` where
 memory is short. The
-draft-length planner (inferlet.draft_length) prices a replay only for folds per-row states do not serve
+draft-length planner (inferlet.spec.draft_policy) prices a replay only for folds per-row states do not serve
 (``ModelInfo.per_row_states``).
 """
 

@@ -1,6 +1,6 @@
 """Readout kernels on the device: logits → argmax, filtered distribution, seeded samples.
 
-``filtered_probs`` is the engine's twin of the SDK's ``inferlet.speculative.filter_distribution``: the
+``filtered_probs`` is the engine's twin of the SDK's ``inferlet.spec.distribution.filter_distribution``: the
 same mask → temperature → top-k → top-p order, the same greedy one-hot below ``MIN_TEMPERATURE`` (ties go
 to the lowest index), so p and q computed on either side agree.
 

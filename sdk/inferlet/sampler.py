@@ -1,5 +1,5 @@
-"""How a run picks its tokens: the ``Verifier`` (the readout a round reads on its verify rows and the rule that
-keeps drafts, inferlet.speculative); for the fallback that reads every step's logits, the ``PlainSampler``
+"""How a run picks its tokens on the host: for a speculative run's fallback that reads every step's logits, the
+``PlainSampler``
 (penalties, logit bias, logprobs); and text-completion's ``StepSampler``, which reads the engine's Argmax or
 seeded Sample unless the host must pick (PlainSampler), with a Logits readout beside it for logprobs.
 
@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from .args import CompletionArgs
-from .forward import ForwardPass, PassResult, ReadoutResult
-from .output import Output
-from .readouts import Argmax, Distribution, Logits, ReadoutSpec, Sample
-from .speculative import VerifyResult, filter_distribution, verify_greedy, verify_sampled
-from .tree import TokenTree, TreeVerdict, verify_tree_greedy, verify_tree_sampled
+from .forward import ForwardPass, PassResult
+from .readouts import Argmax, Logits, ReadoutSpec, Sample
+from .spec.distribution import filter_distribution
+from .spec.verify import verify_sampled
+from .text.arguments import CompletionArgs
+from .text.output import Output
 from .working_set import WorkingSet
 
 Fire = Callable[[WorkingSet, list[int], ForwardPass], Awaitable[PassResult]]  # StepSampler.step's ``fire``
@@ -37,37 +37,6 @@ def logprob_entry(logits: np.ndarray, token: int, top: int) -> dict:
 def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     """One index drawn proportionally to non-negative ``weights``."""
     return verify_sampled([], np.asarray(weights, dtype=np.float64)[None], None, rng).tokens[0]
-
-
-class Verifier:
-    """Readout kind and verification rule of a run: Argmax + verify_greedy at temperature 0, else
-    Distribution (same temperature/top-k/top-p) + verify_sampled with the run's seeded generator."""
-
-    def __init__(self, args: CompletionArgs):
-        self.args = args
-        self.greedy = args.temperature == 0
-        self.rng = np.random.default_rng(args.seed)
-
-    def kind(self) -> Argmax | Distribution:
-        a = self.args
-        return Argmax() if self.greedy else Distribution(a.temperature, a.top_k, a.top_p)
-
-    def verify(self, drafts: list[int], readout: ReadoutResult, q: np.ndarray | None = None) -> VerifyResult:
-        if self.greedy:  # Argmax tokens (R,), or MTP/Eagle tokens (R, 1+k) whose column 0 is the argmax
-            tokens = readout.tokens
-            assert tokens is not None, f"a greedy run verifies Argmax or MTP tokens, not {readout.kind}"
-            return verify_greedy(drafts, tokens[:, 0] if tokens.ndim == 2 else tokens)
-        assert readout.probs is not None, f"a sampled run verifies a Distribution, not {readout.kind}"
-        return verify_sampled(drafts, readout.probs, q, self.rng)
-
-    def verify_tree(self, tree: TokenTree, readout: ReadoutResult) -> TreeVerdict:
-        """``verify`` for a tree window (inferlet.tree): the readout has one row per window row."""
-        if self.greedy:
-            tokens = readout.tokens
-            assert tokens is not None, f"a greedy run verifies Argmax or MTP tokens, not {readout.kind}"
-            return verify_tree_greedy(tree, tokens[:, 0] if tokens.ndim == 2 else tokens)
-        assert readout.probs is not None, f"a sampled run verifies a Distribution, not {readout.kind}"
-        return verify_tree_sampled(tree, readout.probs, self.rng)
 
 
 class PlainSampler:
@@ -178,3 +147,15 @@ class StepSampler:
             assert logits is not None
             self._logprobs.append(logprob_entry(logits[0], token, self.args.top_count))
         return token
+
+
+def __getattr__(name: str) -> object:
+    """``Verifier`` moved to inferlet.spec.verifier; the old name works for one release, with a warning."""
+    if name == "Verifier":
+        import warnings
+
+        from .spec.verifier import Verifier
+
+        warnings.warn("inferlet.sampler.Verifier moved to inferlet.spec.verifier", DeprecationWarning, stacklevel=2)
+        return Verifier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

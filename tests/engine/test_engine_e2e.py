@@ -155,7 +155,7 @@ async def test_distribution_readout_follows_top_k_and_top_p(tiny):
     fp.embed(ids).readout(row, inferlet.Logits()).readout(row, inferlet.Distribution(0.8, top_k=5))
     fp.readout(row, inferlet.Distribution(1.0, top_p=0.5))
     res = await fp.submit()
-    from inferlet.speculative import filter_distribution
+    from inferlet.spec.distribution import filter_distribution
 
     logits, topk, topp = (r.logits if r.logits is not None else r.probs for r in res.readouts)
     assert logits is not None and topk is not None and topp is not None

@@ -271,7 +271,7 @@ def test_a_valid_client_still_decodes_after_the_refusals():
 
 
 def test_the_engine_sampler_and_the_sdk_twin_agree_at_the_extremes():
-    from inferlet.speculative import filter_distribution
+    from inferlet.spec.distribution import filter_distribution
 
     rng = np.random.default_rng(11)
     inf, nan = np.inf, np.nan

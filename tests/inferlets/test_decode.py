@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from inferlet.sampler import PlainSampler
-from inferlet.speculative import SpecStats, VerifyResult
+from inferlet.spec.stats import SpecStats
+from inferlet.spec.verify import VerifyResult
 from inferlet.text.arguments import DecodeArgs
 from inferlet.text.choices import merge_choices
 from inferlet.text.output import Output

@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from inferlet.spec.distribution import filter_distribution
 from inferlet.spec.token_tree import ROOT, TokenTree, draw_without_replacement, verify_tree_sampled
-from inferlet.speculative import filter_distribution, verify_sampled
+from inferlet.spec.verify import verify_sampled
 from inferlet.text.grammar import Constraint, grammar_text
 from inferlet.tokenizer import Tokenizer
 from pie_runtime.store import DEFAULT_MODEL, ModelStore

@@ -6,13 +6,9 @@ from typing import cast
 import numpy as np
 import pytest
 
-from inferlet.speculative import (
-    SpecStats,
-    VerifyResult,
-    filter_distribution,
-    verify_greedy,
-    verify_sampled,
-)
+from inferlet.spec.distribution import filter_distribution
+from inferlet.spec.stats import SpecStats
+from inferlet.spec.verify import VerifyResult, verify_greedy, verify_sampled
 
 TRIALS = 200_000
 ALPHA = 1e-4

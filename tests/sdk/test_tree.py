@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from inferlet.spec.stats import SpecStats
 from inferlet.spec.token_tree import (
     ROOT,
     TokenTree,
@@ -16,7 +17,6 @@ from inferlet.spec.token_tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from inferlet.speculative import SpecStats
 from pie_runtime.protocol.tree import fold_path, tree_depths
 from tests.sdk.test_speculative import Q, T, assert_matches, fails_check
 
@@ -137,8 +137,8 @@ def test_tree_rounds_count_their_rows_and_kept_depth():
 
 
 def test_a_round_cuts_its_tree_to_the_room_and_capacity_left():
-    from inferlet.decode import fit_tree
-    from inferlet.drafter import Proposal
+    from inferlet.spec.drafter import Proposal
+    from inferlet.spec.drafting import fit_tree
 
     tree = TokenTree.from_topk([[1, 2], [3, 4], [5]], widths=[2, 2, 1])
     assert fit_tree(Proposal(tree=tree), depth=9, rows=99).tree is tree

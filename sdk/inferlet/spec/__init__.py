@@ -4,8 +4,8 @@ tokens that one pass of the target model then checks, so a run emits more than o
 The short path is a :class:`Drafter` subclass whose ``propose`` returns a :class:`Proposal` (a chain of
 drafts, or a :class:`TokenTree` of alternatives), handed to :func:`speculate`, which runs the rounds: draft,
 verify on the target, fold what was accepted, and plan how many tokens the next round drafts
-(:class:`DraftPlanner`). Greedy output equals plain decoding; sampled output follows the target's
-distribution (:class:`Verifier`).
+(:class:`DraftPolicy`, from an :class:`AcceptanceEstimate` and a :class:`PassCostModel`). Greedy output
+equals plain decoding; sampled output follows the target's distribution (:class:`Verifier`).
 
 Pieces for drafters: :class:`ChainedDrafter` (a head that drafts on the verify pass, MTP or EAGLE),
 :class:`NgramIndex` and :func:`lookup_drafts` (prompt lookup), :class:`SuffixIndex` (suffix decoding), the
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 from ..facade import lazy_exports
 
 if TYPE_CHECKING:
-    from ..chained import ChainedDrafter, next_depth
-    from ..decode import speculate
-    from ..device_rounds import mtp_run_ahead, verify_rounds
-    from ..draft_length import DraftPlanner
-    from ..drafter import Drafter, Proposal
-    from ..run_ahead import RunAhead
-    from ..sampler import Verifier
-    from ..speculative import VerifyResult, verify_greedy
+    from .acceptance import AcceptanceEstimate
+    from .chained import ChainedDrafter
+    from .device_rounds import mtp_run_ahead, verify_rounds
+    from .draft_policy import DraftPolicy
+    from .drafter import Drafter, Proposal
+    from .host_rounds import speculate
     from .ngram_lookup import NgramIndex, lookup_drafts
+    from .pass_cost import PassCostModel
+    from .run_ahead import RunAhead
     from .suffix_index import Candidates, SuffixIndex
     from .token_tree import (
         MAX_TREE_NODES,
@@ -41,17 +41,19 @@ if TYPE_CHECKING:
         parse_shape,
         shape_rows,
     )
+    from .verifier import Verifier
+    from .verify import VerifyResult, verify_greedy
 
 _HOMES = {
-    "inferlet.chained": ["ChainedDrafter", "next_depth"],
-    "inferlet.decode": ["speculate"],
-    "inferlet.device_rounds": ["mtp_run_ahead", "verify_rounds"],
-    "inferlet.draft_length": ["DraftPlanner"],
-    "inferlet.drafter": ["Drafter", "Proposal"],
-    "inferlet.run_ahead": ["RunAhead"],
-    "inferlet.sampler": ["Verifier"],
-    "inferlet.speculative": ["VerifyResult", "verify_greedy"],
+    "inferlet.spec.acceptance": ["AcceptanceEstimate"],
+    "inferlet.spec.chained": ["ChainedDrafter"],
+    "inferlet.spec.device_rounds": ["mtp_run_ahead", "verify_rounds"],
+    "inferlet.spec.draft_policy": ["DraftPolicy"],
+    "inferlet.spec.drafter": ["Drafter", "Proposal"],
+    "inferlet.spec.host_rounds": ["speculate"],
     "inferlet.spec.ngram_lookup": ["NgramIndex", "lookup_drafts"],
+    "inferlet.spec.pass_cost": ["PassCostModel"],
+    "inferlet.spec.run_ahead": ["RunAhead"],
     "inferlet.spec.suffix_index": ["Candidates", "SuffixIndex"],
     "inferlet.spec.token_tree": [
         "MAX_TREE_NODES",
@@ -62,6 +64,8 @@ _HOMES = {
         "parse_shape",
         "shape_rows",
     ],
+    "inferlet.spec.verifier": ["Verifier"],
+    "inferlet.spec.verify": ["VerifyResult", "verify_greedy"],
 }
 
 __all__ = [
@@ -69,11 +73,12 @@ __all__ = [
     "Proposal",
     "speculate",
     "ChainedDrafter",
-    "next_depth",
     "Verifier",
     "VerifyResult",
     "verify_greedy",
-    "DraftPlanner",
+    "DraftPolicy",
+    "AcceptanceEstimate",
+    "PassCostModel",
     "TokenTree",
     "TreeVerdict",
     "ROOT",

@@ -1,6 +1,6 @@
 """Prompt lookup ("cacheback") drafting: guess the continuation from the text already seen.
 
-Saxena 2023, "Prompt Lookup Decoding". The drafter is a point mass (see `inferlet.speculative`):
+Saxena 2023, "Prompt Lookup Decoding". The drafter is a point mass (see `inferlet.spec.verify`):
 
     for n in max_ngram down to min_ngram:
         find the most recent earlier occurrence of the last n tokens (not the suffix itself)

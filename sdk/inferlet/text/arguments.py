@@ -149,7 +149,7 @@ class DecodeArgs(CompletionArgs):
     """The completion request plus the options of the speculative inferlets."""
 
     timing: bool = False  # per-round times in stats
-    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.draft_length),
+    # adaptive: each round drafts the count with the most expected tokens per ms (inferlet.spec.draft_policy),
     # at most the inferlet's draft length; fixed: always the draft length
     draft_schedule: Literal["adaptive", "fixed"] = "adaptive"
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from ..forward import ForwardPass
 from ..model import Model
-from ..speculative import SpecStats
+from ..spec.stats import SpecStats
 from ..working_set import WorkingSet
 from .arguments import CompletionArgs
 

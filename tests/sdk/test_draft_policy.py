@@ -1,16 +1,15 @@
-"""The draft-length planner: picks the count with the most expected tokens per ms for the cost curve it is
-given, follows acceptance up and down, and falls back to the fixed length without a curve."""
+"""The drafting policy over its two parts (tests/sdk/test_acceptance.py, test_pass_cost.py): picks the count with the
+most expected tokens per ms for the cost curve it is given, follows acceptance up and down, probes, times plain
+rounds, chooses a tree or a chain and a head's chain depth, and falls back to the fixed length without a curve."""
 
 from __future__ import annotations
 
 import copy
 import random
 
-import pytest
-
-from inferlet.chained import ChainedDrafter, next_depth
-from inferlet.draft_length import FIRST_TIMING, TIMING_EVERY, DraftPlanner
 from inferlet.readouts import Logits
+from inferlet.spec.chained import ChainedDrafter
+from inferlet.spec.draft_policy import FIRST_TIMING, TIMING_EVERY, DraftPolicy
 
 FLAT = [40.0] * 32  # every window costs one pass (a GPU, or bf16 with AMX)
 # The shape measured on the 2-core CPU in float32: up to 3 rows cost about one, then a step, then a slope.
@@ -18,27 +17,27 @@ CPU = [36.0, 36.5, 39.0, 49.0, 50.5, 52.5, 54.0, 56.0] + [56.0 + 1.6 * i for i i
 LINEAR = [40.0 * w for w in range(1, 33)]  # a window of w rows costs w passes: drafting never pays
 
 
-def feed(p: DraftPlanner, rounds: int, accepted_share: float) -> None:
+def feed(p: DraftPolicy, rounds: int, accepted_share: float) -> None:
     for _ in range(rounds):
         k = p.next()
         p.observe(k, round(k * accepted_share))
 
 
 def test_without_costs_every_round_drafts_the_maximum():
-    p = DraftPlanner(8, [])
+    p = DraftPolicy(8, [])
     assert not p.adaptive
     feed(p, 5, 0.0)
     assert p.next() == 8
 
 
 def test_hits_grow_the_window_to_the_maximum_on_a_flat_curve():
-    p = DraftPlanner(16, FLAT)
+    p = DraftPolicy(16, FLAT)
     feed(p, 6, 1.0)
     assert p.next() == 16
 
 
 def test_misses_shrink_the_window_on_the_cpu_curve_and_hits_grow_it_back():
-    p = DraftPlanner(16, CPU)
+    p = DraftPolicy(16, CPU)
     feed(p, 6, 1.0)
     assert p.next() == 16
     feed(p, 4, 0.0)
@@ -49,18 +48,18 @@ def test_misses_shrink_the_window_on_the_cpu_curve_and_hits_grow_it_back():
 
 
 def test_a_drafter_that_does_not_pay_gets_plain_steps_and_periodic_probes():
-    p = DraftPlanner(8, LINEAR, probe_every=4)
+    p = DraftPolicy(8, LINEAR, probe_every=4)
     ks = []
     for _ in range(12):
         k = p.next()
         ks.append(k)
         p.observe(k, 0)
     assert ks == [0, 0, 0, 1] * 3  # a window costs as much as its rows in plain steps: only probes draft
-    assert DraftPlanner(0, CPU).next() == 0  # an inferlet that asked for none
+    assert DraftPolicy(0, CPU).next() == 0  # an inferlet that asked for none
 
 
 def test_a_probe_that_hits_brings_drafting_back():
-    p = DraftPlanner(8, CPU, draft_cost_ms=12.0, probe_every=2)
+    p = DraftPolicy(8, CPU, draft_cost_ms=12.0, probe_every=2)
     for _ in range(6):
         p.observe(max(p.next(), 1), 0)
     assert p.best() == 0
@@ -70,50 +69,20 @@ def test_a_probe_that_hits_brings_drafting_back():
 
 
 def test_draft_cost_makes_longer_drafts_pay_less():
-    free, costly = DraftPlanner(8, FLAT), DraftPlanner(8, FLAT, draft_cost_ms=30.0)
+    free, costly = DraftPolicy(8, FLAT), DraftPolicy(8, FLAT, draft_cost_ms=30.0)
     for p in (free, costly):
         for _ in range(8):
             p.observe(4, 2)  # accepts about two thirds of the drafts it is shown
     assert costly.next() < free.next()
 
 
-def test_expected_tokens_is_the_geometric_sum_under_uniform_acceptance():
-    p = DraftPlanner(8, CPU, decay=1.0, prior_alpha=0.0)
-    p.pos_hits = [0.0] * 8
-    p.pos_trials = [0.0] * 8
-    p.hits, p.trials = 0.6, 1.0  # pooled α = 0.6, no per-position evidence
-    a = 0.6
-    for k in range(9):
-        assert p.expected_tokens(k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
-
-
-def test_per_position_acceptance_follows_the_drafter():
-    """An MTP-like drafter: first drafts kept often, second drafts almost never."""
-    p = DraftPlanner(3, FLAT)
-    for i in range(20):
-        p.observe(2, 1 if i % 4 else 0)
-    assert p.position_alpha(0) > 0.6 and p.position_alpha(1) < 0.2
-
-
-def test_no_draft_rounds_teach_nothing():
-    p = DraftPlanner(8, CPU)
-    before = (p.hits, p.trials, list(p.pos_trials), copy.deepcopy(p.state_trials), p.full)
-    p.observe(0, 0)
-    assert (p.hits, p.trials, list(p.pos_trials), p.state_trials, p.full) == before
-
-
-def test_costs_extend_past_the_measured_widths():
-    p = DraftPlanner(40, [10.0, 12.0, 14.0])
-    assert p.pass_cost(3) == 14.0 and p.pass_cost(5) == 18.0
-
-
 def test_will_draft_predicts_next_without_counting_as_a_round():
-    p = DraftPlanner(4, LINEAR, probe_every=3)
+    p = DraftPolicy(4, LINEAR, probe_every=3)
     for _ in range(9):
         predicted, idle = p.will_draft(), p.idle
         assert p.will_draft() == predicted and p.idle == idle  # asking twice changes nothing
         assert (p.next() > 0) == predicted
-    assert DraftPlanner(4, []).will_draft() and not DraftPlanner(0, CPU).will_draft()
+    assert DraftPolicy(4, []).will_draft() and not DraftPolicy(0, CPU).will_draft()
 
 
 def test_most_next_bounds_what_any_verdict_of_the_round_leads_to():
@@ -121,7 +90,7 @@ def test_most_next_bounds_what_any_verdict_of_the_round_leads_to():
     most that next() can then ask for, and no less than what a round of hits leads to."""
     rng = random.Random(0)
     for curve in (CPU, INT4, FLAT, LINEAR):
-        p = DraftPlanner(4, curve, probe_every=3)
+        p = DraftPolicy(4, curve, probe_every=3)
         for _ in range(60):
             k = p.next()
             bound = p.most_next(k)
@@ -135,14 +104,14 @@ def test_most_next_bounds_what_any_verdict_of_the_round_leads_to():
 
 
 def test_after_a_round_of_one_that_may_hit_the_head_chains_more_than_one():
-    p = DraftPlanner(3, INT4)
+    p = DraftPolicy(3, INT4)
     p.observe(p.next(), 0)  # a miss: the planner probes with one
     k = p.next()
     assert k == 1
     hit = copy.deepcopy(p)
     hit.observe(k, k)
     assert hit.next() > k and p.most_next(k) == hit.next()
-    loser = DraftPlanner(4, LINEAR, probe_every=8)
+    loser = DraftPolicy(4, LINEAR, probe_every=8)
     assert loser.next() == 0 and loser.most_next(0) == 0  # nothing to chain before a plain round
 
 
@@ -153,19 +122,19 @@ INT4 = [12.4, 12.4, 12.9, 13.3, 14.5, 15.7, 16.8, 18.0] + [18.0 + 1.1 * i for i 
 def test_a_loaded_engine_gets_shorter_drafts_or_none():
     """The same acceptance drafts long in an empty step and less in one that other sequences fill: each extra
     row then costs its full share of the step instead of riding on a pass that runs anyway."""
-    p = DraftPlanner(16, INT4)
+    p = DraftPolicy(16, INT4)
     feed(p, 6, 0.5)
     alone = p.best()
     p.observe_load(step_rows=25, own_rows=1)
-    assert p.load == 24
+    assert p.cost.load == 24
     busy = p.best()
     assert busy < alone
     p.observe_load(step_rows=1 + alone, own_rows=1 + alone)  # alone again
-    assert p.load == 0 and p.best() == alone
+    assert p.cost.load == 0 and p.best() == alone
 
 
 def test_a_full_step_stops_a_weak_drafter():
-    p = DraftPlanner(8, INT4)
+    p = DraftPolicy(8, INT4)
     feed(p, 8, 0.25)
     assert p.drafting_pays()
     p.observe_load(step_rows=32, own_rows=1)
@@ -174,35 +143,41 @@ def test_a_full_step_stops_a_weak_drafter():
 
 def test_a_replay_makes_rejecting_rounds_dearer_and_windows_shorter():
     flat = [10.0 + 0.5 * w for w in range(1, 17)]  # a CPU-like curve: wider windows nearly free
-    plain, replay = DraftPlanner(8, flat), DraftPlanner(8, flat, replay=True)
+    plain, replay = DraftPolicy(8, flat), DraftPolicy(8, flat, replay=True)
     for p in (plain, replay):
         for _ in range(6):
             p.observe(4, 1)  # drafts miss often
-    assert plain.replay_cost(4) == 0.0 and replay.replay_cost(0) == 0.0
-    assert replay.replay_cost(4) > 0.0 and replay.round_cost(4) > plain.round_cost(4)
+    assert (
+        plain.cost.replay_cost(plain.estimate.alphas(4)) == 0.0
+        and replay.cost.replay_cost(replay.estimate.alphas(0)) == 0.0
+    )
+    assert replay.cost.replay_cost(replay.estimate.alphas(4)) > 0.0 and replay.round_cost(4) > plain.round_cost(4)
     assert replay.best() <= plain.best()
 
 
 def test_per_row_states_price_no_replay_for_the_folds_they_serve():
     flat = [10.0 + 0.5 * w for w in range(1, 17)]
-    plain = DraftPlanner(8, flat)
-    per_row = DraftPlanner(8, flat, replay=True, free_fold_rows=8)  # a fold of k + 1 rows needs no state
-    capped = DraftPlanner(8, flat, replay=True, free_fold_rows=2)  # folds of 3+ rows still replay
-    replay = DraftPlanner(8, flat, replay=True)
+    plain = DraftPolicy(8, flat)
+    per_row = DraftPolicy(8, flat, replay=True, free_fold_rows=8)  # a fold of k + 1 rows needs no state
+    capped = DraftPolicy(8, flat, replay=True, free_fold_rows=2)  # folds of 3+ rows still replay
+    replay = DraftPolicy(8, flat, replay=True)
     for p in (plain, per_row, capped, replay):
         for _ in range(6):
             p.observe(4, 1)
-    assert per_row.replay_cost(8) == 0.0 and per_row.round_cost(4) == plain.round_cost(4)
+    assert per_row.cost.replay_cost(per_row.estimate.alphas(8)) == 0.0 and per_row.round_cost(4) == plain.round_cost(4)
     assert per_row.best() == plain.best()
-    assert capped.replay_cost(2) == 0.0 and capped.replay_cost(4) > 0.0
-    assert capped.replay_cost(4) < replay.replay_cost(4)
+    assert (
+        capped.cost.replay_cost(capped.estimate.alphas(2)) == 0.0
+        and capped.cost.replay_cost(capped.estimate.alphas(4)) > 0.0
+    )
+    assert capped.cost.replay_cost(capped.estimate.alphas(4)) < replay.cost.replay_cost(replay.estimate.alphas(4))
 
 
 # ---- chain or tree ---------------------------------------------------------------------------
 
 
 def test_a_tree_wins_where_wide_windows_are_free_and_the_first_draft_often_misses():
-    p = DraftPlanner(8, FLAT, prior_alpha=0.3)
+    p = DraftPolicy(8, FLAT, prior_alpha=0.3)
     assert p.use_tree([4, 1, 1, 1], rows=16)  # prior: one of 4 candidates right beats a single guess
     for _ in range(20):  # tree rounds that keep nothing teach it otherwise
         p.observe_tree(4, 0)
@@ -210,27 +185,17 @@ def test_a_tree_wins_where_wide_windows_are_free_and_the_first_draft_often_misse
 
 
 def test_a_chain_wins_where_rows_cost_their_share():
-    p = DraftPlanner(8, LINEAR)
+    p = DraftPolicy(8, LINEAR)
     assert not p.use_tree([3, 2, 1], rows=15)
 
 
-def test_tree_rounds_learn_per_depth_acceptance():
-    p = DraftPlanner(4, FLAT, decay=1.0)
-    for _ in range(30):
-        p.observe_tree(3, 2)  # always keeps two levels, never the third
-    assert p.tree_alpha(0, 2) > 0.9 and p.tree_alpha(1, 2) > 0.9 and p.tree_alpha(2, 2) < 0.1
-    assert p.tree_expected_tokens([2, 2, 2]) == pytest.approx(
-        1 + p.tree_alpha(0, 2) * (1 + p.tree_alpha(1, 2)), abs=0.05
-    )
-
-
 def test_without_costs_a_tree_drafter_always_drafts_its_tree():
-    assert DraftPlanner(4, []).use_tree([2, 2], rows=6)
+    assert DraftPolicy(4, []).use_tree([2, 2], rows=6)
 
 
 def test_with_recurrent_state_rounds_are_chains():  # the engine refuses tree fires on such a model
-    assert not DraftPlanner(4, [], replay=True).use_tree([2, 2], rows=6)
-    assert not DraftPlanner(8, FLAT, prior_alpha=0.3, replay=True).use_tree([4, 1, 1, 1], rows=16)
+    assert not DraftPolicy(4, [], replay=True).use_tree([2, 2], rows=6)
+    assert not DraftPolicy(8, FLAT, prior_alpha=0.3, replay=True).use_tree([4, 1, 1, 1], rows=16)
 
 
 # int4 on the 2-core Xeon with AMX (the engine's start-up measurement): 4 rows cost little more than 1, 5 a step more
@@ -247,7 +212,7 @@ def iid_verdict(k: int, alphas: list[float], rng: random.Random) -> int:
     return accepted
 
 
-def iid_rounds(p: DraftPlanner, rounds: int, alphas: list[float], rng: random.Random) -> list[int]:
+def iid_rounds(p: DraftPolicy, rounds: int, alphas: list[float], rng: random.Random) -> list[int]:
     """``rounds`` rounds of such a drafter; returns the draft counts the planner chose."""
     ks = []
     for _ in range(rounds):
@@ -256,17 +221,6 @@ def iid_rounds(p: DraftPlanner, rounds: int, alphas: list[float], rng: random.Ra
         if not p.timing:  # a timed plain round (one in TIMING_EVERY) is not the planner's choice of k
             ks.append(k)
     return ks
-
-
-def test_the_round_overhead_is_the_median_of_what_timed_rounds_leave_unexplained():
-    p = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
-    assert p.overhead_ms == 1.0  # the prior, before any round is timed
-    for elapsed in (32.0, 33.0, 31.5, 400.0, 32.5):  # 3-row rounds alone in their step; one stalled
-        p.observe_time(elapsed, step_rows=3, drafts=2)
-    assert p.overhead_ms == pytest.approx(32.5 - 23.1 - 2 * MTP_STEP_MS)  # the stall does not move it
-    fixed = DraftPlanner(3, [], MTP_STEP_MS)
-    fixed.observe_time(50.0, step_rows=3, drafts=2)
-    assert fixed.overhead_ms == 1.0  # a fixed schedule prices nothing
 
 
 def test_a_measured_overhead_prices_draft_rows_at_their_share_of_the_round():
@@ -278,14 +232,14 @@ def test_a_measured_overhead_prices_draft_rows_at_their_share_of_the_round():
         ks = []
         for seed in range(5):  # runs of 400 rounds: the gain is a few percent, one run's luck is about as much
             rng = random.Random(seed)
-            p = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
+            p = DraftPolicy(3, AMX_INT4, MTP_STEP_MS)
             for _ in range(400):
                 k = p.next()
                 accepted = iid_verdict(k, [0.45, 0.55, 0.5], rng)
                 p.observe(k, accepted)
                 elapsed = AMX_INT4[k] + k * MTP_STEP_MS + 8.0
                 if timed:
-                    p.observe_time(elapsed, step_rows=1 + k, drafts=k)
+                    p.observe_time(elapsed, step_rows=1 + k, steps=k)
                 tokens, ms = tokens + 1 + accepted, ms + elapsed
                 ks.append(k)
         rates.append(tokens / ms)
@@ -298,19 +252,19 @@ def test_an_independent_drafter_keeps_its_window_after_a_miss():
     estimates settle and k holds at what pays on average; forgotten within two rounds, one miss halves α and
     the next round drafts one or none."""
     rng = random.Random(1)
-    steady = DraftPlanner(3, AMX_INT4, MTP_STEP_MS)
-    steady.overhead_ms = 8.0
+    steady = DraftPolicy(3, AMX_INT4, MTP_STEP_MS)
+    steady.cost.overhead_ms = 8.0
     ks = iid_rounds(steady, 300, [0.45, 0.55, 0.5], rng)[100:]
     assert min(ks) >= 2
-    swinging = DraftPlanner(3, AMX_INT4, MTP_STEP_MS, state_decay=0.5)
-    swinging.overhead_ms = 8.0
+    swinging = DraftPolicy(3, AMX_INT4, MTP_STEP_MS, state_decay=0.5)
+    swinging.cost.overhead_ms = 8.0
     assert min(iid_rounds(swinging, 300, [0.45, 0.55, 0.5], rng)[100:]) <= 1
 
 
 def test_a_drafter_whose_hits_come_in_runs_drafts_long_after_a_full_round_and_short_after_a_miss():
     """A prompt lookup: inside a copied passage every draft is kept, outside nearly none. Conditioned on how the
     last round ended, the planner drafts the maximum after a full round and little after a rejection."""
-    p = DraftPlanner(8, CPU)
+    p = DraftPolicy(8, CPU)
     for _ in range(10):  # runs of copies and of free text, alternating
         for _ in range(4):
             k = p.next()
@@ -328,7 +282,7 @@ def test_a_drafter_whose_hits_come_in_runs_drafts_long_after_a_full_round_and_sh
 HEAD = (0.62, 0.54)  # an MTP head's training record: held-out acceptance of draft 1, and of 2 given 1
 
 
-def rounds(p: DraftPlanner, n: int, kept: int) -> list[int]:
+def rounds(p: DraftPolicy, n: int, kept: int) -> list[int]:
     """n rounds that keep at most ``kept`` drafts each; the counts the planner chose."""
     ks = []
     for _ in range(n):
@@ -340,41 +294,28 @@ def rounds(p: DraftPlanner, n: int, kept: int) -> list[int]:
 def test_a_recorded_acceptance_keeps_the_second_draft_through_early_misses():
     # two misses at the second position: alone they make it look like a loss; against the head's record
     # they are two rounds of evidence, and the second draft stays
-    assert rounds(DraftPlanner(2, AMX_INT4, MTP_STEP_MS), 3, kept=1) == [2, 2, 1]
-    assert rounds(DraftPlanner(2, AMX_INT4, MTP_STEP_MS, prior=HEAD), 3, kept=1) == [2, 2, 2]
+    assert rounds(DraftPolicy(2, AMX_INT4, MTP_STEP_MS), 3, kept=1) == [2, 2, 1]
+    assert rounds(DraftPolicy(2, AMX_INT4, MTP_STEP_MS, prior=HEAD), 3, kept=1) == [2, 2, 2]
 
 
 def test_a_recorded_acceptance_yields_to_a_drafter_that_misses():
-    p = DraftPlanner(2, AMX_INT4, MTP_STEP_MS, prior=HEAD)
+    p = DraftPolicy(2, AMX_INT4, MTP_STEP_MS, prior=HEAD)
     assert rounds(p, 4, kept=0)[0] == 2
     assert rounds(p, 16, kept=0).count(0) >= 12  # plain steps but for the probes, as without a record
-    assert p.position_alpha(0) < HEAD[0] / 2
-
-
-def test_a_recorded_acceptance_fills_the_positions_it_does_not_reach():
-    p = DraftPlanner(4, AMX_INT4, MTP_STEP_MS, prior=HEAD)
-    assert p.prior == [0.62, 0.54, 0.54, 0.54]
-    assert DraftPlanner(4, AMX_INT4, prior=()).prior == []
+    assert p.estimate.position_alpha(0) < HEAD[0] / 2
 
 
 def test_a_round_that_adds_nothing_to_a_loaded_step_is_still_priced():
     """Under load on a flat stretch of the curve, a lookup (no draft cost) whose rounds left no overhead adds
     nothing to its step: the planner drafts the most it may instead of dividing by that nothing (CI once
     failed there, two cacheback runs sharing the engine)."""
-    p = DraftPlanner(4, FLAT)
-    p.observe_time(0.0, step_rows=2, drafts=0)  # a round faster than the curve's pass: the curve overstates it
-    assert p.overhead_ms == -0.5 * FLAT[0]  # by at most half a 1-row pass
+    p = DraftPolicy(4, FLAT)
+    p.observe_time(0.0, step_rows=2, steps=0)  # a round faster than the curve's pass: the curve overstates it
+    assert p.cost.overhead_ms == -0.5 * FLAT[0]  # by at most half a 1-row pass
     p.observe_load(step_rows=8, own_rows=3)
     assert p.round_cost(0) > 0 and p.drafting_pays()
     assert p.next() == 4
     assert p.use_tree([2, 2], rows=4)
-
-
-def test_a_curve_timed_with_a_dip_never_prices_a_wider_pass_below_a_narrower_one():
-    p = DraftPlanner(4, [10.0, 12.0, 11.0, 13.0])
-    assert [p.pass_cost(w) for w in range(1, 6)] == [10.0, 12.0, 12.0, 13.0, 14.0]
-    p.observe_load(step_rows=3, own_rows=1)  # load 2: its own row would otherwise cost -1 ms
-    assert p.round_cost(0) == pytest.approx(p.overhead_ms)
 
 
 # A chained head on the 2-core Xeon in int4 as the engine saw it (docs/performance.md, "The draft-length planner"):
@@ -388,7 +329,7 @@ def xeon_ms(k: int, depth: int) -> float:
     return 6.3 + (2.0 + 1.5 * (k - 1) if k else 0.0) + 1.2 * depth
 
 
-def head_rounds(p: DraftPlanner, rounds: int, alphas, seed: int, chain) -> tuple[float, float]:
+def head_rounds(p: DraftPolicy, rounds: int, alphas, seed: int, chain) -> tuple[float, float]:
     """A chained head's rounds (drive_rounds' order: next, the fire's chain depth, verdict, timing); ``chain``
     gives the depth a fire chains. Returns tokens per ms over plain decoding's, and the mean depth."""
     rng = random.Random(seed)
@@ -400,24 +341,23 @@ def head_rounds(p: DraftPlanner, rounds: int, alphas, seed: int, chain) -> tuple
         p.observe(k, accepted)
         elapsed = xeon_ms(k, depth)
         p.observe_load(1 + k, 1 + k)
-        p.observe_time(elapsed, 1 + k, k)
+        p.observe_time(elapsed, 1 + k, depth)  # the fire paid for the chain it read
         ready, tokens, ms, depths = depth, tokens + 1 + accepted, ms + elapsed, depths + depth
     return tokens / ms * xeon_ms(0, 0), depths / rounds
 
 
-def by_rate(p: DraftPlanner, k: int) -> int:
-    drafter = ChainedDrafter(lambda depth, at: Logits(), p.max_k, p.draft_cost_ms)
-    drafter.planner = p
-    return next_depth(drafter, k, p.max_k)
+def by_rate(p: DraftPolicy, k: int) -> int:
+    drafter = ChainedDrafter(lambda depth, at: Logits(), p.max_k, p.cost.draft_cost_ms)
+    drafter.planner, drafter.proposed = p, k
+    return drafter.chain_depth()
 
 
-def the_most(p: DraftPlanner, k: int) -> int:
-    p.chained = depth = min(p.max_k, p.most_next(k))
-    return depth
+def the_most(p: DraftPolicy, k: int) -> int:
+    return min(p.max_k, p.most_next(k))
 
 
 def mean_speedup(alphas, chain, seeds=range(5)) -> tuple[float, float]:
-    runs = [head_rounds(DraftPlanner(3, XEON_CURVE, 0.9, prior=alphas), 400, alphas, s, chain) for s in seeds]
+    runs = [head_rounds(DraftPolicy(3, XEON_CURVE, 0.9, prior=alphas), 400, alphas, s, chain) for s in seeds]
     return sum(r[0] for r in runs) / len(runs), sum(r[1] for r in runs) / len(runs)
 
 
@@ -441,13 +381,13 @@ def test_a_head_chains_what_the_verdicts_pay_for_not_the_most_any_could_ask():
     rate, rate_depth = mean_speedup((0.8, 0.7, 0.7), by_rate)
     most, most_depth = mean_speedup((0.8, 0.7, 0.7), the_most)
     assert rate_depth < most_depth and rate > most
-    p = DraftPlanner(3, XEON_CURVE, 0.9, prior=(0.8, 0.7, 0.7))
+    p = DraftPolicy(3, XEON_CURVE, 0.9, prior=(0.8, 0.7, 0.7))
     for k in range(4):
         assert p.chain_depth(k) <= p.most_next(k)
 
 
 def test_while_drafting_pays_a_plain_round_is_timed_now_and_then_and_chains_nothing():
-    p = DraftPlanner(4, FLAT, prior=(0.9,))
+    p = DraftPolicy(4, FLAT, prior=(0.9,))
     timed = []
     for i in range(3 * TIMING_EVERY):
         k = p.next()
@@ -456,3 +396,21 @@ def test_while_drafting_pays_a_plain_round_is_timed_now_and_then_and_chains_noth
             assert k == 0 and p.chain_depth(0) == 0
         p.observe(k, k)
     assert timed[0] == FIRST_TIMING and all(b - a == TIMING_EVERY + 1 for a, b in zip(timed, timed[1:]))
+
+
+def test_a_chained_drafter_reads_the_policy_and_reports_its_steps_without_writing_into_it():
+    """The fire's head depth is the policy's choice; the steps it paid reach the policy through the loop
+    (``draft_steps``), not by the drafter writing into the policy."""
+    from inferlet.args import CompletionArgs
+    from inferlet.spec.drafter import Proposal
+    from inferlet.spec.verifier import Verifier
+
+    p = DraftPolicy(3, XEON_CURVE, 0.9, prior=(0.8, 0.7, 0.7))
+    drafter = ChainedDrafter(lambda depth, at: Logits(), 3, 0.9)
+    drafter.planner, drafter.proposed = p, 2
+    before = copy.deepcopy(vars(p.estimate)), copy.deepcopy(vars(p.cost)), (p.idle, p.since_plain, p.timing)
+    drafter.readouts(Verifier(CompletionArgs(prompt="x")))
+    assert (vars(p.estimate), vars(p.cost), (p.idle, p.since_plain, p.timing)) == before
+    depth = p.chain_depth(2)
+    assert drafter.draft_steps(Proposal([1, 2])) == depth  # the chain it read, once
+    assert drafter.draft_steps(Proposal([1, 2])) == 2  # no readouts since: one step a draft
