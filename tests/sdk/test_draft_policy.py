@@ -401,9 +401,9 @@ def test_while_drafting_pays_a_plain_round_is_timed_now_and_then_and_chains_noth
 def test_a_chained_drafter_reads_the_policy_and_reports_its_steps_without_writing_into_it():
     """The fire's head depth is the policy's choice; the steps it paid reach the policy through the loop
     (``draft_steps``), not by the drafter writing into the policy."""
-    from inferlet.text import CompletionArgs
     from inferlet.spec.drafter import Proposal
     from inferlet.spec.verifier import Verifier
+    from inferlet.text import CompletionArgs
 
     p = DraftPolicy(3, XEON_CURVE, 0.9, prior=(0.8, 0.7, 0.7))
     drafter = ChainedDrafter(lambda depth, at: Logits(), 3, 0.9)
