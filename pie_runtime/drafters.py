@@ -354,10 +354,14 @@ def served_formats(store: ModelStore, names: list[str], default: str | None, cho
         for d in store.get(name).drafters:
             if d.kind == "draft":
                 attached.setdefault(d.path, d.weights)
-    formats = {
-        n: chosen.get(n) or attached.get(n) or default or default_format(store.get(n).quantized.values())
-        for n in [*names, *attached]
-    }
+
+    def own_default(name: str) -> str:
+        try:
+            return default_format(store.get(name).quantized.values())
+        except StoreError:  # the engine's checks of that model say what is wrong with it, after this
+            return default_format([])
+
+    formats = {n: chosen.get(n) or attached.get(n) or default or own_default(n) for n in [*names, *attached]}
     unknown = sorted(set(chosen) - set(formats))
     if unknown:
         raise ValueError(
