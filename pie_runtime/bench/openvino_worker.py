@@ -27,6 +27,11 @@ def peak_rss_mib() -> float | None:
     return None
 
 
+def until_eos(ids: list[int], eos: list[int]) -> list[int]:
+    """``ids`` cut before the first EOS (as the other runners count them)."""
+    return ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
 def greedy_config(g, tokens: int, eos: list[int]):
     cfg = g.GenerationConfig()
     cfg.max_new_tokens = tokens
@@ -67,8 +72,7 @@ def decode(job: dict) -> dict:
     clock = Clock()
     t0 = time.perf_counter()
     res = pipe.generate(ids_tensor(prompt), greedy_config(g, int(job["tokens"]), eos), clock)
-    ids = [int(t) for t in res.tokens[0]]
-    ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+    ids = until_eos([int(t) for t in res.tokens[0]], eos)
     times = clock.times
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     return {
@@ -85,6 +89,7 @@ def streams(job: dict) -> dict:
 
     sched = g.SchedulerConfig()
     sched.max_num_seqs = max(len(job["streams"]), sched.max_num_seqs)
+    sched.enable_prefix_caching = False  # every stream prefills its own prompt, as pie's do (--no-prefix-cache)
     pipe = g.ContinuousBatchingPipeline(job["model_dir"], sched, "CPU", {"INFERENCE_NUM_THREADS": int(job["threads"])})
     eos = list(job.get("eos_ids") or [])
     prompts = [ids_tensor(p) for p in job["streams"]]
@@ -93,7 +98,7 @@ def streams(job: dict) -> dict:
     t0 = time.perf_counter()
     results = pipe.generate(prompts, configs)
     seconds = time.perf_counter() - t0
-    outs = [[int(t) for t in r.m_generation_ids[0]] for r in results]
+    outs = [until_eos([int(t) for t in r.m_generation_ids[0]], eos) for r in results]
     total = sum(len(o) for o in outs)
     return {"token_ids": outs, "total_tokens": total, "seconds": seconds, "tokens_per_s": total / seconds}
 
