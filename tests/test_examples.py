@@ -169,8 +169,9 @@ def test_streams_example_decodes_each_prompt_as_text_completion(engine, tmp_path
 
     prompts = [[1, 504, 3102, 282, 47970], [1, 9690, 28, 253], [1, 1780, 314, 260, 3575, 282]]
     (tmp_path / "ids.json").write_text(json.dumps(prompts))
-    out = run(str(REPO / "examples/streams.py"), engine.address, "--prompts-file", str(tmp_path / "ids.json"))
+    words = ["--prompts-file", str(tmp_path / "ids.json"), "--max-tokens", "24"]
+    out = run(str(REPO / "examples/streams.py"), engine.address, *words)
     assert len(out["token_ids"]) == 3 and out["total_tokens"] == sum(len(t) for t in out["token_ids"])
     for ids, got in zip(prompts, out["token_ids"], strict=True):
-        words = ["--prompt", "", *(f"--prompt-token-ids={i}" for i in ids), "--max-tokens", "128"]
+        words = ["--prompt", "", *(f"--prompt-token-ids={i}" for i in ids), "--max-tokens", "24"]
         assert got == run("text-completion", engine.address, *words)["token_ids"]
