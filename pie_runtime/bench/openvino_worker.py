@@ -6,10 +6,11 @@ script by the Python of the bench's OpenVINO venv (``openvino_env``), never impo
     ... '{"model_dir": ..., "threads": 2, "streams": [[ids], [ids], ...], "tokens": 128, "eos_ids": [2]}'
 
 Only the standard library, numpy and openvino_genai: it prints plain JSON on its last line. The first form is a
-batch-1 greedy decode with ``LLMPipeline`` (``INFERENCE_NUM_THREADS``), timed by a streamer: prefill = start →
-first token, decode rate = (n - 1) kept tokens over first → last token, a ``report.Measured``. The second runs every
-prompt at once through ``ContinuousBatchingPipeline``, greedy, and prints the total new tokens, the wall seconds
-(prefill included) and each stream's ids.
+batch-1 greedy decode with ``LLMPipeline`` (``INFERENCE_NUM_THREADS``, prefix caching off as pie's engine runs
+in the bench), timed by a streamer: prefill = start → first token, decode rate = (n - 1) kept tokens over first →
+last token, a ``report.Measured``. The second runs every prompt at once through ``ContinuousBatchingPipeline``
+(prefix caching off), greedy, and prints the total new tokens, the wall seconds (prefill included) and each
+stream's ids. Both cut each stream before its first EOS, as the other runners count tokens.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def decode(job: dict) -> dict:
         def end(self) -> None:
             pass
 
-    pipe = g.LLMPipeline(job["model_dir"], "CPU", INFERENCE_NUM_THREADS=int(job["threads"]))
+    sched = g.SchedulerConfig()
+    sched.enable_prefix_caching = False  # else the warm-up's prompt is a cache hit and prefill is not computed
+    pipe = g.LLMPipeline(job["model_dir"], "CPU", scheduler_config=sched, INFERENCE_NUM_THREADS=int(job["threads"]))
     prompt, eos = job["prompt_ids"], list(job.get("eos_ids") or [])
     warm = prompt if len(prompt) <= 1024 else prompt[:512]  # first-call costs, not a whole depth
     pipe.generate(ids_tensor(warm), greedy_config(g, 4, eos))
