@@ -341,7 +341,7 @@ class DecodeBench:
             runs += [(f"{kind} plain", SPECULATION_PROMPT, 0, report.speculation)]
             runs += [(f"{kind} prompt lookup ({o.lookup})", SPECULATION_PROMPT, o.lookup, report.speculation)]
         for variant, prompt, lookup, rows in runs:
-            self.progress(f"llama.cpp {variant} ({prompt} prompt)")
+            self.progress(f"llama.cpp {variant} ({self.report.prompt if prompt == DECODE_PROMPT else prompt} prompt)")
             job = {
                 "gguf": str(gguf),
                 "threads": o.threads,
