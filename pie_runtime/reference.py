@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,6 +19,16 @@ def transformers_llama(store_dir: Path, c: AnyConfig, scratch: Path):
     """transformers' LlamaForCausalLM over the weights a store entry holds, in float32: the weights file is
     linked into ``scratch`` beside a config.json written from ``c``, or, when the store keeps quantized blocks
     (a GGUF import), their float32 dequantization is written there (what the fp32 engine serves, bit for bit)."""
+    import transformers
+
+    write_llama_folder(store_dir, c, scratch)
+    return transformers.LlamaForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
+
+
+def write_llama_folder(store_dir: Path, c: AnyConfig, scratch: Path, copy: bool = False) -> Path:
+    """``scratch`` as a Hugging Face Llama checkpoint of the store entry (config.json and float32
+    model.safetensors, see :func:`transformers_llama`); ``copy``: a copy of an unquantized weights file
+    instead of a link (a folder another program reads after the store may change)."""
     import transformers
 
     if not isinstance(c, ModelConfig):
@@ -52,9 +63,11 @@ def transformers_llama(store_dir: Path, c: AnyConfig, scratch: Path):
             if c.tie_word_embeddings:
                 state.pop("lm_head.weight", None)
             save_file({k: v.contiguous() for k, v in state.items()}, scratch / "model.safetensors")
+        elif copy:
+            shutil.copy(store_dir / "model.safetensors", scratch / "model.safetensors")
         else:
             os.symlink(store_dir / "model.safetensors", scratch / "model.safetensors")
-    return transformers.LlamaForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
+    return scratch
 
 
 def greedy_continuation(hf_model, ids: list[int], n: int) -> list[int]:

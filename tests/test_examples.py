@@ -160,3 +160,18 @@ def test_soak_serve_quick_leaks_nothing(pie_home, tmp_path):
     assert rep["end"]["pages_used"] == rep["start"]["pages_used"]
     assert {"server", "engine", "hosts"} <= set(rep["start"]["procs"])
     assert "verdict: " in done.stdout and (done.returncode == 0) == rep["flat"]
+
+
+def test_streams_example_decodes_each_prompt_as_text_completion(engine, tmp_path):
+    """examples/streams.py (the many-stream side of examples/bench_streams_openvino.py): three different prompts
+    decoded at once in one inferlet process give each one text-completion's greedy ids."""
+    import json
+
+    prompts = [[1, 504, 3102, 282, 47970], [1, 9690, 28, 253], [1, 1780, 314, 260, 3575, 282]]
+    (tmp_path / "ids.json").write_text(json.dumps(prompts))
+    words = ["--prompts-file", str(tmp_path / "ids.json"), "--max-tokens", "24"]
+    out = run(str(REPO / "examples/streams.py"), engine.address, *words)
+    assert len(out["token_ids"]) == 3 and out["total_tokens"] == sum(len(t) for t in out["token_ids"])
+    for ids, got in zip(prompts, out["token_ids"], strict=True):
+        words = ["--prompt", "", *(f"--prompt-token-ids={i}" for i in ids), "--max-tokens", "24"]
+        assert got == run("text-completion", engine.address, *words)["token_ids"]

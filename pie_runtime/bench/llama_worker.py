@@ -9,7 +9,8 @@ line it prints (``report.Measured``). The decode is ``Llama.generate`` greedy (t
 from an empty KV cache (``reset()``; otherwise llama-cpp-python would reuse the warm-up's prompt), stopped at
 an EOS id or the token count; with ``lookup`` > 0 its drafts come from ``LlamaPromptLookupDecoding``.
 prefill = start → first token; decode rate = (n - 1) kept tokens over first → last token (an EOS's step
-counts in the time, not the tokens), as for the others.
+counts in the time, not the tokens), as for the others. ``swa_full`` (when given) picks the cache of sliding
+layers: False is llama-bench's window-sized one (`pie bench decode --depth`).
 
 With ``pass_rows`` (e.g. [1, 4, 8, 16]) it then times one sequence's pass of that many tokens after
 ``pass_context`` cached tokens, logits for every row, as the engine's pass-cost curve does (the median of
@@ -71,6 +72,8 @@ def main(argv: list[str]) -> int:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # pyright: ignore[reportMissingImports]
 
     lookup = int(job.get("lookup", 0))
+    # swa_full=False: a window-sized cache for sliding layers (llama-bench's); llama-cpp-python's default is full
+    swa = {"swa_full": bool(job["swa_full"])} if job.get("swa_full") is not None else {}
     llm = Llama(
         model_path=job["gguf"],
         n_ctx=max(2048, len(job["prompt_ids"]) + job["tokens"] + 64, job.get("pass_context", 0) + 64),
@@ -79,9 +82,11 @@ def main(argv: list[str]) -> int:
         n_threads_batch=job["threads"],
         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup > 0 else None,
         verbose=False,
+        **swa,
     )
     eos = set(job.get("eos_ids") or [llm.token_eos()])
-    timed_generate(llm, job["prompt_ids"], 4, eos)  # warm-up
+    prompt = job["prompt_ids"]
+    timed_generate(llm, prompt if len(prompt) <= 1024 else prompt[:512], 4, eos)  # warm-up, not a whole depth
     ids, times, t0 = timed_generate(llm, job["prompt_ids"], job["tokens"], eos)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     out = {

@@ -1,6 +1,8 @@
 """Our side of `pie bench decode`: one engine subprocess per weight format, driven through shipped inferlets
 (text-completion, cacheback) in child processes, greedy; the engine's peak RSS and its pass-cost curve. The
-engine runs without its prefix cache: the warm-up's prompt is the measured one, and prefill must be computed."""
+engine runs without its prefix cache: the warm-up's prompt is the measured one, and prefill must be computed.
+A job given token ids (``--depth``) hands them to the inferlet as they are; its KV pool is sized to hold them
+(:func:`kv_memory_args`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from .rss import peak_rss_mib
 
 _PASS_COST = re.compile(r"pass cost by rows \(ms\) (.*)")
 _ROWS_MS = re.compile(r"(\d+):(\d+(?:\.\d+)?)")  # "8:42.5"
+DEFAULT_KV_MIB = 1024  # the engine's --kv-memory default
+WARM_UP_IDS = 512  # a token-id job's warm-up reads this many of its ids: the prefill path, not the whole depth
 
 
 def parse_pass_costs(log: str) -> dict[int, float]:
@@ -25,14 +29,42 @@ def parse_pass_costs(log: str) -> dict[int, float]:
     return {int(p[1]): float(p[2]) for p in pairs if p}
 
 
+def kv_memory_args(config, rows: int, engine_args: list[str]) -> list[str]:
+    """``--kv-memory`` for an engine whose sequence reaches ``rows`` rows: room for every layer's K/V of every row
+    in float32 (as if every layer were global, so page groups only leave slack), a quarter more for the pages'
+    rounding, never below the engine's default; [] when ``engine_args`` already size the pool or the config
+    does not say its K/V shape."""
+    if any(a.split("=")[0] in ("--kv-memory", "--kv-pages") for a in engine_args):
+        return []
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not (layers and heads and head_dim):
+        return []
+    need = layers * heads * head_dim * 2 * 4 * rows * 5 // 4
+    return ["--kv-memory", str(max(DEFAULT_KV_MIB, -(-need // (1 << 20))))]
+
+
 @dataclass
 class Job:
-    """One inferlet run on the engine: ``label`` names it in the results."""
+    """One inferlet run on the engine: ``label`` names it in the results; ``ids``, when given, are the prompt's
+    token ids as they are (``prompt`` is then only a name)."""
 
     label: str
     inferlet: str
     prompt: str
     words: list[str] = field(default_factory=list)
+    ids: list[int] | None = None
+
+    def prompt_words(self) -> list[str]:
+        if self.ids is None:
+            return ["--prompt", self.prompt]
+        # one word an id (a list argument repeats its flag); the ids win over the (required) prompt text
+        return ["--prompt", "", *(f"--prompt-token-ids={i}" for i in self.ids)]
+
+    def warm_up(self) -> Job:
+        """The warm-up before this job: its prompt, or the first ``WARM_UP_IDS`` of its ids."""
+        ids = None if self.ids is None else self.ids[:WARM_UP_IDS]
+        return Job("warm-up", "text-completion", self.prompt, ids=ids)
 
 
 @dataclass
@@ -70,13 +102,13 @@ def run_session(
     with EmbeddedEngine([model], args, die_with_parent=True) as eng:
 
         def go(job: Job, max_tokens: int) -> dict:
-            words = ["--prompt", job.prompt, "--max-tokens", str(max_tokens), "--stream", "false", *job.words]
+            words = [*job.prompt_words(), "--max-tokens", str(max_tokens), "--stream", "false", *job.words]
             out = run_inferlet(resolve_inferlet(job.inferlet), eng.address, words, stdout=subprocess.DEVNULL)
             if not out["ok"]:
                 raise LaunchError(f"{job.inferlet}: {out.get('error')}")
             return out["result"]
 
-        go(Job("warm-up", "text-completion", jobs[0].prompt), 4)  # first-call costs, the prefill path
+        go(jobs[0].warm_up(), 4)  # first-call costs, the prefill path
         for job in jobs:
             results[job.label] = _measured(go(job, tokens))
             if peak is None:

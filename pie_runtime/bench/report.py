@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
-PIE, TRANSFORMERS, LLAMA_CPP = "pie", "transformers", "llama.cpp"
+PIE, TRANSFORMERS, LLAMA_CPP, OPENVINO = "pie", "transformers", "llama.cpp", "openvino"
 PASS_ROWS = (1, 4, 8, 16)  # the pass costs the table shows: one sequence's pass of that many rows after 128 tokens
 
 
@@ -33,7 +33,7 @@ class Measured(BaseModel):
 class Row(BaseModel):
     """A table row: one runner in one weight format (or one decoding method, in the speculation table)."""
 
-    runner: str  # pie, transformers, llama.cpp
+    runner: str  # pie, transformers, llama.cpp, openvino
     variant: str  # fp32 / bf16 / int8 / int4 / the GGUF's kind (Q4_1, Q4_K_M), or "bf16 cacheback", ...
     decode_tokens_per_s: float
     prefill_tokens_per_s: float | None = None
@@ -45,6 +45,7 @@ class Row(BaseModel):
     acceptance: float | None = None
     vs_llama_cpp: float | None = None  # decode rate / llama.cpp plain's, same prompt
     vs_transformers_fp32: float | None = None
+    vs_openvino: float | None = None  # decode rate / OpenVINO GenAI's, same prompt
     same_tokens_as_pie_fp32: bool | None = None
     token_mb: float | None = None  # MB of weights a decode token streams (bench/bandwidth.py)
     bandwidth_share: float | None = None  # decode tok/s x token_mb over the measured read bandwidth
@@ -108,10 +109,14 @@ class Report(BaseModel):
 
 
 def _ratios(rows: list[Row], plain: Callable[[Row], bool]) -> None:
-    """Each row against llama.cpp's plain decode (its row ``plain`` picks: the variant names the GGUF's kind)."""
+    """Each row against llama.cpp's plain decode (its row ``plain`` picks: the variant names the GGUF's kind),
+    transformers fp32 and OpenVINO GenAI."""
     llama = next((r for r in rows if r.runner == LLAMA_CPP and plain(r)), None)
     hf = next((r for r in rows if r.label == f"{TRANSFORMERS} fp32"), None)
+    ov = next((r for r in rows if r.runner == OPENVINO), None)
     for r in rows:
+        if ov and ov.decode_tokens_per_s:
+            r.vs_openvino = round(r.decode_tokens_per_s / ov.decode_tokens_per_s, 2)
         if llama and llama.decode_tokens_per_s:
             r.vs_llama_cpp = round(r.decode_tokens_per_s / llama.decode_tokens_per_s, 2)
         if hf and hf.decode_tokens_per_s:
@@ -126,6 +131,36 @@ def _same(x: bool | None) -> str:
     return "-" if x is None else ("yes" if x else "no")
 
 
+def _pass_costs(r: Row) -> str:
+    return " / ".join(_num(r.pass_cost_ms.get(n)) for n in PASS_ROWS) if r.pass_cost_ms else "-"
+
+
+def _share(r: Row) -> str:
+    return _num(None if r.bandwidth_share is None else 100 * r.bandwidth_share, ".0f", "%")
+
+
+def _decode_columns(openvino: bool) -> list[tuple[str, Callable[[Row], str]]]:
+    """The decode table's columns (name, cell of a row); "vs openvino" only when OpenVINO GenAI ran."""
+    columns: list[tuple[str, Callable[[Row], str]]] = [
+        ("runner", lambda r: r.label),
+        ("decode tok/s", lambda r: _num(r.decode_tokens_per_s)),
+        ("vs llama.cpp", lambda r: _num(r.vs_llama_cpp, ".2f", "x")),
+        ("vs transformers fp32", lambda r: _num(r.vs_transformers_fp32, ".2f", "x")),
+        ("prefill tok/s", lambda r: _num(r.prefill_tokens_per_s, ".0f")),
+        ("peak RSS MiB", lambda r: _num(r.peak_rss_mib, ".0f")),
+        (f"pass ms {' / '.join(map(str, PASS_ROWS))} rows", _pass_costs),
+        ("pass 8 / 1", lambda r: _num(r.pass_cost_over_1(8), ".2f", "x")),
+        ("pass 16 / 1", lambda r: _num(r.pass_cost_over_1(16), ".2f", "x")),
+        ("tokens", lambda r: str(r.generated_tokens)),
+        ("= pie fp32", lambda r: _same(r.same_tokens_as_pie_fp32)),
+        ("MB/token", lambda r: _num(r.token_mb, ".0f")),
+        ("of read bw", _share),
+    ]
+    if openvino:
+        columns.insert(4, ("vs openvino", lambda r: _num(r.vs_openvino, ".2f", "x")))
+    return columns
+
+
 def print_report(report: Report, console=None) -> None:
     """The decode table (and the speculation table, when measured), then the skipped runners."""
     from rich.console import Console
@@ -138,39 +173,11 @@ def print_report(report: Report, console=None) -> None:
         f"{','.join(report.formats)}, {first}-token prompt ({report.prompt}), up to {report.tokens} tokens",
         caption=report.note,
     )
-    for name in (
-        "runner",
-        "decode tok/s",
-        "vs llama.cpp",
-        "vs transformers fp32",
-        "prefill tok/s",
-        "peak RSS MiB",
-        f"pass ms {' / '.join(map(str, PASS_ROWS))} rows",
-        "pass 8 / 1",
-        "pass 16 / 1",
-        "tokens",
-        "= pie fp32",
-        "MB/token",
-        "of read bw",
-    ):
+    columns = _decode_columns(any(r.runner == OPENVINO for r in report.rows))
+    for name, _ in columns:
         table.add_column(name, justify="left" if name == "runner" else "right")
     for r in report.rows:
-        costs = " / ".join(_num(r.pass_cost_ms.get(n)) for n in PASS_ROWS) if r.pass_cost_ms else "-"
-        table.add_row(
-            r.label,
-            _num(r.decode_tokens_per_s),
-            _num(r.vs_llama_cpp, ".2f", "x"),
-            _num(r.vs_transformers_fp32, ".2f", "x"),
-            _num(r.prefill_tokens_per_s, ".0f"),
-            _num(r.peak_rss_mib, ".0f"),
-            costs,
-            _num(r.pass_cost_over_1(8), ".2f", "x"),
-            _num(r.pass_cost_over_1(16), ".2f", "x"),
-            str(r.generated_tokens),
-            _same(r.same_tokens_as_pie_fp32),
-            _num(r.token_mb, ".0f"),
-            _num(None if r.bandwidth_share is None else 100 * r.bandwidth_share, ".0f", "%"),
-        )
+        table.add_row(*(cell(r) for _, cell in columns))
     console.print(table)
     if report.read_gb_s:
         console.print(f"read bandwidth {report.read_gb_s:.1f} GB/s ({report.threads} threads, streaming float32 sum)")
