@@ -37,11 +37,19 @@ typedef struct {
 typedef struct { /* M rows of 8-bit activations */
     int8_t *q;        /* (M, K) */
     float *d, *s;     /* (M, K / 32): scale and d * sum(q) */
+    int32_t *h;       /* (M, K / 16): -32 sum(q) of each half block (XS6's offset, xmatmul.h) */
     long k;
 } QAct;
 
-/* One row's blocks: x (K) float32 -> q, d, s. */
-static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+INLINE int32_t sum_epi32(__m256i v) { /* one order always */
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* One row's blocks: x (K) float32 -> q, d, s, h. */
+static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s, int32_t *h) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
@@ -58,22 +66,22 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
         for (int i = 0; i < 4; i++)
             iv[i] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        const int32_t lo = sum_epi32(_mm256_add_epi32(iv[0], iv[1])), hi = sum_epi32(_mm256_add_epi32(iv[2], iv[3]));
+        h[2 * b] = -32 * lo;
+        h[2 * b + 1] = -32 * hi;
         /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
         const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
         const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * QK), ordered);
         d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(t);
+        s[b] = db * (float)(lo + hi);
     }
 }
 
 static void quantize_rows(const float *x, long ldx, long m0, long m1, QAct *a) {
-    for (long r = m0; r < m1; r++) quantize_row(x + r * ldx, a->k, a->q + r * a->k, a->d + r * (a->k / QK), a->s + r * (a->k / QK));
+    const long nb = a->k / QK;
+    for (long r = m0; r < m1; r++) quantize_row(x + r * ldx, a->k, a->q + r * a->k, a->d + r * nb, a->s + r * nb, a->h + 2 * r * nb);
 }
 
 /* The 8 value registers of one record (unsigned bytes; 8-bit AVX2: |q|, the signs applied to x below). */

@@ -24,10 +24,12 @@
  *          of 16, a0 for values 0..15 of the record and a1 for 16..31)
  * Every scale is exact in float32 (a float16 times a small integer, or a power of two), and the same float32
  * value the dequantized weight uses. The signed sub-kinds' (XS6, XS16) values 0..15 of a block take d_lo and
- * 16..31 d_hi (Q6_K's sub-blocks of 16); XS6's values are unpacked to the signed bytes XS16 holds, and the sign
- * moves onto x as on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates), on every variant, so their
- * integer sums and hence their bits are the same on every variant and for either sub-kind. A row's operations
- * never depend on the other rows of a call. */
+ * 16..31 d_hi (Q6_K's sub-blocks of 16), with the integer sum of q x over each half: XS16 moves the sign of q onto
+ * x as on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates); XS6 dots its unsigned q + 32 (<= 63)
+ * with x from an accumulator started at -32 sum(x) (QAct's h), the same integer with no per-row sign work. Every
+ * variant makes the same integer sums, whichever way the values are held, and scales them in one order: the bits
+ * are the same on every variant and for Q6_K held as XS6 or XS16. A row's operations never depend on the other
+ * rows of a call. */
 enum { XA4 = 0, XS6 = 1, XS16 = 2, XA5 = 3 }; /* sub-kinds: how the values are held */
 enum { XD = 0, XDM = 1, XK = 2 };             /* scale modes */
 
@@ -90,25 +92,24 @@ INLINE void or_fifth_bits(const uint8_t *plane, __m256i w[8]) {
     }
 }
 
-/* XS6: the signed values q of the 8 registers of load_values(WQ4) (their low 4 bits): the high 2 bits of
- * register 4c + i are bits 2i, 2i+1 of chunk c of the plane; each byte shifted on its own (the 16-bit shifts'
- * bits crossing from the next byte are masked off), then q = (low | high << 4) - 32. */
-INLINE void signed_six_bits(const uint8_t *plane, __m256i w[8]) {
-    const __m256i mask = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+/* XS6: ORs the high 2 bits (16, 32) into the 8 registers of load_values(WQ4), giving q + 32: those of register
+ * 4c + i are bits 2i, 2i+1 of chunk c of the plane; each byte shifted on its own (the 16-bit shifts' bits
+ * crossing from the next byte are masked off). */
+INLINE void or_high_two_bits(const uint8_t *plane, __m256i w[8]) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
     for (int c = 0; c < 2; c++) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(plane + 32 * c));
         const __m256i hi[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
-        for (int i = 0; i < 4; i++)
-            w[4 * c + i] = _mm256_sub_epi8(_mm256_or_si256(w[4 * c + i], _mm256_and_si256(hi[i], mask)), offset);
+        for (int i = 0; i < 4; i++) w[4 * c + i] = _mm256_or_si256(w[4 * c + i], _mm256_and_si256(hi[i], mask));
     }
 }
 
-/* A record's 8 value registers as dpbusd takes them (unsigned; XS6, XS16: |q|, the signs in sv). */
+/* A record's 8 value registers as dpbusd takes them (unsigned: XS6 q + 32; XS16 |q|, the signs in sv). */
 INLINE void x_values(const uint8_t *rec, int sub, __m256i v[8], __m256i sv[8]) {
     load_values(rec, sub == XS16 ? WQ8 : WQ4, v);
     if (sub == XA5) or_fifth_bits(rec + 128, v);
-    if (sub == XS6) signed_six_bits(rec + 128, v);
-    if (x_signed(sub))
+    if (sub == XS6) or_high_two_bits(rec + 128, v);
+    if (sub == XS16)
         for (int j = 0; j < 8; j++) {
             sv[j] = v[j];
             v[j] = _mm256_abs_epi8(v[j]);
@@ -132,12 +133,17 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
         x_scales(rec, sub, mode, l.vb, d0, d1, &s0, &s1);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
+            const long ab = (m0 + r) * nb + b;
             __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
             __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            if (sub == XS6) { /* sum (q + 32) x - 32 sum x = sum q x, for each half */
+                i0 = _mm256_set1_epi32(a->h[2 * ab]);
+                h0 = _mm256_set1_epi32(a->h[2 * ab + 1]);
+            }
             for (int j = 0; j < 4; j += 2) { /* values 0..15: chunks 0-3; 16..31: chunks 4-7 */
                 __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
                 __m256i y0 = bcast4(xq + 16 + 4 * j), y1 = bcast4(xq + 16 + 4 * j + 4);
-                if (x_signed(sub)) {
+                if (sub == XS16) {
                     x0 = _mm256_sign_epi8(x0, sv[j]);
                     x1 = _mm256_sign_epi8(x1, sv[j + 1]);
                     y0 = _mm256_sign_epi8(y0, sv[j + 4]);
@@ -148,7 +154,6 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
                 h0 = dpbusd(h0, v[j + 4], y0);
                 h1 = dpbusd(h1, v[j + 5], y1);
             }
-            const long ab = (m0 + r) * nb + b;
             const __m256 dx = _mm256_set1_ps(a->d[ab]);
             if (x_signed(sub)) {
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_mul_ps(s0, dx), acc[r]);
@@ -195,7 +200,7 @@ INLINE __m512 join_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each; XS6, XS16: |q| in v and the
+/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each; XS16: |q| in v and the
  * sign of q in neg (the lanes whose x is negated: the same products as _mm256_sign_epi8's, |q| being 0 where
  * sign_epi8 zeroes x). */
 INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i v[8], __mmask64 neg[8]) {
@@ -210,18 +215,18 @@ INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i
             v[j] = _mm512_mask_add_epi8(v[j], _mm512_test_epi8_mask(b, bit), v[j], sixteen);
         }
     }
-    if (sub == XS6) { /* signed_six_bits on 16 lanes */
-        const __m512i mask = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
+    if (sub == XS6) { /* or_high_two_bits on 16 lanes */
+        const __m512i mask = _mm512_set1_epi8(0x30);
         for (int c = 0; c < 2; c++) {
             const __m512i h = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 128 + 32 * c))),
                 _mm256_loadu_si256((const __m256i *)(p1 + 128 + 32 * c)), 1);
             const __m512i hi[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
             for (int i = 0; i < 4; i++)
-                v[4 * c + i] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(v[4 * c + i], hi[i], mask, 0xf8), offset);
+                v[4 * c + i] = _mm512_ternarylogic_epi32(v[4 * c + i], hi[i], mask, 0xf8); /* v | (hi & mask) */
         }
     }
-    if (x_signed(sub))
+    if (sub == XS16)
         for (int j = 0; j < 8; j++) {
             neg[j] = _mm512_movepi8_mask(v[j]);
             v[j] = _mm512_abs_epi8(v[j]);
@@ -252,14 +257,19 @@ INLINE void x_pair_rows(const uint8_t *r0, const uint8_t *r1, const int sub, con
         const __m512 s0 = join_ps(s00, s10), s1 = join_ps(s01, s11);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
+            const long ab = (m0 + r) * nb + b;
             __m512i i0 = zero, i1 = zero, h0 = zero, h1 = zero;
+            if (sub == XS6) {
+                i0 = _mm512_set1_epi32(a->h[2 * ab]);
+                h0 = _mm512_set1_epi32(a->h[2 * ab + 1]);
+            }
             for (int j = 0; j < 4; j += 2) {
                 int32_t q4[4];
                 memcpy(q4, xq + 4 * j, 8);
                 memcpy(q4 + 2, xq + 16 + 4 * j, 8);
                 __m512i x0 = _mm512_set1_epi32(q4[0]), x1 = _mm512_set1_epi32(q4[1]);
                 __m512i y0 = _mm512_set1_epi32(q4[2]), y1 = _mm512_set1_epi32(q4[3]);
-                if (x_signed(sub)) {
+                if (sub == XS16) {
                     x0 = _mm512_mask_sub_epi8(x0, neg[j], zero, x0);
                     x1 = _mm512_mask_sub_epi8(x1, neg[j + 1], zero, x1);
                     y0 = _mm512_mask_sub_epi8(y0, neg[j + 4], zero, y0);
@@ -270,7 +280,6 @@ INLINE void x_pair_rows(const uint8_t *r0, const uint8_t *r1, const int sub, con
                 h0 = _mm512_dpbusd_epi32(h0, v[j + 4], y0);
                 h1 = _mm512_dpbusd_epi32(h1, v[j + 5], y1);
             }
-            const long ab = (m0 + r) * nb + b;
             const __m512 dx = _mm512_set1_ps(a->d[ab]);
             if (x_signed(sub)) {
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(s0, dx), acc[r]);
