@@ -310,10 +310,39 @@ static void amx_rows_of(const QWeight *w, long g, int pair, const QAct *a, long 
 }
 #endif
 
-#define ROW_TILE 4
+#define ROW_TILE 4 /* rows a group of 8 outputs takes at once (ROWS_IN_TILES_OF_4) */
+
+/* CALL(m0, R) over rows 0 .. m-1: whole tiles of 8 (or 4) rows, then the rest in one call of a constant R, so
+ * that each call's accumulators stay in registers. The multi-row loops of both matmuls (below, xmatmul.h). */
+#define ROWS_IN_TILES_OF_8(m, CALL)                                                                                 \
+    do {                                                                                                            \
+        long m0_ = 0;                                                                                               \
+        for (; m0_ + 8 <= (m); m0_ += 8) CALL(m0_, 8);                                                              \
+        switch ((m) - m0_) {                                                                                        \
+        case 7: CALL(m0_, 7); break;                                                                                \
+        case 6: CALL(m0_, 6); break;                                                                                \
+        case 5: CALL(m0_, 5); break;                                                                                \
+        case 4: CALL(m0_, 4); break;                                                                                \
+        case 3: CALL(m0_, 3); break;                                                                                \
+        case 2: CALL(m0_, 2); break;                                                                                \
+        case 1: CALL(m0_, 1); break;                                                                                \
+        }                                                                                                           \
+    } while (0)
+#define ROWS_IN_TILES_OF_4(m, CALL)                                                                                 \
+    do {                                                                                                            \
+        long m0_ = 0;                                                                                               \
+        for (; m0_ + 4 <= (m); m0_ += 4) CALL(m0_, 4);                                                              \
+        switch ((m) - m0_) {                                                                                        \
+        case 3: CALL(m0_, 3); break;                                                                                \
+        case 2: CALL(m0_, 2); break;                                                                                \
+        case 1: CALL(m0_, 1); break;                                                                                \
+        }                                                                                                           \
+    } while (0)
 
 #if defined(PIE_AVX512VNNI)
-#define PAIR_TILE 8 /* rows a pair of groups takes at once: its 16 lanes of values unpacked once for them */
+#define PAIR_TILE 8 /* rows a pair of groups takes at once (ROWS_IN_TILES_OF_8): its 16 lanes of values unpacked
+                      * once for them */
+_Static_assert(PAIR_TILE == 8 && ROW_TILE == 4, "the tile loops ROWS_IN_TILES_OF_8 / _4 are these tiles");
 /* Fewer rows take the 8-lane path, as fast or faster there (docs/performance.md, "Pass cost by rows"). */
 #define PAIR_MIN_ROWS 4
 
@@ -369,17 +398,9 @@ INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const in
 /* Every row of `a` for groups g and g+1, a tile of rows at a time. */
 static void pair_all_rows(const QWeight *w, long g, const QAct *a, long m, float *y, long ldy, const float *bias,
                           int add) {
-    long m0 = 0;
-    for (; m0 + PAIR_TILE <= m; m0 += PAIR_TILE) pair_rows(w, g, a, m0, PAIR_TILE, y, ldy, bias, add);
-    switch (m - m0) { /* constant tile sizes: the accumulators stay in registers */
-    case 7: pair_rows(w, g, a, m0, 7, y, ldy, bias, add); break;
-    case 6: pair_rows(w, g, a, m0, 6, y, ldy, bias, add); break;
-    case 5: pair_rows(w, g, a, m0, 5, y, ldy, bias, add); break;
-    case 4: pair_rows(w, g, a, m0, 4, y, ldy, bias, add); break;
-    case 3: pair_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-    case 2: pair_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-    case 1: pair_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-    }
+#define PAIR_ROWS(M0, R) pair_rows(w, g, a, M0, R, y, ldy, bias, add)
+    ROWS_IN_TILES_OF_8(m, PAIR_ROWS);
+#undef PAIR_ROWS
 }
 #endif
 
@@ -402,13 +423,9 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
             continue;
         }
 #endif
-        long m0 = 0;
-        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
-        switch (m - m0) {
-        case 3: group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-        case 2: group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-        case 1: group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-        }
+#define GROUP_ROWS(M0, R) group_rows(w, g, a, M0, R, y, ldy, bias, add)
+        ROWS_IN_TILES_OF_4(m, GROUP_ROWS);
+#undef GROUP_ROWS
     }
 }
 

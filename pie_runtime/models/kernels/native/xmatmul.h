@@ -310,17 +310,9 @@ INLINE void x_pair_group_rows(const QWeight *w, long g, const QAct *a, long m0, 
 /* Every row of `a` for WX groups g and g+1, a tile of rows at a time. */
 static void x_pair_all_rows(const QWeight *w, long g, const QAct *a, long m, float *y, long ldy, const float *bias,
                             int add) {
-    long m0 = 0;
-    for (; m0 + PAIR_TILE <= m; m0 += PAIR_TILE) x_pair_group_rows(w, g, a, m0, PAIR_TILE, y, ldy, bias, add);
-    switch (m - m0) {
-    case 7: x_pair_group_rows(w, g, a, m0, 7, y, ldy, bias, add); break;
-    case 6: x_pair_group_rows(w, g, a, m0, 6, y, ldy, bias, add); break;
-    case 5: x_pair_group_rows(w, g, a, m0, 5, y, ldy, bias, add); break;
-    case 4: x_pair_group_rows(w, g, a, m0, 4, y, ldy, bias, add); break;
-    case 3: x_pair_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-    case 2: x_pair_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-    case 1: x_pair_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-    }
+#define X_PAIR_TILE(M0, R) x_pair_group_rows(w, g, a, M0, R, y, ldy, bias, add)
+    ROWS_IN_TILES_OF_8(m, X_PAIR_TILE);
+#undef X_PAIR_TILE
 }
 #endif
 
@@ -337,13 +329,9 @@ static void x_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, 
             continue;
         }
 #endif
-        long m0 = 0;
-        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) x_group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
-        switch (m - m0) {
-        case 3: x_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-        case 2: x_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-        case 1: x_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-        }
+#define X_GROUP_TILE(M0, R) x_group_rows(w, g, a, M0, R, y, ldy, bias, add)
+        ROWS_IN_TILES_OF_4(m, X_GROUP_TILE);
+#undef X_GROUP_TILE
     }
 }
 
