@@ -24,9 +24,10 @@
  *          of 16, a0 for values 0..15 of the record and a1 for 16..31)
  * Every scale is exact in float32 (a float16 times a small integer, or a power of two), and the same float32
  * value the dequantized weight uses. The signed sub-kinds' (XS6, XS16) values 0..15 of a block take d_lo and
- * 16..31 d_hi (Q6_K's sub-blocks of 16), with the integer sum of q x over each half: XS16 moves the sign of q onto
- * x as on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates); XS6 dots its unsigned q + 32 (<= 63)
- * with x from an accumulator started at -32 sum(x) (QAct's h), the same integer with no per-row sign work. Every
+ * 16..31 d_hi (Q6_K's sub-blocks of 16), with the integer sum of q x over each half. XS6 dots its unsigned
+ * q + 32 (<= 63) with x from an accumulator started at -32 sum(x) (QAct's h), and XS16 on the VNNI variants its
+ * q + 128 from -128 sum(x): the same integer with no per-row sign work. AVX2's maddubs would saturate on
+ * q + 128, so there XS16 moves the sign of q onto x (|q| <= 128 and |x| <= 127: it never saturates). Every
  * variant makes the same integer sums, whichever way the values are held, and scales them in one order: the bits
  * are the same on every variant and for Q6_K held as XS6 or XS16. A row's operations never depend on the other
  * rows of a call. */
@@ -104,16 +105,25 @@ INLINE void or_high_two_bits(const uint8_t *plane, __m256i w[8]) {
     }
 }
 
-/* A record's 8 value registers as dpbusd takes them (unsigned: XS6 q + 32; XS16 |q|, the signs in sv). */
+/* A record's 8 value registers as dpbusd takes them (unsigned: XS6 q + 32; XS16 q + 128 on VNNI, else |q| with
+ * the signs in sv). */
 INLINE void x_values(const uint8_t *rec, int sub, __m256i v[8], __m256i sv[8]) {
     load_values(rec, sub == XS16 ? WQ8 : WQ4, v);
     if (sub == XA5) or_fifth_bits(rec + 128, v);
     if (sub == XS6) or_high_two_bits(rec + 128, v);
-    if (sub == XS16)
+    if (sub == XS16 && PIE_VNNI)
+        for (int j = 0; j < 8; j++) v[j] = _mm256_xor_si256(v[j], _mm256_set1_epi8((char)0x80));
+    if (sub == XS16 && !PIE_VNNI)
         for (int j = 0; j < 8; j++) {
             sv[j] = v[j];
             v[j] = _mm256_abs_epi8(v[j]);
         }
+}
+
+/* -c sum(x) of half block i (2 ab + 0 or 1) of QAct a, where the values are held as q + c (XS6: c = 32; XS16 on
+ * VNNI: 128), else 0: what a half block's integer dot starts from. */
+INLINE int32_t x_start(const QAct *a, long i, int sub) {
+    return sub == XS6 ? a->h[i] : sub == XS16 && PIE_VNNI ? 4 * a->h[i] : 0;
 }
 
 INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, const QAct *a, long m0, const int R,
@@ -134,16 +144,13 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             const long ab = (m0 + r) * nb + b;
-            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-            if (sub == XS6) { /* sum (q + 32) x - 32 sum x = sum q x, for each half */
-                i0 = _mm256_set1_epi32(a->h[2 * ab]);
-                h0 = _mm256_set1_epi32(a->h[2 * ab + 1]);
-            }
+            /* sum (q + c) x - c sum x = sum q x, for each half */
+            __m256i i0 = _mm256_set1_epi32(x_start(a, 2 * ab, sub)), i1 = _mm256_setzero_si256();
+            __m256i h0 = _mm256_set1_epi32(x_start(a, 2 * ab + 1, sub)), h1 = _mm256_setzero_si256();
             for (int j = 0; j < 4; j += 2) { /* values 0..15: chunks 0-3; 16..31: chunks 4-7 */
                 __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
                 __m256i y0 = bcast4(xq + 16 + 4 * j), y1 = bcast4(xq + 16 + 4 * j + 4);
-                if (sub == XS16) {
+                if (sub == XS16 && !PIE_VNNI) {
                     x0 = _mm256_sign_epi8(x0, sv[j]);
                     x1 = _mm256_sign_epi8(x1, sv[j + 1]);
                     y0 = _mm256_sign_epi8(y0, sv[j + 4]);
@@ -200,10 +207,8 @@ INLINE __m512 join_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each; XS16: |q| in v and the
- * sign of q in neg (the lanes whose x is negated: the same products as _mm256_sign_epi8's, |q| being 0 where
- * sign_epi8 zeroes x). */
-INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i v[8], __mmask64 neg[8]) {
+/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each (a VNNI variant). */
+INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i v[8]) {
     load_values_pair(p0, p1, sub == XS16 ? WQ8 : WQ4, v);
     if (sub == XA5) { /* or_fifth_bits on 16 lanes: the fifth bit (16) added to a value below 16 */
         const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 128))),
@@ -227,10 +232,7 @@ INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i
         }
     }
     if (sub == XS16)
-        for (int j = 0; j < 8; j++) {
-            neg[j] = _mm512_movepi8_mask(v[j]);
-            v[j] = _mm512_abs_epi8(v[j]);
-        }
+        for (int j = 0; j < 8; j++) v[j] = _mm512_xor_si512(v[j], _mm512_set1_epi8((char)0x80));
 }
 
 /* Rows m0 .. m0+R-1 of WX groups g and g+1 (records r0, r1; one sub-kind and mode) in 16 lanes: lane for lane
@@ -249,8 +251,7 @@ INLINE void x_pair_rows(const uint8_t *r0, const uint8_t *r1, const int sub, con
             r0 += l.hb, r1 += l.hb;
         }
         __m512i v[8];
-        __mmask64 neg[8];
-        x_values_pair(r0, r1, sub, v, neg);
+        x_values_pair(r0, r1, sub, v);
         __m256 s00, s01, s10, s11;
         x_scales(r0, sub, mode, l.vb, d00, d01, &s00, &s01);
         x_scales(r1, sub, mode, l.vb, d10, d11, &s10, &s11);
@@ -258,23 +259,14 @@ INLINE void x_pair_rows(const uint8_t *r0, const uint8_t *r1, const int sub, con
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
             const long ab = (m0 + r) * nb + b;
-            __m512i i0 = zero, i1 = zero, h0 = zero, h1 = zero;
-            if (sub == XS6) {
-                i0 = _mm512_set1_epi32(a->h[2 * ab]);
-                h0 = _mm512_set1_epi32(a->h[2 * ab + 1]);
-            }
+            __m512i i0 = _mm512_set1_epi32(x_start(a, 2 * ab, sub)), i1 = zero;
+            __m512i h0 = _mm512_set1_epi32(x_start(a, 2 * ab + 1, sub)), h1 = zero;
             for (int j = 0; j < 4; j += 2) {
                 int32_t q4[4];
                 memcpy(q4, xq + 4 * j, 8);
                 memcpy(q4 + 2, xq + 16 + 4 * j, 8);
-                __m512i x0 = _mm512_set1_epi32(q4[0]), x1 = _mm512_set1_epi32(q4[1]);
-                __m512i y0 = _mm512_set1_epi32(q4[2]), y1 = _mm512_set1_epi32(q4[3]);
-                if (sub == XS16) {
-                    x0 = _mm512_mask_sub_epi8(x0, neg[j], zero, x0);
-                    x1 = _mm512_mask_sub_epi8(x1, neg[j + 1], zero, x1);
-                    y0 = _mm512_mask_sub_epi8(y0, neg[j + 4], zero, y0);
-                    y1 = _mm512_mask_sub_epi8(y1, neg[j + 5], zero, y1);
-                }
+                const __m512i x0 = _mm512_set1_epi32(q4[0]), x1 = _mm512_set1_epi32(q4[1]);
+                const __m512i y0 = _mm512_set1_epi32(q4[2]), y1 = _mm512_set1_epi32(q4[3]);
                 i0 = _mm512_dpbusd_epi32(i0, v[j], x0);
                 i1 = _mm512_dpbusd_epi32(i1, v[j + 1], x1);
                 h0 = _mm512_dpbusd_epi32(h0, v[j + 4], y0);
