@@ -17,7 +17,7 @@ from pathlib import Path
 # 32 weights of 8 outputs; qmatmul.h)
 NATIVE_BYTES = {"q4": 160 / 256, "q8": 272 / 256}
 # WX records by GGUF kind (a float part is Q8_0): 8 outputs x 32 weights a record, the K kinds with a 32-byte
-# header per 8 records; Q6_K's values are bytes
+# header per 8 records; Q6_K's values in 4 + 2-bit planes
 WX_BYTES = {
     "q4_0": 144 / 256,
     "q4_1": 160 / 256,
@@ -26,7 +26,7 @@ WX_BYTES = {
     "q8_0": 272 / 256,
     "q4_k": (144 + 4) / 256,
     "q5_k": (176 + 4) / 256,
-    "q6_k": (272 + 4) / 256,
+    "q6_k": (208 + 4) / 256,
 }
 TORCH_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 _FLOOR = 512 << 20  # the smallest buffer streamed, whatever the cache
@@ -65,14 +65,15 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
     return size / best / 1e9
 
 
-def _native_bytes(kinds: list[str], fmt: str, weights: int) -> float:
+def native_bytes(parts: list[tuple[str, int]], fmt: str) -> float:
+    """Bytes of one weight fused of ``parts`` (stored kind, "" for float; weights) on the native step in ``fmt``:
+    each part's own records where they run as WX (a float part as Q8_0), else the fused weight's kernel."""
     from ..native_load import plan
 
-    how = plan(kinds, fmt)
-    if how == "wx":  # each part in its own record; a float part as Q8_0
-        per = [WX_BYTES[k or "q8_0"] for k in kinds]
-        return weights * sum(per) / len(per)
-    return weights * NATIVE_BYTES["q4" if how.startswith("q4") else "q8"]
+    how = plan([k for k, _ in parts], fmt)
+    if how == "wx":
+        return sum(weights * WX_BYTES[k or "q8_0"] for k, weights in parts)
+    return sum(weights for _, weights in parts) * NATIVE_BYTES["q4" if how.startswith("q4") else "q8"]
 
 
 def pie_token_bytes(manifest, fmt: str, native: bool) -> int | None:
@@ -104,9 +105,8 @@ def pie_token_bytes(manifest, fmt: str, native: bool) -> int | None:
     total = 0.0
     for i in range(cfg.num_hidden_layers):
         for parts in groups:
-            kinds = [q.get(f"model.layers.{i}.{p}.weight", "") for p in parts]
-            total += _native_bytes(kinds, fmt, sum(shapes[p] for p in parts))
-    total += _native_bytes([q.get(head, "")], "gguf" if fmt == "gguf" else "int8", head_weights)
+            total += native_bytes([(q.get(f"model.layers.{i}.{p}.weight", ""), shapes[p]) for p in parts], fmt)
+    total += native_bytes([(q.get(head, ""), head_weights)], "gguf" if fmt == "gguf" else "int8")
     return int(total)
 
 

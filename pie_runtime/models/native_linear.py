@@ -25,7 +25,7 @@ from .quant_kinds import BlockTensor, KScales
 
 Q4, Q8, WX = 0, 1, 2  # the kernel's weight kinds
 BLOCK = 32
-XSUB = {"a4": 0, "a8": 1, "s16": 2, "a5": 3}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
+XSUB = {"a4": 0, "s6": 1, "s16": 2, "a5": 3}  # WX's sub-kinds (qmatmul.h): the table's ``native`` names
 XD, XDM, XK = 0, 1, 2  # WX's scale modes (qmatmul.h)
 _X_CHUNK = 4096  # rows repacked at a time: the int16 values of a large table are never all in memory
 
@@ -133,19 +133,10 @@ class PackedWeight:
             raise QuantError("WX parts need one row length and, but for the last, multiples of 8 rows")
         if k % BLOCK:
             raise QuantError(f"the native kernels need rows of whole blocks of {BLOCK}, not {k}")
-        records, codes = [], []
-        for p in parts:
-            for r0 in range(0, p.shape[0], _X_CHUNK):
-                code, recs = _x_records(_part_rows(p, r0, min(r0 + _X_CHUNK, p.shape[0])))
-                records.append(recs)
-                codes += [code] * recs.shape[0]
-        groups = len(codes)
-        gb = np.array([recs.shape[1] for recs in records for _ in range(recs.shape[0])])
-        offsets = 8 * groups + np.concatenate([[0], np.cumsum(gb)[:-1]])
-        header = ((offsets.astype(np.int64) << 4) | np.array(codes, dtype=np.int64)).view(np.uint8)
-        body = [header, *(r.reshape(-1) for r in records)]
-        n = sum(p.shape[0] for p in parts)
-        return PackedWeight(torch.from_numpy(np.concatenate(body)), WX, n, k)
+        chunks = (
+            _part_rows(p, r0, min(r0 + _X_CHUNK, p.shape[0])) for p in parts for r0 in range(0, p.shape[0], _X_CHUNK)
+        )
+        return _pack_parts(chunks, sum(p.shape[0] for p in parts), k)
 
     @property
     def nbytes(self) -> int:
@@ -205,6 +196,21 @@ class _Part:
         return XK if self.k_scales is not None else XDM if self.o16 is not None else XD
 
 
+def _pack_parts(parts: Iterable[_Part], n: int, k: int) -> PackedWeight:
+    """Parts' rows (all but the last a multiple of 8) as one WX weight: the header, then each part's records."""
+    records, codes = [], []
+    for part in parts:
+        code, recs = _x_records(part)
+        records.append(recs)
+        codes += [code] * recs.shape[0]
+    groups = len(codes)
+    gb = np.array([recs.shape[1] for recs in records for _ in range(recs.shape[0])])
+    offsets = 8 * groups + np.concatenate([[0], np.cumsum(gb)[:-1]])
+    header = ((offsets.astype(np.int64) << 4) | np.array(codes, dtype=np.int64)).view(np.uint8)
+    body = [header, *(r.reshape(-1) for r in records)]
+    return PackedWeight(torch.from_numpy(np.concatenate(body)), WX, n, k)
+
+
 def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> _Part:
     """Rows r0..r1-1 of a part."""
     if isinstance(p, BlockTensor):
@@ -217,14 +223,21 @@ def _part_rows(p: BlockTensor | torch.Tensor, r0: int, r1: int) -> _Part:
 
 
 def _x_values(name: str, q: np.ndarray, groups: int, nb: int) -> np.ndarray:
-    """Values (rows padded to groups * 8) as the records' value bytes (groups, blocks, bytes)."""
-    if name in ("a4", "a5"):
+    """Values (rows padded to groups * 8; "s6": signed, -32..31) as the records' value bytes (groups, blocks,
+    bytes)."""
+    if name in ("a4", "a5", "s6"):
+        if name == "s6":
+            q = q + 32
         v = (q & 15).astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
         values = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 128)
         if name == "a5":  # the fifth bits: 4 bytes an output, bit v = value v
             bits = ((q >> 4) & 1).astype(np.uint8).reshape(groups, 8, nb, 32)
             plane = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3).reshape(groups, nb, 32)
             values = np.concatenate([values, plane], axis=-1)
+        if name == "s6":  # the high 2 bits: value 4(4c + i) + t of output o at bits 2i of byte 4o + t of chunk c
+            hi = ((q >> 4) & 3).astype(np.uint8).reshape(groups, 8, nb, 2, 4, 4)
+            plane = hi[:, :, :, :, 0] | hi[:, :, :, :, 1] << 2 | hi[:, :, :, :, 2] << 4 | hi[:, :, :, :, 3] << 6
+            values = np.concatenate([values, plane.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 64)], axis=-1)
         return values
     v = q.astype(np.int8).view(np.uint8).reshape(groups, 8, nb, 8, 4)
     return v.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
@@ -236,7 +249,7 @@ def _x_records(part: _Part) -> tuple[int, np.ndarray]:
     name, q, s16, mode = part.sub, part.q, part.s16, part.mode
     n, k = q.shape
     groups, nb, pad = (n + 7) // 8, k // BLOCK, -n % 8
-    if name != "s16" and part.o16 is None:  # Q4_0 / Q5_0: q + 8 / q + 16 with the offset -8 d / -16 d (mode XD)
+    if name in ("a4", "a5") and part.o16 is None:  # Q4_0 / Q5_0: q + 8 / q + 16 with the offset -8 d / -16 d (mode XD)
         q = q + (8 if name == "a4" else 16)
     values = _x_values(name, np.pad(q, ((0, pad), (0, 0))), groups, nb)
 

@@ -10,7 +10,7 @@ kept as its GGUF bytes: one row of ``row_bytes`` a weight row, blocks running al
     | q8_0 | 32            | 34          | d q            | WQ8 (alone) / WX s16 / d                           |
     | q4_k | 256           | 144         | d sc q - dmin m (sub-blocks of 32) | WX a4 / k                     |
     | q5_k | 256           | 176         | d sc q - dmin m (sub-blocks of 32) | WX a5 / k                     |
-    | q6_k | 256           | 210         | d sc (q - 32) (sub-blocks of 16)   | WX s16 (values as bytes) / k  |
+    | q6_k | 256           | 210         | d sc (q - 32) (sub-blocks of 16)   | WX s6 (4 + 2-bit planes) / k  |
     | f16, bf16, f32 | 1   | 2, 2, 4     | the float      | quantized to Q8_0 at load                          |
 
 Every quantized kind decomposes (:meth:`Kind.decompose`) into integer values, a scale per 16 values and, for
@@ -141,7 +141,8 @@ class Kind:
     ggml_type: int
     block: int
     block_bytes: int
-    native: str  # "s16" (signed values, a scale per 16), "a4" / "a5" (unsigned 4 / 5-bit, scale + offset per 32)
+    native: str  # "s16" / "s6" (signed 8 / 6-bit values, a scale per 16), "a4" / "a5" (unsigned 4 / 5-bit,
+    # scale + offset per 32)
     decompose: Callable[[np.ndarray], Decomposed] | None = None
     float_dtype: torch.dtype | None = None
     k_scales: Callable[[np.ndarray], KScales] | None = None  # the K kinds: scales as stored, for the packer
@@ -166,7 +167,7 @@ KINDS: dict[str, Kind] = {
         Kind("q8_0", 8, 32, 34, "s16", _q8_0),
         Kind("q4_k", 12, 256, 144, "a4", _q4_k, k_scales=_q45_k_scales),
         Kind("q5_k", 13, 256, 176, "a5", _q5_k, k_scales=_q45_k_scales),
-        Kind("q6_k", 14, 256, 210, "s16", _q6_k, k_scales=_q6_k_scales),
+        Kind("q6_k", 14, 256, 210, "s6", _q6_k, k_scales=_q6_k_scales),
         Kind("f32", 0, 1, 4, "", float_dtype=torch.float32),
         Kind("f16", 1, 1, 2, "", float_dtype=torch.float16),
         Kind("bf16", 30, 1, 2, "", float_dtype=torch.bfloat16),

@@ -251,6 +251,13 @@ CHECK_VARIANT = textwrap.dedent(
     from tests.models.quant_blocks import random_blocks
     parts = [random_blocks("q4_k", 64, 768, 1), random_blocks("q6_k", 64, 768, 2), random_blocks("q5_1", 75, 768, 3)]
     wx, wx_ref = PackedWeight.pack_blocks(parts), torch.cat([p.dequantize() for p in parts])
+    import dataclasses
+    from pie_runtime.models.native_linear import _pack_parts, _part_rows
+    q6 = _part_rows(parts[1], 0, 64)  # Q6_K in 6 bits (s6) and as bytes (s16): the same bits at any row count
+    q6x = torch.randn(40, 768, generator=torch.Generator().manual_seed(2))
+    q6_six, q6_bytes = _pack_parts([q6], 64, 768), _pack_parts([dataclasses.replace(q6, sub="s16")], 64, 768)
+    for m in (*range(1, 18), 40):
+        assert torch.equal(q6_six.matmul(q6x[:m]), q6_bytes.matmul(q6x[:m])), ("q6_k", m)
     results = {{}}
     for name, packed, ref in (("q4", PackedWeight.from_group_quant(quantize_int4(w)), quantize_int4(w).dequantize()),
                               ("q8", PackedWeight.pack_q8(*quantize_q8_0(w)), None), ("wx", wx, wx_ref)):

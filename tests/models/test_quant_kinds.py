@@ -5,6 +5,7 @@ kind outside the table is refused before its tensors are read."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from pie_runtime.models import native_lib
-from pie_runtime.models.native_linear import WX, PackedLinear, PackedWeight
+from pie_runtime.models.native_linear import WX, PackedLinear, PackedWeight, _pack_parts, _part_rows
 from pie_runtime.models.quant import QuantError
 from pie_runtime.models.quant_kinds import KINDS, QUANTIZED_KINDS, BlockTensor, check_supported
 from tests.models.quant_blocks import random_blocks
@@ -87,13 +88,33 @@ def test_the_native_kernel_runs_each_kind_as_stored(kind):
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
 def test_the_native_records_hold_about_the_gguf_blocks_bytes(kind):
     """The packed weight streams about the GGUF file's bytes (scales kept as float16 / 6-bit sub-scales, not
-    float32): the kinds of 32 exactly their bytes, the K kinds within 1/32 more (a float16 pair per 8 outputs
-    and 256 weights), Q6_K its values as bytes (8.6 bits a weight against 6.6)."""
+    float32): the kinds of 32 exactly their bytes, Q4_K / Q5_K within 1/32 more (a float16 pair per 8 outputs
+    and 256 weights), Q6_K within 1/105 (its values in 4 + 2-bit planes: 212 bytes per 256 weights against
+    210)."""
     bt = random_blocks(kind, 256, 1024, seed=3)
     header = 8 * 256 // 8
     packed = PackedWeight.pack_blocks([bt]).nbytes - header
-    limit = {"q6_k": 8.625 / 6.5625, "q4_k": 1 + 1 / 32, "q5_k": 1 + 1 / 32}.get(kind, 1.0)
+    limit = {"q6_k": 212 / 210, "q4_k": 1 + 1 / 32, "q5_k": 1 + 1 / 32}.get(kind, 1.0)
     assert bt.nbytes <= packed <= bt.nbytes * limit
+
+
+@needs_native
+def test_q6_k_in_6_bits_gives_the_bits_of_its_values_held_as_bytes():
+    """Q6_K's records hold its values in 6 bits (sub-kind s6); unpacked, they are the signed bytes the 8-bit
+    record (s16, Q8_0's) holds, and the kernel's integer sums and scales are the same: the same outputs, rows
+    and slices bit for bit, at every row count (the 8- and 16-lane paths), in fewer bytes."""
+    bt = random_blocks("q6_k", 203, 768, seed=12)
+    six = PackedWeight.pack_blocks([bt])
+    part = _part_rows(bt, 0, 203)
+    assert part.sub == "s6"
+    as_bytes = _pack_parts([dataclasses.replace(part, sub="s16")], 203, 768)
+    assert six.nbytes < 0.8 * as_bytes.nbytes
+    x = torch.randn(17, 768, generator=torch.Generator().manual_seed(13))
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        assert torch.equal(six.matmul(x[:m]), as_bytes.matmul(x[:m])), m
+    assert torch.equal(six.rows(torch.arange(203)), bt.dequantize())
+    ids = torch.tensor([0, 7, 8, 9, 150, 202])
+    assert torch.equal(six.select(ids).matmul(x), as_bytes.select(ids).matmul(x))
 
 
 @needs_native

@@ -37,11 +37,19 @@ typedef struct {
 typedef struct { /* M rows of 8-bit activations */
     int8_t *q;        /* (M, K) */
     float *d, *s;     /* (M, K / 32): scale and d * sum(q) */
+    int32_t *h;       /* (M, K / 16): -32 sum(q) of each half block (XS6's offset, xmatmul.h) */
     long k;
 } QAct;
 
-/* One row's blocks: x (K) float32 -> q, d, s. */
-static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+INLINE int32_t sum_epi32(__m256i v) { /* one order always */
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* One row's blocks: x (K) float32 -> q, d, s, h. */
+static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s, int32_t *h) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
@@ -58,22 +66,22 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
         for (int i = 0; i < 4; i++)
             iv[i] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        const int32_t lo = sum_epi32(_mm256_add_epi32(iv[0], iv[1])), hi = sum_epi32(_mm256_add_epi32(iv[2], iv[3]));
+        h[2 * b] = -32 * lo;
+        h[2 * b + 1] = -32 * hi;
         /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
         const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
         const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * QK), ordered);
         d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(t);
+        s[b] = db * (float)(lo + hi);
     }
 }
 
 static void quantize_rows(const float *x, long ldx, long m0, long m1, QAct *a) {
-    for (long r = m0; r < m1; r++) quantize_row(x + r * ldx, a->k, a->q + r * a->k, a->d + r * (a->k / QK), a->s + r * (a->k / QK));
+    const long nb = a->k / QK;
+    for (long r = m0; r < m1; r++) quantize_row(x + r * ldx, a->k, a->q + r * a->k, a->d + r * nb, a->s + r * nb, a->h + 2 * r * nb);
 }
 
 /* The 8 value registers of one record (unsigned bytes; 8-bit AVX2: |q|, the signs applied to x below). */
@@ -302,10 +310,39 @@ static void amx_rows_of(const QWeight *w, long g, int pair, const QAct *a, long 
 }
 #endif
 
-#define ROW_TILE 4
+#define ROW_TILE 4 /* rows a group of 8 outputs takes at once (ROWS_IN_TILES_OF_4) */
+
+/* CALL(m0, R) over rows 0 .. m-1: whole tiles of 8 (or 4) rows, then the rest in one call of a constant R, so
+ * that each call's accumulators stay in registers. The multi-row loops of both matmuls (below, xmatmul.h). */
+#define ROWS_IN_TILES_OF_8(m, CALL)                                                                                 \
+    do {                                                                                                            \
+        long m0_ = 0;                                                                                               \
+        for (; m0_ + 8 <= (m); m0_ += 8) CALL(m0_, 8);                                                              \
+        switch ((m) - m0_) {                                                                                        \
+        case 7: CALL(m0_, 7); break;                                                                                \
+        case 6: CALL(m0_, 6); break;                                                                                \
+        case 5: CALL(m0_, 5); break;                                                                                \
+        case 4: CALL(m0_, 4); break;                                                                                \
+        case 3: CALL(m0_, 3); break;                                                                                \
+        case 2: CALL(m0_, 2); break;                                                                                \
+        case 1: CALL(m0_, 1); break;                                                                                \
+        }                                                                                                           \
+    } while (0)
+#define ROWS_IN_TILES_OF_4(m, CALL)                                                                                 \
+    do {                                                                                                            \
+        long m0_ = 0;                                                                                               \
+        for (; m0_ + 4 <= (m); m0_ += 4) CALL(m0_, 4);                                                              \
+        switch ((m) - m0_) {                                                                                        \
+        case 3: CALL(m0_, 3); break;                                                                                \
+        case 2: CALL(m0_, 2); break;                                                                                \
+        case 1: CALL(m0_, 1); break;                                                                                \
+        }                                                                                                           \
+    } while (0)
 
 #if defined(PIE_AVX512VNNI)
-#define PAIR_TILE 8 /* rows a pair of groups takes at once: its 16 lanes of values unpacked once for them */
+#define PAIR_TILE 8 /* rows a pair of groups takes at once (ROWS_IN_TILES_OF_8): its 16 lanes of values unpacked
+                      * once for them */
+_Static_assert(PAIR_TILE == 8 && ROW_TILE == 4, "the tile loops ROWS_IN_TILES_OF_8 / _4 are these tiles");
 /* Fewer rows take the 8-lane path, as fast or faster there (docs/performance.md, "Pass cost by rows"). */
 #define PAIR_MIN_ROWS 4
 
@@ -361,17 +398,9 @@ INLINE void pair_rows(const QWeight *w, long g, const QAct *a, long m0, const in
 /* Every row of `a` for groups g and g+1, a tile of rows at a time. */
 static void pair_all_rows(const QWeight *w, long g, const QAct *a, long m, float *y, long ldy, const float *bias,
                           int add) {
-    long m0 = 0;
-    for (; m0 + PAIR_TILE <= m; m0 += PAIR_TILE) pair_rows(w, g, a, m0, PAIR_TILE, y, ldy, bias, add);
-    switch (m - m0) { /* constant tile sizes: the accumulators stay in registers */
-    case 7: pair_rows(w, g, a, m0, 7, y, ldy, bias, add); break;
-    case 6: pair_rows(w, g, a, m0, 6, y, ldy, bias, add); break;
-    case 5: pair_rows(w, g, a, m0, 5, y, ldy, bias, add); break;
-    case 4: pair_rows(w, g, a, m0, 4, y, ldy, bias, add); break;
-    case 3: pair_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-    case 2: pair_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-    case 1: pair_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-    }
+#define PAIR_ROWS(M0, R) pair_rows(w, g, a, M0, R, y, ldy, bias, add)
+    ROWS_IN_TILES_OF_8(m, PAIR_ROWS);
+#undef PAIR_ROWS
 }
 #endif
 
@@ -394,13 +423,9 @@ static void qmatmul_groups(const QWeight *w, long g0, long g1, const QAct *a, lo
             continue;
         }
 #endif
-        long m0 = 0;
-        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
-        switch (m - m0) {
-        case 3: group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-        case 2: group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-        case 1: group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-        }
+#define GROUP_ROWS(M0, R) group_rows(w, g, a, M0, R, y, ldy, bias, add)
+        ROWS_IN_TILES_OF_4(m, GROUP_ROWS);
+#undef GROUP_ROWS
     }
 }
 

@@ -160,13 +160,13 @@ void pie_select_rows(const uint8_t *data, int32_t kind, long k, const int64_t *i
 
 /* ---- the lm head and other standalone matmuls ------------------------------------------------------------ */
 
-long pie_qmatmul_scratch(long m, long k) { return m * k + 2 * m * (k / QK) * (long)sizeof(float) + 64; }
+long pie_qmatmul_scratch(long m, long k) { return m * k + 4 * m * (k / QK) * (long)sizeof(float) + 64; }
 
 /* y (m, n) = x (m, k) float32 @ w.T; `scratch` of pie_qmatmul_scratch bytes. */
 void pie_qmatmul(const uint8_t *data, int32_t kind, long n, long k, const float *x, long m, float *y, uint8_t *scratch) {
     QWeight w = {data, kind, (int32_t)n, (int32_t)k};
     float *ds = (float *)scratch;
-    QAct a = {(int8_t *)(ds + 2 * m * (k / QK)), ds, ds + m * (k / QK), k};
+    QAct a = {(int8_t *)(ds + 4 * m * (k / QK)), ds, ds + m * (k / QK), (int32_t *)(ds + 2 * m * (k / QK)), k};
     const long units = n_units(&w);
 #pragma omp parallel
     {
@@ -281,6 +281,8 @@ static long carve(const PieModel *m, long n, uint8_t *base, Buffers *b) {
         if (base) *dst[i] = (float *)(base + at);
         at += rup(sizes[i] * (long)sizeof(float));
     }
+    if (base) b->a.h = (int32_t *)(base + at);
+    at += rup(2 * n * (kmax / QK) * (long)sizeof(int32_t));
     if (base) b->a.q = (int8_t *)(base + at);
     b->n = n;
     return at + rup(n * kmax);

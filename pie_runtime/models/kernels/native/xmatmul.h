@@ -11,21 +11,27 @@
  *     XA4  4-bit values as WQ4's record                          w = dw q + mw     (Q4_0 as q + 8, Q4_1, Q4_K)
  *     XA5  XA4's low 4 bits, then the fifth bits (4 bytes an output: bit v = value v)
  *                                                                 w = dw q + mw     (Q5_0 as q + 16, Q5_1, Q5_K)
- *     XA8  8-bit values (0..255) as WQ8's                         w = dw q + mw     (none at present)
- *     XS16 signed 8-bit values as WQ8's                           w = d_half q      (Q8_0, Q6_K)
+ *     XS6  6-bit values q + 32 (0..63): their low 4 bits as XA4's, then their high 2 bits as 2 chunks of 32
+ *          bytes, byte 4o + t of chunk c holding at bits 2i, 2i+1 those of value 4(4c + i) + t of output o
+ *          (4c + i: the value register of load_values(WQ4))       w = d_half q      (Q6_K)
+ *     XS16 signed 8-bit values as WQ8's                           w = d_half q      (Q8_0)
  * then their scales, by the group's mode (s0: dw or d_lo; s1: mw or d_hi):
- *     XD   s0[8] float16; s1 = c s0 with c = -8 (XA4), -16 (XA5), -128 (XA8), or s1 = s0 (XS16)   (the kinds of 32
+ *     XD   s0[8] float16; s1 = c s0 with c = -8 (XA4), -16 (XA5), or s1 = s0 (XS6, XS16)   (the kinds of 32
  *          with one scale: Q4_0, Q5_0, Q8_0)
  *     XDM  s0[8], s1[8] float16                                                          (Q4_1, Q5_1)
  *     XK   int8 a0[8], a1[8], and before every 8 records (a K-kind's super-block of 256) a header of float16
  *          D0[8], D1[8]: s0 = D0 a0, s1 = D1 a1            (Q4_K / Q5_K: d, sc, -dmin, m; Q6_K: d and its sub-scales
  *          of 16, a0 for values 0..15 of the record and a1 for 16..31)
  * Every scale is exact in float32 (a float16 times a small integer, or a power of two), and the same float32
- * value the dequantized weight uses. XS16's values 0..15 of a block take d_lo and 16..31 d_hi (Q6_K's sub-blocks
- * of 16); the sign moves onto x as on AVX2's Q8_0 (|q| <= 128 and |x| <= 127: maddubs never saturates), on every
- * variant, so its integer sums and hence its bits are the same on every variant. A row's operations never depend
- * on the other rows of a call. */
-enum { XA4 = 0, XA8 = 1, XS16 = 2, XA5 = 3 }; /* sub-kinds: how the values are held */
+ * value the dequantized weight uses. The signed sub-kinds' (XS6, XS16) values 0..15 of a block take d_lo and
+ * 16..31 d_hi (Q6_K's sub-blocks of 16), with the integer sum of q x over each half. XS6 dots its unsigned
+ * q + 32 (<= 63) with x from an accumulator started at -32 sum(x) (QAct's h), and XS16 on the VNNI variants its
+ * q + 128 from -128 sum(x): the same integer with no per-row sign work. AVX2's maddubs would saturate on
+ * q + 128, so there XS16 moves the sign of q onto x (|q| <= 128 and |x| <= 127: it never saturates). Every
+ * variant makes the same integer sums, whichever way the values are held, and scales them in one order: the bits
+ * are the same on every variant and for Q6_K held as XS6 or XS16. A row's operations never depend on the other
+ * rows of a call. */
+enum { XA4 = 0, XS6 = 1, XS16 = 2, XA5 = 3 }; /* sub-kinds: how the values are held */
 enum { XD = 0, XDM = 1, XK = 2 };             /* scale modes */
 
 typedef struct {
@@ -35,7 +41,7 @@ typedef struct {
 
 INLINE XLayout x_layout(int sub, int mode) {
     XLayout l;
-    l.vb = sub == XA4 ? 128 : sub == XA5 ? 160 : 256;
+    l.vb = sub == XA4 ? 128 : sub == XA5 ? 160 : sub == XS6 ? 192 : 256;
     l.rb = l.vb + (mode == XDM ? 32 : 16);
     l.per = mode == XK ? 8 : 1;
     l.hb = mode == XK ? 32 : 0;
@@ -45,7 +51,10 @@ INLINE XLayout x_layout(int sub, int mode) {
 /* Bytes of one group's records, nb blocks (XK: a multiple of 8). */
 INLINE long x_group_bytes(XLayout l, long nb) { return nb * l.rb + nb / l.per * l.hb; }
 
-INLINE float x_offset_factor(int sub) { return sub == XA4 ? -8.0f : sub == XA5 ? -16.0f : -128.0f; }
+/* The sub-kinds whose values are signed, scaled per 16 with no offset (w = d_half q). */
+INLINE int x_signed(int sub) { return sub == XS6 || sub == XS16; }
+
+INLINE float x_offset_factor(int sub) { return sub == XA4 ? -8.0f : -16.0f; } /* XA4, XA5 in mode XD */
 
 INLINE void x_group(const QWeight *w, long g, int *sub, int *mode, const uint8_t **rec) {
     const int64_t h = ((const int64_t *)w->data)[g];
@@ -66,7 +75,7 @@ INLINE void x_scales(const uint8_t *rec, int sub, int mode, long vb, __m256 d0, 
     if (mode == XDM)
         *s1 = load_f16x8((const uint16_t *)(rec + vb + 16));
     else
-        *s1 = sub == XS16 ? *s0 : _mm256_mul_ps(*s0, _mm256_set1_ps(x_offset_factor(sub)));
+        *s1 = x_signed(sub) ? *s0 : _mm256_mul_ps(*s0, _mm256_set1_ps(x_offset_factor(sub)));
 }
 
 /* XA5: ORs each value's fifth bit (16) into the 8 value registers of load_values(WQ4). Chunk j's byte 4o + t is
@@ -84,15 +93,37 @@ INLINE void or_fifth_bits(const uint8_t *plane, __m256i w[8]) {
     }
 }
 
-/* A record's 8 value registers as dpbusd takes them (unsigned; XS16: |q|, the signs in sv). */
+/* XS6: ORs the high 2 bits (16, 32) into the 8 registers of load_values(WQ4), giving q + 32: those of register
+ * 4c + i are bits 2i, 2i+1 of chunk c of the plane; each byte shifted on its own (the 16-bit shifts' bits
+ * crossing from the next byte are masked off). */
+INLINE void or_high_two_bits(const uint8_t *plane, __m256i w[8]) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    for (int c = 0; c < 2; c++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(plane + 32 * c));
+        const __m256i hi[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
+        for (int i = 0; i < 4; i++) w[4 * c + i] = _mm256_or_si256(w[4 * c + i], _mm256_and_si256(hi[i], mask));
+    }
+}
+
+/* A record's 8 value registers as dpbusd takes them (unsigned: XS6 q + 32; XS16 q + 128 on VNNI, else |q| with
+ * the signs in sv). */
 INLINE void x_values(const uint8_t *rec, int sub, __m256i v[8], __m256i sv[8]) {
-    load_values(rec, sub == XA4 || sub == XA5 ? WQ4 : WQ8, v);
+    load_values(rec, sub == XS16 ? WQ8 : WQ4, v);
     if (sub == XA5) or_fifth_bits(rec + 128, v);
-    if (sub == XS16)
+    if (sub == XS6) or_high_two_bits(rec + 128, v);
+    if (sub == XS16 && PIE_VNNI)
+        for (int j = 0; j < 8; j++) v[j] = _mm256_xor_si256(v[j], _mm256_set1_epi8((char)0x80));
+    if (sub == XS16 && !PIE_VNNI)
         for (int j = 0; j < 8; j++) {
             sv[j] = v[j];
             v[j] = _mm256_abs_epi8(v[j]);
         }
+}
+
+/* -c sum(x) of half block i (2 ab + 0 or 1) of QAct a, where the values are held as q + c (XS6: c = 32; XS16 on
+ * VNNI: 128), else 0: what a half block's integer dot starts from. */
+INLINE int32_t x_start(const QAct *a, long i, int sub) {
+    return sub == XS6 ? a->h[i] : sub == XS16 && PIE_VNNI ? 4 * a->h[i] : 0;
 }
 
 INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, const QAct *a, long m0, const int R,
@@ -112,12 +143,14 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
         x_scales(rec, sub, mode, l.vb, d0, d1, &s0, &s1);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
-            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            const long ab = (m0 + r) * nb + b;
+            /* sum (q + c) x - c sum x = sum q x, for each half */
+            __m256i i0 = _mm256_set1_epi32(x_start(a, 2 * ab, sub)), i1 = _mm256_setzero_si256();
+            __m256i h0 = _mm256_set1_epi32(x_start(a, 2 * ab + 1, sub)), h1 = _mm256_setzero_si256();
             for (int j = 0; j < 4; j += 2) { /* values 0..15: chunks 0-3; 16..31: chunks 4-7 */
                 __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
                 __m256i y0 = bcast4(xq + 16 + 4 * j), y1 = bcast4(xq + 16 + 4 * j + 4);
-                if (sub == XS16) {
+                if (sub == XS16 && !PIE_VNNI) {
                     x0 = _mm256_sign_epi8(x0, sv[j]);
                     x1 = _mm256_sign_epi8(x1, sv[j + 1]);
                     y0 = _mm256_sign_epi8(y0, sv[j + 4]);
@@ -128,9 +161,8 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
                 h0 = dpbusd(h0, v[j + 4], y0);
                 h1 = dpbusd(h1, v[j + 5], y1);
             }
-            const long ab = (m0 + r) * nb + b;
             const __m256 dx = _mm256_set1_ps(a->d[ab]);
-            if (sub == XS16) {
+            if (x_signed(sub)) {
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_mul_ps(s0, dx), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), _mm256_mul_ps(s1, dx), acc[r]);
             } else {
@@ -151,8 +183,8 @@ INLINE void x_rows(const uint8_t *rec, const int sub, const int mode, long nb, c
     case XA5 * 4 + XD: CALL(XA5, XD); break;                                                                         \
     case XA5 * 4 + XDM: CALL(XA5, XDM); break;                                                                       \
     case XA5 * 4 + XK: CALL(XA5, XK); break;                                                                         \
+    case XS6 * 4 + XK: CALL(XS6, XK); break;                                                                         \
     case XS16 * 4 + XD: CALL(XS16, XD); break;                                                                       \
-    case XS16 * 4 + XK: CALL(XS16, XK); break;                                                                       \
     default: CALL(sub, mode); break;                                                                                 \
     }
 
@@ -175,11 +207,9 @@ INLINE __m512 join_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each; XS16: |q| in v and the
- * sign of q in neg (the lanes whose x is negated: the same products as _mm256_sign_epi8's, |q| being 0 where
- * sign_epi8 zeroes x). */
-INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i v[8], __mmask64 neg[8]) {
-    load_values_pair(p0, p1, sub == XA4 || sub == XA5 ? WQ4 : WQ8, v);
+/* The value registers of groups g (low 256 bits) and g+1 (high) as x_values gives each (a VNNI variant). */
+INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i v[8]) {
+    load_values_pair(p0, p1, sub == XS16 ? WQ8 : WQ4, v);
     if (sub == XA5) { /* or_fifth_bits on 16 lanes: the fifth bit (16) added to a value below 16 */
         const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 128))),
                                                  _mm256_loadu_si256((const __m256i *)(p1 + 128)), 1);
@@ -190,11 +220,19 @@ INLINE void x_values_pair(const uint8_t *p0, const uint8_t *p1, int sub, __m512i
             v[j] = _mm512_mask_add_epi8(v[j], _mm512_test_epi8_mask(b, bit), v[j], sixteen);
         }
     }
-    if (sub == XS16)
-        for (int j = 0; j < 8; j++) {
-            neg[j] = _mm512_movepi8_mask(v[j]);
-            v[j] = _mm512_abs_epi8(v[j]);
+    if (sub == XS6) { /* or_high_two_bits on 16 lanes */
+        const __m512i mask = _mm512_set1_epi8(0x30);
+        for (int c = 0; c < 2; c++) {
+            const __m512i h = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 128 + 32 * c))),
+                _mm256_loadu_si256((const __m256i *)(p1 + 128 + 32 * c)), 1);
+            const __m512i hi[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+            for (int i = 0; i < 4; i++)
+                v[4 * c + i] = _mm512_ternarylogic_epi32(v[4 * c + i], hi[i], mask, 0xf8); /* v | (hi & mask) */
         }
+    }
+    if (sub == XS16)
+        for (int j = 0; j < 8; j++) v[j] = _mm512_xor_si512(v[j], _mm512_set1_epi8((char)0x80));
 }
 
 /* Rows m0 .. m0+R-1 of WX groups g and g+1 (records r0, r1; one sub-kind and mode) in 16 lanes: lane for lane
@@ -213,35 +251,29 @@ INLINE void x_pair_rows(const uint8_t *r0, const uint8_t *r1, const int sub, con
             r0 += l.hb, r1 += l.hb;
         }
         __m512i v[8];
-        __mmask64 neg[8];
-        x_values_pair(r0, r1, sub, v, neg);
+        x_values_pair(r0, r1, sub, v);
         __m256 s00, s01, s10, s11;
         x_scales(r0, sub, mode, l.vb, d00, d01, &s00, &s01);
         x_scales(r1, sub, mode, l.vb, d10, d11, &s10, &s11);
         const __m512 s0 = join_ps(s00, s10), s1 = join_ps(s01, s11);
         for (int r = 0; r < R; r++) {
             const int8_t *xq = a->q + (m0 + r) * a->k + b * QK;
-            __m512i i0 = zero, i1 = zero, h0 = zero, h1 = zero;
+            const long ab = (m0 + r) * nb + b;
+            __m512i i0 = _mm512_set1_epi32(x_start(a, 2 * ab, sub)), i1 = zero;
+            __m512i h0 = _mm512_set1_epi32(x_start(a, 2 * ab + 1, sub)), h1 = zero;
             for (int j = 0; j < 4; j += 2) {
                 int32_t q4[4];
                 memcpy(q4, xq + 4 * j, 8);
                 memcpy(q4 + 2, xq + 16 + 4 * j, 8);
-                __m512i x0 = _mm512_set1_epi32(q4[0]), x1 = _mm512_set1_epi32(q4[1]);
-                __m512i y0 = _mm512_set1_epi32(q4[2]), y1 = _mm512_set1_epi32(q4[3]);
-                if (sub == XS16) {
-                    x0 = _mm512_mask_sub_epi8(x0, neg[j], zero, x0);
-                    x1 = _mm512_mask_sub_epi8(x1, neg[j + 1], zero, x1);
-                    y0 = _mm512_mask_sub_epi8(y0, neg[j + 4], zero, y0);
-                    y1 = _mm512_mask_sub_epi8(y1, neg[j + 5], zero, y1);
-                }
+                const __m512i x0 = _mm512_set1_epi32(q4[0]), x1 = _mm512_set1_epi32(q4[1]);
+                const __m512i y0 = _mm512_set1_epi32(q4[2]), y1 = _mm512_set1_epi32(q4[3]);
                 i0 = _mm512_dpbusd_epi32(i0, v[j], x0);
                 i1 = _mm512_dpbusd_epi32(i1, v[j + 1], x1);
                 h0 = _mm512_dpbusd_epi32(h0, v[j + 4], y0);
                 h1 = _mm512_dpbusd_epi32(h1, v[j + 5], y1);
             }
-            const long ab = (m0 + r) * nb + b;
             const __m512 dx = _mm512_set1_ps(a->d[ab]);
-            if (sub == XS16) {
+            if (x_signed(sub)) {
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(s0, dx), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), _mm512_mul_ps(s1, dx), acc[r]);
             } else {
@@ -270,17 +302,9 @@ INLINE void x_pair_group_rows(const QWeight *w, long g, const QAct *a, long m0, 
 /* Every row of `a` for WX groups g and g+1, a tile of rows at a time. */
 static void x_pair_all_rows(const QWeight *w, long g, const QAct *a, long m, float *y, long ldy, const float *bias,
                             int add) {
-    long m0 = 0;
-    for (; m0 + PAIR_TILE <= m; m0 += PAIR_TILE) x_pair_group_rows(w, g, a, m0, PAIR_TILE, y, ldy, bias, add);
-    switch (m - m0) {
-    case 7: x_pair_group_rows(w, g, a, m0, 7, y, ldy, bias, add); break;
-    case 6: x_pair_group_rows(w, g, a, m0, 6, y, ldy, bias, add); break;
-    case 5: x_pair_group_rows(w, g, a, m0, 5, y, ldy, bias, add); break;
-    case 4: x_pair_group_rows(w, g, a, m0, 4, y, ldy, bias, add); break;
-    case 3: x_pair_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-    case 2: x_pair_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-    case 1: x_pair_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-    }
+#define X_PAIR_TILE(M0, R) x_pair_group_rows(w, g, a, M0, R, y, ldy, bias, add)
+    ROWS_IN_TILES_OF_8(m, X_PAIR_TILE);
+#undef X_PAIR_TILE
 }
 #endif
 
@@ -297,13 +321,9 @@ static void x_groups(const QWeight *w, long g0, long g1, const QAct *a, long m, 
             continue;
         }
 #endif
-        long m0 = 0;
-        for (; m0 + ROW_TILE <= m; m0 += ROW_TILE) x_group_rows(w, g, a, m0, ROW_TILE, y, ldy, bias, add);
-        switch (m - m0) {
-        case 3: x_group_rows(w, g, a, m0, 3, y, ldy, bias, add); break;
-        case 2: x_group_rows(w, g, a, m0, 2, y, ldy, bias, add); break;
-        case 1: x_group_rows(w, g, a, m0, 1, y, ldy, bias, add); break;
-        }
+#define X_GROUP_TILE(M0, R) x_group_rows(w, g, a, M0, R, y, ldy, bias, add)
+        ROWS_IN_TILES_OF_4(m, X_GROUP_TILE);
+#undef X_GROUP_TILE
     }
 }
 

@@ -9,13 +9,14 @@
 
 /* One value of output o (0..7) at position v (0..31) of a record. */
 INLINE int x_value(const uint8_t *rec, int sub, int o, int v) {
-    if (sub == XA4 || sub == XA5) {
-        const uint8_t byte = rec[32 * ((v % 16) / 4) + 4 * o + v % 4];
-        const int fifth = sub == XA5 ? ((rec[128 + 4 * o + v / 8] >> (v % 8)) & 1) << 4 : 0;
-        return (v < 16 ? byte & 0x0f : byte >> 4) | fifth;
+    if (sub == XS16) return (int8_t)rec[32 * (v / 4) + 4 * o + v % 4];
+    const uint8_t byte = rec[32 * ((v % 16) / 4) + 4 * o + v % 4];
+    const int low = v < 16 ? byte & 0x0f : byte >> 4;
+    if (sub == XS6) { /* value v sits in register v / 4 = 4c + i: bits 2i, 2i+1 of chunk c */
+        const int j = v / 4;
+        return (low | ((rec[128 + 32 * (j / 4) + 4 * o + v % 4] >> (2 * (j % 4))) & 3) << 4) - 32;
     }
-    const uint8_t byte = rec[32 * (v / 4) + 4 * o + v % 4];
-    return sub == XS16 ? (int)(int8_t)byte : (int)byte;
+    return low | (sub == XA5 ? ((rec[128 + 4 * o + v / 8] >> (v % 8)) & 1) << 4 : 0);
 }
 
 static float f16_at(const uint8_t *p, long i) {
@@ -33,7 +34,7 @@ static void x_scales_of(const uint8_t *rec, const uint8_t *hdr, int sub, int mod
         return;
     }
     *s0 = f16_at(rec + vb, o);
-    *s1 = mode == XDM ? f16_at(rec + vb, 8 + o) : sub == XS16 ? *s0 : *s0 * x_offset_factor(sub);
+    *s1 = mode == XDM ? f16_at(rec + vb, 8 + o) : x_signed(sub) ? *s0 : *s0 * x_offset_factor(sub);
 }
 
 /* Rows `ids` of an (n, k) WX weight as float32 (count, k): s0 q + s1, or s_half q. Ids outside 0..n-1 give zeros. */
@@ -61,7 +62,7 @@ void pie_dequant_rows_x(const uint8_t *data, long n, long k, const int64_t *ids,
             x_scales_of(rec, hdr, sub, mode, l.vb, o, &s0, &s1);
             for (int v = 0; v < QK; v++) {
                 const float q = (float)x_value(rec, sub, o, v);
-                y[b * QK + v] = sub == XS16 ? (v < 16 ? s0 : s1) * q : s0 * q + s1;
+                y[b * QK + v] = x_signed(sub) ? (v < 16 ? s0 : s1) * q : s0 * q + s1;
             }
         }
     }
