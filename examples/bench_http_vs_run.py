@@ -1,7 +1,7 @@
 """One stream over HTTP against `pie run` on the same engine, alternated in one run.
 
     python examples/bench_http_vs_run.py [--rounds 6] [--max-tokens 128] [--prompt-tokens 128] [--threads 2]
-                                         [--weights int4] [--base TREE] [--profile DIR]
+                                         [--weights int4] [--base TREE] [--base-env KEY=VALUE] [--profile DIR]
 
 Starts one `pie serve --listen ipc://...` (its engine also reachable by address), then per round: one
 streaming chat completion over HTTP (greedy, ``ignore_eos``, a fresh prompt) and one
@@ -13,8 +13,12 @@ kind of request. Both prompts are new to the prefix cache. Rates:
 - ``run``: the inferlet's own ``stats.decode_tokens_per_s`` (the baseline `pie bench serve --runs 1` uses).
 
 ``--base TREE``: a second server run from another source tree (an older commit's, unpacked), its HTTP stream
-alternated with ours in each round: before and after in one run. Each HTTP row also gives the CPU milliseconds
-a token costs the server, the engine, the inferlet host and the client (less what each spends idle).
+alternated with ours in each round: before and after in one run. ``--base-env KEY=VALUE`` (repeatable): the
+second server (from this tree unless ``--base`` names one) runs with these variables set, say
+``OMP_WAIT_POLICY=PASSIVE`` against the OpenMP runtime's default spin-wait. Each server's ``pie run`` runs on
+its own engine, so each label's ratio compares HTTP and ``pie run`` on one engine. Each HTTP row also gives the
+CPU milliseconds a token costs the server, the engine, the inferlet host and the client (less what each spends
+idle), and each ``pie run`` row the engine's and the ``pie run`` process's.
 
 ``--profile DIR``: runs ``py-spy record`` on the server, the inferlet host and the engine over the HTTP rounds
 (flame graphs as speedscope JSON under DIR). Prints one line a round and the median ratio, and the load average.
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,7 @@ def http_rate(base: str, model: str, prompt: str, max_tokens: int) -> float:
 
 
 def run_rate(engine: str, prompt: str, max_tokens: int) -> float:
+    """`pie run`'s own decode rate of one request on ``engine``."""
     path = resolve_inferlet("text-completion")
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "r.json"
@@ -98,21 +104,24 @@ def profile(server_pid: int, folder: Path, seconds: int) -> list[subprocess.Pope
     return procs
 
 
-def start_server(model: str, a: argparse.Namespace, tree: str | None) -> tuple[ServerChild, str]:
+def start_server(
+    model: str, a: argparse.Namespace, tree: str | None, env: dict[str, str] | None = None
+) -> tuple[ServerChild, str]:
     """A `pie serve` whose engine also listens on an ipc address; ``tree``: the source tree it runs from (its
-    PYTHONPATH: the tree and the tree's sdk), else this one's."""
+    PYTHONPATH: the tree and the tree's sdk), else this one's; ``env``: variables set for it (and its engine)."""
     engine = f"ipc://{tempfile.gettempdir()}/pie-bench-http-{os.getpid()}-{free_port()}.sock"
     port = free_port()
     cmd = [sys.executable, "-m", "pie_runtime.cli.main", "serve", "--model", model, "--http", f"127.0.0.1:{port}"]
     cmd += ["--listen", engine, "--threads", str(a.threads), "--weights", a.weights]
-    saved = os.environ.get("PYTHONPATH")
+    saved = dict(os.environ)
+    os.environ.update(env or {})
     if tree:
         os.environ["PYTHONPATH"] = f"{tree}:{tree}/sdk"
     try:
         return ServerChild("pie serve", f"http://127.0.0.1:{port}", cmd), engine
     finally:
-        if tree:
-            os.environ["PYTHONPATH"] = saved or ""
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def idle_rates(pids: dict[str, int], seconds: float = 3.0) -> dict[str, float]:
@@ -133,6 +142,27 @@ def timed_http(base: str, model: str, prompt: str, a: argparse.Namespace, pids: 
     return rate, cpu
 
 
+def timed_run(engine: str, prompt: str, a: argparse.Namespace, pids: dict[str, int], idle: dict) -> tuple:
+    """(`pie run`'s decode rate, CPU ms per token of the engine less its idle rate and of the `pie run`
+    process, start-up included)."""
+    t0 = time.perf_counter()
+    before, child = cpu_s(pids["engine"]), children_cpu_s()
+    rate = run_rate(engine, prompt, a.max_tokens)
+    wall = time.perf_counter() - t0
+    engine_ms = (cpu_s(pids["engine"]) - before - idle.get("engine", 0.0) * wall) / a.max_tokens * 1e3
+    return rate, {"engine": engine_ms, "run": (children_cpu_s() - child) / a.max_tokens * 1e3}
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def fmt(cpu: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=6)
@@ -141,41 +171,45 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="int4")
     p.add_argument("--base", default=None, help="also a server run from this source tree, alternated with ours")
+    p.add_argument("--base-env", action="append", default=[], help="KEY=VALUE set for the second server")
     p.add_argument("--profile", type=Path, default=None)
     a = p.parse_args()
     model = DEFAULT_MODEL
-    texts = prompts(model, 3 * a.rounds + 1, a.prompt_tokens)
-    trees = {"http": None} | ({"http(base)": a.base} if a.base else {})
+    second = a.base is not None or bool(a.base_env)
+    texts = prompts(model, 4 * a.rounds + 1, a.prompt_tokens)
+    base_env = dict(kv.split("=", 1) for kv in a.base_env)
+    setups = {"http": (None, None)} | ({"http(base)": (a.base, base_env)} if second else {})
     servers = {}
     try:
-        for label, tree in trees.items():
-            servers[label] = start_server(model, a, tree)
+        for label, (tree, env) in setups.items():
+            servers[label] = start_server(model, a, tree, env)
             http_rate(servers[label][0].base, model, texts[-1], 8)  # first-call costs
-        engine = servers["http"][1]
-        run_rate(engine, texts[-1], 8)
+            run_rate(servers[label][1], texts[-1], 8)
         pids = {k: roles(srv.proc.pid) for k, (srv, _) in servers.items()}
         idle = {k: idle_rates(v) for k, v in pids.items()}
         spies = profile(servers["http"][0].proc.pid, a.profile, 60) if a.profile else []
         ratios: dict[str, list[float]] = {k: [] for k in servers}
         cpus: dict[str, list[dict]] = {k: [] for k in servers}
+        run_cpus: dict[str, list[dict]] = {k: [] for k in servers}
+        n = 0
         for r in range(a.rounds):
             line = []
-            rates = {}
-            for j, (label, (srv, _)) in enumerate(servers.items()):
-                rates[label], cpu = timed_http(srv.base, model, texts[3 * r + j], a, pids[label], idle[label])
+            for label, (srv, engine) in servers.items():
+                rate, cpu = timed_http(srv.base, model, texts[n], a, pids[label], idle[label])
+                u, ucpu = timed_run(engine, texts[n + 1], a, pids[label], idle[label])
+                n += 2
                 cpus[label].append(cpu)
-                line.append(f"{label} {rates[label]:.1f} tok/s (CPU ms/token: "
-                            + " ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + ")")  # fmt: skip
-            u = run_rate(engine, texts[3 * r + 2], a.max_tokens)
-            for label in servers:
-                ratios[label].append(rates[label] / u)
-            print(f"round {r}: pie run {u:.1f} tok/s; " + "; ".join(line), flush=True)
+                run_cpus[label].append(ucpu)
+                ratios[label].append(rate / u)
+                line.append(f"{label} {rate:.1f} tok/s (CPU ms/token: {fmt(cpu)}), pie run {u:.1f} ({fmt(ucpu)})")
+            print(f"round {r}: " + "; ".join(line) + f"; load {os.getloadavg()[0]:.1f}", flush=True)
         for s in spies:
             s.wait()
         for label in servers:
             med = {k: round(statistics.median(c[k] for c in cpus[label]), 3) for k in cpus[label][0]}
+            umed = {k: round(statistics.median(c[k] for c in run_cpus[label]), 3) for k in run_cpus[label][0]}
             print(f"{label}: median ratio to pie run {statistics.median(ratios[label]):.3f} over {a.rounds} rounds; "
-                  f"median CPU ms/token {med}")  # fmt: skip
+                  f"median CPU ms/token {med}; pie run's {umed}")  # fmt: skip
         print(f"load average {os.getloadavg()}")
     finally:
         for srv, _ in servers.values():

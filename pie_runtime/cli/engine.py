@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,23 @@ if TYPE_CHECKING:
 
 DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+THREAD_WAITS = ("spin", "passive")
+
+
+def apply_thread_wait(wait: str) -> None:
+    """``passive``: the OpenMP runtime (torch's libgomp, which the native kernels share) puts a thread that waits
+    for work, at a barrier or between steps, to sleep at once instead of spinning. libgomp reads its policy once,
+    when it loads with torch, so this sets it for this process (and the ranks it starts) before torch is imported.
+    ``spin`` leaves the runtime's default (or the user's ``$OMP_WAIT_POLICY``) alone."""
+    if wait != "passive":
+        return
+    if "torch" in sys.modules:  # an engine run in a process that already loaded torch: too late to apply
+        logging.getLogger("pie.engine").warning("--thread-wait passive: torch is already loaded; ignored")
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.pop("GOMP_SPINCOUNT", None)
 
 
 def weights_value(value: str) -> str:
@@ -159,6 +177,15 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256, help="rows per step (prefill is chunked to fit)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each rank under --tensor-parallel)")
     p.add_argument(
+        "--thread-wait",
+        choices=THREAD_WAITS,
+        default="spin",
+        help="how the compute threads wait for work: spin (the OpenMP runtime's default, or $OMP_WAIT_POLICY: "
+        "a waiting thread keeps its core a while, the fastest step where the engine has its cores to itself) or "
+        "passive (a waiting thread sleeps at once: slower steps on idle cores, but an engine that shares its "
+        "cores with other busy processes no longer burns them spinning; docs/measurements-http.md)",
+    )
+    p.add_argument(
         "--tensor-parallel",
         type=int,
         default=1,
@@ -205,6 +232,7 @@ def register(sub) -> None:
 
 
 def run_engine(args) -> int:
+    apply_thread_wait(args.thread_wait)
     import torch
 
     from ..engine.core import EngineCore

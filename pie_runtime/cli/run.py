@@ -47,6 +47,7 @@ def engine_args(args) -> list[str]:
     out += ["--kv-pages", str(args.kv_pages)] if args.kv_pages else ["--kv-memory", str(args.kv_memory)]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    out += ["--thread-wait", getattr(args, "thread_wait", "spin")]
     out += ["--compile" if args.compile else "--no-compile"]
     out += [] if args.prefix_cache else ["--no-prefix-cache"]
     out += ["--state-slots", str(args.state_slots)]

@@ -73,6 +73,24 @@ class RunEvent:
     logprobs: list[dict] | None = None  # a text event's tokens' logprobs entries, when the run records them
 
 
+_Queued = RunEvent | RunFailed
+
+
+def _joined(
+    first: RunEvent, queue: asyncio.Queue[RunEvent | RunFailed]
+) -> tuple[RunEvent, RunEvent | RunFailed | None]:
+    """``first`` text event with the text events queued behind it joined to it (one SSE frame and one client
+    wakeup where a consumer fell behind, not one each), and the first other event taken (or None)."""
+    text, lps = [first.text], first.logprobs
+    while not queue.empty():
+        ev = queue.get_nowait()
+        if not (isinstance(ev, RunEvent) and ev.kind == "text"):
+            return RunEvent("text", "".join(text), logprobs=lps), ev
+        text.append(ev.text)
+        lps = None if lps is None and ev.logprobs is None else (lps or []) + (ev.logprobs or [])
+    return (RunEvent("text", "".join(text), logprobs=lps) if len(text) > 1 else first), None
+
+
 @dataclass
 class _Host:
     slot: int
@@ -220,15 +238,20 @@ class HostPool:
         self._waiting.append(run)
         self._pump()
         deadline = None if timeout is None else time.monotonic() + timeout
+        held: _Queued | None = None  # an event taken from the queue while joining text, not yet given
         try:
             while True:
-                if deadline is None:
+                if held is not None:
+                    event, held = held, None
+                elif deadline is None:
                     event = await run.events.get()
                 else:
                     try:
                         event = await asyncio.wait_for(run.events.get(), max(deadline - time.monotonic(), 0))
                     except TimeoutError:
                         raise RunFailed("timeout", f"the run took longer than {timeout} s") from None
+                if isinstance(event, RunEvent) and event.kind == "text":
+                    event, held = _joined(event, run.events)
                 if isinstance(event, RunFailed):
                     raise event
                 yield event
