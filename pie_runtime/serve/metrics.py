@@ -216,7 +216,21 @@ class Metrics:
         self.registry = CollectorRegistry()
         r, mi = self.registry, ["model", "inferlet"]
         self.running = Gauge("pie_requests_running", "requests whose run is in a host", ["model"], registry=r)
-        self.waiting = Gauge("pie_requests_waiting", "requests admitted, waiting for a run slot", ["model"], registry=r)
+        self.waiting = Gauge(
+            "pie_requests_waiting",
+            "requests admitted, waiting for a run slot or room in the KV pool",
+            ["model"],
+            registry=r,
+        )
+        self.kv_admitted = Gauge(
+            "pie_kv_admitted_pages",
+            "KV pages the running requests can grow to (the server's KV admission)",
+            ["model"],
+            registry=r,
+        )
+        self.most_running = Gauge(
+            "pie_requests_running_max", "the most requests that held room in the KV pool at once", ["model"], registry=r
+        )
         self.prompt_tokens = Counter("pie_prompt_tokens", "prompt tokens of finished requests", mi, registry=r)
         self.generation_tokens = Counter("pie_generation_tokens", "tokens generated", mi, registry=r)
         self.requests = Counter("pie_requests", "finished requests by outcome", [*mi, "outcome"], registry=r)

@@ -1,0 +1,79 @@
+"""The server's KV admission (serve/kv_gate.py): a run waits, first come first in, until the KV its working sets
+can grow to fits the engine's pool beside the runs in it, instead of failing in the engine with ``out_of_pages``;
+through a real `pie serve` whose pool holds two of four concurrent long completions, all four complete and at
+most two ran at once (``pie_requests_running_max``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pie_runtime.serve.kv_gate import KVGate
+from tests.conftest import TINY
+from tests.serve.server_proc import start_serve
+
+
+async def test_runs_wait_for_room_in_order_and_leave_cleanly():
+    gate = KVGate(10)
+    await gate.acquire(6)
+    second = asyncio.create_task(gate.acquire(6))  # does not fit beside the first
+    third = asyncio.create_task(gate.acquire(2))  # would fit, but waits behind the second (no starvation)
+    await asyncio.sleep(0.01)
+    assert not second.done() and not third.done() and gate.waiting == 2
+    gate.release(6)
+    await asyncio.wait_for(asyncio.gather(second, third), 1)
+    assert (gate.held, gate.admitted, gate.most_admitted) == (8, 2, 2)
+    waiting = asyncio.create_task(gate.acquire(5))
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # a client that left while waiting holds nothing
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert gate.waiting == 0 and gate.held == 8
+    gate.release(6)
+    gate.release(2)
+    assert gate.held == 0 and gate.admitted == 0
+
+
+async def test_a_run_larger_than_the_pool_goes_alone_and_no_gate_admits_all():
+    gate = KVGate(10)
+    await gate.acquire(25)  # alone: the engine says what it can do with it (its prompt may be cached)
+    other = asyncio.create_task(gate.acquire(1))
+    await asyncio.sleep(0.01)
+    assert not other.done()
+    gate.release(25)
+    await asyncio.wait_for(other, 1)
+    off = KVGate(None)
+    for _ in range(5):
+        await off.acquire(1000)
+    assert off.admitted == 5
+
+
+@pytest.mark.e2e
+def test_long_completions_beyond_the_pool_wait_and_all_complete(pie_home):
+    # 80 pages of 16 rows; a 600-token prompt with 16 new tokens can grow to 39 pages: two fit at once, and
+    # without the gate the four would reach the engine together and two would fail there (out_of_pages)
+    s = start_serve(pie_home, TINY, "--kv-pages", "80", "--pass-cost-rows", "0", "--no-prefix-cache")
+    try:
+
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=s.base, timeout=600) as c:
+                bodies = [
+                    {
+                        "model": TINY,
+                        "prompt": [1 + (i * 7919 + k * 104729) % 49000 for k in range(600)],
+                        "max_tokens": 16,
+                    }
+                    for i in range(4)
+                ]
+                return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+        replies = asyncio.run(main())
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        page = httpx.get(f"{s.base}/metrics", timeout=60).text
+        most = next(
+            float(line.split()[-1]) for line in page.splitlines() if line.startswith("pie_requests_running_max")
+        )
+        assert most == 2
+    finally:
+        s.stop()
