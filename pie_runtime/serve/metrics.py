@@ -50,10 +50,17 @@ class EngineCollector(Collector):
         )
         queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
         hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
+        stale = GaugeMetricFamily(
+            "pie_engine_stats_stale_seconds",
+            "age of the engine figures on this page (0: it answered now; else its last answer, kept while a long step "
+            "keeps it from answering)",
+            labels=by,
+        )
         spec = _Speculation(by)
         edits = _KVEdits(by)
         for engine, s in self.stats.items():
             key = [engine] if by else []
+            stale.add_metric(key, float(s.get("stale_s", 0.0)))
             models: dict[str, dict] = s.get("models") or {}
             for name, m in models.items():
                 total = int(m.get("pages_total", 0))
@@ -68,7 +75,7 @@ class EngineCollector(Collector):
                     window = "" if group.get("window") is None else str(group["window"])
                     groups.add_metric([*key, name, str(g), window], float(group.get("pages", 0)))
             spec.add(key, s.get("speculation") or {})
-        yield from (used, ratio, groups, queries, hits)
+        yield from (used, ratio, groups, queries, hits, stale)
         yield from edits.families()
         yield from spec.families()
 
