@@ -396,3 +396,20 @@ def test_the_native_step_reads_each_layers_page_group(family):
     assert torch.equal(paged, full)
     for window, held in zip(pages.windows, pages.held_per_group(ws)):
         assert window is None or held <= 16 // PAGE + 1
+
+
+@pytest.mark.parametrize("shape", ["mistral", "gemma"])
+def test_the_prefix_cache_serves_only_one_global_group(shape):
+    """The documented rule (working-sets.md): a sliding group's hit would need the prefix's last window of rows,
+    which the cache does not name, so a sliding model's core has no prefix cache and a second working set with
+    the same prompt runs it again; with every row kept (``--kv-swa-full``) the cache is on and the prompt hits."""
+    prompt = [token(i) for i in range(40)]
+    for swa_full in (False, True):
+        c = Core(shape, swa_full)
+        first, second = c.call("ws_open")["ws"], c.call("ws_open")["ws"]
+        last = [{"rows": [len(prompt) - 1], "kind": "logits"}]  # rows read out must run: only the last is
+        a, b = (decode_array(c.fire(ws, prompt, readouts=last)["results"][0]["logits"]) for ws in (first, second))
+        assert np.allclose(a, b, atol=1e-5)
+        cache = c.call("stats")["models"]["tiny"]["prefix_cache"]
+        assert cache["enabled"] is swa_full
+        assert (cache.get("hits", 0) > 0) is swa_full
