@@ -50,6 +50,7 @@ def engine_args(args) -> list[str]:
     out += ["--thread-wait", getattr(args, "thread_wait", "spin")]
     out += ["--compile" if args.compile else "--no-compile"]
     out += [] if args.prefix_cache else ["--no-prefix-cache"]
+    out += ["--kv-swa-full"] if getattr(args, "swa_full", False) else []
     out += ["--state-slots", str(args.state_slots)]
     out += ["--recurrent-fold", getattr(args, "recurrent_fold", "per-row")]
     out += ["--per-row-states", str(getattr(args, "per_row_states", 8))]

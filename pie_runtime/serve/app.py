@@ -137,8 +137,17 @@ class Server:
             )
         if self._runs is None:
             self._runs = Runs(b.pool, self.metrics, b.model, self.slots)
+        self.slots.kv.capacity = self.kv_capacity()
         self._runs.pool = b.pool  # a restarted engine's
         return self._runs
+
+    def kv_capacity(self) -> int | None:
+        """Pages in the one engine's KV pool (the server's KV admission); None with several engines (each has
+        its own pool, the router places runs) or a model without a pool."""
+        info = self.backend.info
+        if self.backend.cluster_counts() is not None or info is None or not info.page_bytes:
+            return None
+        return info.kv_bytes // info.page_bytes
 
     async def upload_runs(self, key: str) -> Runs:
         """The runs of ``key``'s uploaded inferlets, in its own sandboxed hosts (started on first use)."""
@@ -281,6 +290,8 @@ def _add_probe_routes(app: FastAPI, server: Server, guard: list[Any]) -> None:
         model = backend.model
         server.metrics.running.labels(model=model).set(server.slots.running)  # uploads' runs included
         server.metrics.waiting.labels(model=model).set(server.slots.waiting)
+        server.metrics.kv_admitted.labels(model=model).set(server.slots.kv.held)
+        server.metrics.most_running.labels(model=model).set(server.slots.kv.most_admitted)
         page = server.metrics.render(await backend.engine_stats(), backend.cluster_counts(), backend.engine_health())
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 

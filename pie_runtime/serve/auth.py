@@ -144,6 +144,11 @@ class Lease:
         self._entry = [time.monotonic(), float(prompt_tokens + budget)]  # charged at admission
         usage.window.append(self._entry)
 
+    @property
+    def kv(self) -> KVNeed:
+        """The KV this request's working sets can grow to (what the server's KV admission holds for it)."""
+        return self._kv
+
     def charge(self, tokens: int) -> None:
         if tokens > 0:
             self._usage.window.append([time.monotonic(), float(tokens)])

@@ -92,6 +92,8 @@ class Backend:
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self._client: Client | None = None
+        self._stats_request: tuple[Client, asyncio.Future[dict]] | None = None  # the stats request in flight
+        self._last_stats: tuple[Client, float, dict[str, Any]] | None = None  # (its client, when, the reply)
         self.restart = restart or RestartPolicy()
         self._restarts = Restarts(self.restart)
         self.engine_status = EngineStatus()
@@ -220,14 +222,31 @@ class Backend:
         return engine
 
     async def stats(self) -> dict[str, Any] | None:
-        """The engine's ``stats`` reply, or None when it cannot be had now."""
-        if self._client is None or self.state not in ("ready", "draining"):
+        """The engine's ``stats`` reply; while the engine is inside a long step (a long prefill's chunks on a
+        loaded machine) and does not answer within 5 s, its last reply with ``stale_s`` (seconds since it came),
+        so /metrics answers with what was last known instead of dropping the engine's series; None when the
+        engine has not answered yet. One request is in flight at a time: scrapes during a long step wait on it
+        instead of queueing more behind the step."""
+        client = self._client
+        if client is None or self.state not in ("ready", "draining"):
             return None
+        if self._stats_request is None or self._stats_request[0] is not client:
+            self._stats_request = (client, asyncio.ensure_future(client.request("stats")))
+        request = self._stats_request[1]
         try:
-            return await asyncio.wait_for(self._client.request("stats"), timeout=5.0)
-        except (TimeoutError, OSError, RuntimeError) as e:
+            fresh = await asyncio.wait_for(asyncio.shield(request), timeout=5.0)
+        except TimeoutError:
+            if self._last_stats is None or self._last_stats[0] is not client:
+                return None
+            return {**self._last_stats[2], "stale_s": round(time.monotonic() - self._last_stats[1], 1)}
+        except (OSError, RuntimeError) as e:
             log.warning("engine stats unavailable: %s", e)
+            self._stats_request = None
             return None
+        if self._stats_request is not None and self._stats_request[1] is request:
+            self._stats_request = None
+        self._last_stats = (client, time.monotonic(), fresh)
+        return fresh
 
     async def engine_stats(self) -> dict[str, dict[str, Any]] | None:
         """For /metrics: engine name → its ``stats`` (``""``: the one engine), None when none can be had now."""

@@ -50,10 +50,17 @@ class EngineCollector(Collector):
         )
         queries = CounterMetricFamily("pie_prefix_cache_queries", "prefix-cache lookups", labels=[*by, "model"])
         hits = CounterMetricFamily("pie_prefix_cache_hits", "prefix-cache lookups that hit", labels=[*by, "model"])
+        stale = GaugeMetricFamily(
+            "pie_engine_stats_stale_seconds",
+            "age of the engine figures on this page (0: it answered now; else its last answer, kept while a long step "
+            "keeps it from answering)",
+            labels=by,
+        )
         spec = _Speculation(by)
         edits = _KVEdits(by)
         for engine, s in self.stats.items():
             key = [engine] if by else []
+            stale.add_metric(key, float(s.get("stale_s", 0.0)))
             models: dict[str, dict] = s.get("models") or {}
             for name, m in models.items():
                 total = int(m.get("pages_total", 0))
@@ -68,7 +75,7 @@ class EngineCollector(Collector):
                     window = "" if group.get("window") is None else str(group["window"])
                     groups.add_metric([*key, name, str(g), window], float(group.get("pages", 0)))
             spec.add(key, s.get("speculation") or {})
-        yield from (used, ratio, groups, queries, hits)
+        yield from (used, ratio, groups, queries, hits, stale)
         yield from edits.families()
         yield from spec.families()
 
@@ -216,7 +223,21 @@ class Metrics:
         self.registry = CollectorRegistry()
         r, mi = self.registry, ["model", "inferlet"]
         self.running = Gauge("pie_requests_running", "requests whose run is in a host", ["model"], registry=r)
-        self.waiting = Gauge("pie_requests_waiting", "requests admitted, waiting for a run slot", ["model"], registry=r)
+        self.waiting = Gauge(
+            "pie_requests_waiting",
+            "requests admitted, waiting for a run slot or room in the KV pool",
+            ["model"],
+            registry=r,
+        )
+        self.kv_admitted = Gauge(
+            "pie_kv_admitted_pages",
+            "KV pages the running requests can grow to (the server's KV admission)",
+            ["model"],
+            registry=r,
+        )
+        self.most_running = Gauge(
+            "pie_requests_running_max", "the most requests that held room in the KV pool at once", ["model"], registry=r
+        )
         self.prompt_tokens = Counter("pie_prompt_tokens", "prompt tokens of finished requests", mi, registry=r)
         self.generation_tokens = Counter("pie_generation_tokens", "tokens generated", mi, registry=r)
         self.requests = Counter("pie_requests", "finished requests by outcome", [*mi, "outcome"], registry=r)

@@ -1,7 +1,8 @@
 """Hands admitted requests to the host pool, one inferlet run each, and keeps what the metrics need.
 
-At most ``max_running`` runs are in hosts at once; later requests wait (their queue time) and past
-``max_waiting`` waiting ones a request gets 503 ``overloaded``. Those slots are the server's (``RunSlots``),
+At most ``max_running`` runs are in hosts at once, and only as many as the engine's KV pool holds (``KVGate``:
+each run's KV bound, page groups counted); later requests wait (their queue time) and past ``max_waiting``
+waiting ones a request gets 503 ``overloaded``. Those slots are the server's (``RunSlots``),
 shared by the main hosts' runs and every key's uploaded-inferlet runs: a key that uploads its own inferlet
 gets no run slots beside them. A run whose consumer goes away (a client
 that disconnects mid-stream, a cancelled handler) is cancelled in its host, which releases its working sets.
@@ -19,6 +20,7 @@ from typing import Any
 from .auth import Lease
 from .errors import run_failed, unavailable
 from .host_pool import HostPool, RunEvent, RunFailed
+from .kv_gate import KVGate
 from .metrics import Metrics
 
 
@@ -39,6 +41,7 @@ class RunSlots:
     def __init__(self, max_running: int, max_waiting: int) -> None:
         self.max_waiting = max_waiting
         self.sem = asyncio.Semaphore(max_running)
+        self.kv = KVGate()  # its capacity is set once the engine's pool is known (Server.runs)
         self.waiting = 0
         self.running = 0
 
@@ -85,9 +88,15 @@ class Runs:
         try:
             if slots.waiting >= slots.max_waiting and slots.sem.locked():
                 raise unavailable(f"{slots.waiting} requests are waiting; try again later", "overloaded")
+            pages = lease.kv.pages if lease is not None else 0
             slots.waiting += 1
             try:
                 await slots.sem.acquire()
+                try:
+                    await slots.kv.acquire(pages)
+                except BaseException:
+                    slots.sem.release()
+                    raise
             finally:
                 slots.waiting -= 1
             slots.running += 1
@@ -108,6 +117,7 @@ class Runs:
                 raise run_failed(e.code, e.message) from e
             finally:
                 slots.running -= 1
+                slots.kv.release(pages)
                 slots.sem.release()
                 if not done:
                     self.metrics.requests.labels(**labels, outcome="cancelled").inc()

@@ -3,8 +3,9 @@ sliding-window models: a Mistral-shaped one (every layer slides) and a Gemma-sha
 one global: four page groups of one layer). A core whose sliding groups let go of the rows that left their
 window gives the logits, bit for bit, of a core of the same weights that keeps every row (``swa_full``, as
 ``--kv-swa-full``) through prefill, decode, rejected and accepted drafts, a tree window, a fork mid-window, an
-eviction and a save in one core loaded into another (refused where the rows it lacks would be needed); the
-sliding groups hold at most W / page + 2 pages; and every page is back when the working sets are released."""
+eviction and a save in one core loaded into another (refused where the rows it lacks would be needed), and the
+attention readout (a sliding layer's mass on its window's keys only); the sliding groups hold at most
+W / page + 2 pages; and every page is back when the working sets are released."""
 
 from __future__ import annotations
 
@@ -151,6 +152,35 @@ def test_the_window_pages_give_the_all_rows_logits_through_every_operation(shape
         for handle in (ws[c], children[c]):
             c.call("ws_release", ws=handle)
         assert c.pages.free == PAGES  # nothing leaked
+
+
+def test_the_attention_readout_reads_only_the_rows_each_layer_attends():
+    """Past the window, a sliding layer's attention mass (read through its page group, whose early pages are gone)
+    lies on its window's keys only, the global layer's on every earlier row; summed or per layer, the scores are
+    the all-rows core's bit for bit, at a decode row and at a verify window's rows."""
+    paged, full = Core("gemma", False), Core("gemma", True)
+    ws = {c: c.call("ws_open")["ws"] for c in (paged, full)}
+    for c in (paged, full):
+        c.fire(ws[c], [token(i) for i in range(40)])
+    for per_layer in (True, False):
+        for tokens, rows in (([token(40)], [0]), ([token(41), token(42), token(43)], [0, 2])):
+            readouts = [{"rows": rows, "kind": "attention", "per_layer": per_layer}]
+            got = [
+                decode_array(c.fire(ws[c], tokens, readouts=readouts, fold=0)["results"][0]["scores"])
+                for c in (paged, full)
+            ]
+            assert np.array_equal(got[0], got[1])
+            if per_layer:
+                for r, row in enumerate(rows):
+                    query = 40 + row  # the row's sequence index (fold=0: the fires commit nothing)
+                    for layer, kind in enumerate(SHAPES["gemma"] or ()):
+                        mass = got[0][r, layer]
+                        first = query - WINDOW + 1 if kind == "sliding_attention" else 0
+                        assert np.all(mass[:first] == 0) and np.all(mass[first : query + 1] > 0)
+                        assert np.all(mass[query + 1 :] == 0)
+                        assert abs(float(mass.sum()) - 4.0) < 1e-4  # the query heads' count
+    check_bounded(paged, ws[paged])
+    assert paged.held(ws[paged])[1] < full.held(ws[full])[0]  # the sliding groups did let go of pages
 
 
 @pytest.mark.parametrize("shape", ["mistral", "gemma"])
@@ -366,3 +396,20 @@ def test_the_native_step_reads_each_layers_page_group(family):
     assert torch.equal(paged, full)
     for window, held in zip(pages.windows, pages.held_per_group(ws)):
         assert window is None or held <= 16 // PAGE + 1
+
+
+@pytest.mark.parametrize("shape", ["mistral", "gemma"])
+def test_the_prefix_cache_serves_only_one_global_group(shape):
+    """The documented rule (working-sets.md): a sliding group's hit would need the prefix's last window of rows,
+    which the cache does not name, so a sliding model's core has no prefix cache and a second working set with
+    the same prompt runs it again; with every row kept (``--kv-swa-full``) the cache is on and the prompt hits."""
+    prompt = [token(i) for i in range(40)]
+    for swa_full in (False, True):
+        c = Core(shape, swa_full)
+        first, second = c.call("ws_open")["ws"], c.call("ws_open")["ws"]
+        last = [{"rows": [len(prompt) - 1], "kind": "logits"}]  # rows read out must run: only the last is
+        a, b = (decode_array(c.fire(ws, prompt, readouts=last)["results"][0]["logits"]) for ws in (first, second))
+        assert np.allclose(a, b, atol=1e-5)
+        cache = c.call("stats")["models"]["tiny"]["prefix_cache"]
+        assert cache["enabled"] is swa_full
+        assert (cache.get("hits", 0) > 0) is swa_full

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,27 @@ async def test_a_blocked_event_loop_is_detected_by_heartbeats(bare_engine):
         assert err.code == "host_crashed" and "heartbeat" in err.message
         _, result = await collect(pool, "text-completion", {"prompt": "after the hang", "max_tokens": 3})
         assert len(result["token_ids"]) == 3 and pool.restarts == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_stalled_server_loop_kills_no_healthy_host(bare_engine):
+    """The server's own event loop stalls past the heartbeat timeout (a starved or stopped server process: a
+    loaded machine during long prefills) while a host waits on its run: the host's heartbeats sit unread on
+    the server's socket, not missing, so the watchdog must not take the stall for the host's silence."""
+    pool = HostPool(bare_engine.address, inferlet_dirs=[HERE], heartbeat_s=0.2, heartbeat_timeout_s=1.0)
+    await pool.start()
+    try:
+        agen = pool.run("nap", {"seconds": 4.0})
+        await first_text(agen)
+        for _ in range(3):
+            time.sleep(2.5)  # blocks this loop (the server's): no tick, no receive for 2.5 timeouts
+            await asyncio.sleep(0.05)
+        result = None
+        async for event in agen:
+            result = event.result
+        assert result == {"slept": 4.0}
+        assert pool.restarts == 0
     finally:
         await pool.close()
 
