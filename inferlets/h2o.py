@@ -18,8 +18,8 @@ With a budget above the sequence's length nothing is evicted and the tokens are 
 
     pie run h2o -- --budget 256 [--recent 128] --prompt "..." --max-tokens 1000
 
-Stats: ``kv_pages`` (pages held at the end), ``kv_pages_max`` (the most held at once), ``kv_rows``,
-``evictions`` and ``evicted_rows``.
+Stats: ``kv_pages`` (pages held at the end), ``kv_pages_max`` (the most held at once), ``kv_bytes`` and
+``kv_bytes_max`` (the same in bytes of KV), ``kv_rows``, ``evictions`` and ``evicted_rows``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ new rows continue from the sequence's logical length, so a run ends at the model
 does; the paper's positions counted inside the cache would need keys rotated again at every step, which the
 engine does not do.
 
-Stats: ``kv_pages`` (pages held at the end), ``kv_pages_max`` (the most held at once), ``evictions`` and
-``evicted_rows``.
+Stats: ``kv_pages`` (pages held at the end), ``kv_pages_max`` (the most held at once), ``kv_bytes`` and
+``kv_bytes_max`` (the same in bytes of KV), ``evictions`` and ``evicted_rows``.
 """
 
 from __future__ import annotations
