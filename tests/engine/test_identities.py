@@ -14,6 +14,7 @@ import threading
 import pytest
 import zmq
 
+from examples.hostile_tenant import plus
 from pie_runtime.engine import fire_requests, identities, ws_requests
 from pie_runtime.engine.connections import MAX_IDENTITY_CONNECTIONS
 from pie_runtime.engine.programs.registry import ProgramTable
@@ -22,7 +23,6 @@ from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol import messages as m
 from pie_runtime.protocol.codec import pack, unpack
 
-from .programs.test_registry import plus
 from .test_core import PROMPT, VOCAB, Core
 
 A1, A2, B = b"tenant-a-1", b"tenant-a-2", b"other-b"

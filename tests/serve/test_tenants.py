@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from examples.hostile_tenant import FLOOD
 from pie_runtime.engine.connections import MAX_IDENTITY_CONNECTIONS
 from pie_runtime.engine.identities import MAX_IDENTITY_CHANNEL_BYTES
 from pie_runtime.serve.sandbox import Sandbox
@@ -361,20 +362,6 @@ def test_an_inferlet_run_passes_the_same_admission_as_a_completion(served):
     assert r.status_code == 429 and r.json()["error"]["param"] == "cache_bytes"
     assert call(served, "GET", "/v1/prompt_caches", K3).json()["data"] == []
     assert run(served, K2, "text-completion", {"prompt": "hi", "max_tokens": 4}).status_code == 200
-
-
-FLOOD = """
-import asyncio
-
-import inferlet
-
-
-@inferlet.main
-async def main(args: dict) -> dict:
-    while True:
-        inferlet.emit("x" * 65536)
-        await asyncio.sleep(0.01)
-"""
 
 
 def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
