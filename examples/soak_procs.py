@@ -69,3 +69,71 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def label(pid: int) -> str:
+    """A process's short name and pid, e.g. ``bwrap 812`` (a sandbox) or ``python 815`` (a host)."""
+    try:
+        return f"{Path(f'/proc/{pid}/comm').read_text().strip()} {pid}"
+    except OSError:
+        return f"? {pid}"
+
+
+def tree(server_pid: int | None, engine_pid: int | None) -> tuple[dict[str, Proc], dict[str, Proc]]:
+    """The server's processes: by role (``server``, ``engine``, ``hosts``: every other process below the
+    server, summed; pid: the first's) and each one alone, by :func:`label` (the engine's descendants too:
+    its tensor-parallel workers)."""
+    roles: dict[str, Proc] = {}
+    each: dict[str, Proc] = {}
+    if engine_pid is not None and (fp := footprint(engine_pid)) is not None:
+        roles["engine"] = each[f"engine {engine_pid}"] = fp
+        for d in descendants(engine_pid):
+            if (fp := footprint(d)) is not None:
+                each[f"engine/{label(d)}"] = fp
+    if server_pid is None:
+        return roles, each
+    if (fp := footprint(server_pid)) is not None:
+        roles["server"] = each[f"server {server_pid}"] = fp
+    below = [d for c in children(server_pid) if c != engine_pid for d in (c, *descendants(c))]
+    hosts = [fp for p in below if (fp := footprint(p)) is not None]  # a sandboxed host is bwrap's child
+    for fp in hosts:
+        each[label(fp.pid)] = fp
+    if hosts:  # summed: a restarted engine comes with new hosts
+        roles["hosts"] = Proc(hosts[0].pid, sum(h.rss_bytes for h in hosts), sum(h.open_fds for h in hosts))
+    return roles, each
+
+
+@dataclass
+class Series:
+    """One role's RSS and descriptors sampled over a run: (seconds since the start, bytes, fds)."""
+
+    points: list[tuple[float, int, int]]
+
+    def summary(self) -> dict:
+        """First, last and largest RSS (MiB) and fds, and the RSS slope over the last half (MiB a minute, by
+        least squares; None with fewer than three points there)."""
+        rss = [p[1] for p in self.points]
+        fds = [p[2] for p in self.points]
+        half = [p for p in self.points if p[0] >= self.points[-1][0] / 2]
+        return {
+            "rss_mib": {"first": _mib(rss[0]), "last": _mib(rss[-1]), "max": _mib(max(rss))},
+            "fds": {"first": fds[0], "last": fds[-1], "max": max(fds)},
+            "slope_mib_per_min_last_half": _slope(half),
+            "samples": len(self.points),
+        }
+
+
+def _mib(n: int) -> float:
+    return round(n / 2**20, 1)
+
+
+def _slope(points: list[tuple[float, int, int]]) -> float | None:
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mt = sum(p[0] for p in points) / n
+    mr = sum(p[1] for p in points) / n
+    var = sum((p[0] - mt) ** 2 for p in points)
+    if var == 0:
+        return None
+    return round(sum((p[0] - mt) * (p[1] - mr) for p in points) / var * 60 / 2**20, 2)
