@@ -1,11 +1,17 @@
 """The processes of a `pie serve` that examples/soak_serve.py measures: who listens on a port, a process's RSS
-and open descriptors, its children and all its descendants (a sandboxed upload host is bwrap's child)."""
+and open descriptors, its children and all its descendants (a sandboxed upload host is bwrap's child), the
+server's tree by role, and those sampled over a run (first, last, largest, the last half's slope)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 
 @dataclass
@@ -137,3 +143,32 @@ def _slope(points: list[tuple[float, int, int]]) -> float | None:
     if var == 0:
         return None
     return round(sum((p[0] - mt) * (p[1] - mr) for p in points) / var * 60 / 2**20, 2)
+
+
+def summarize(
+    start: dict[str, Proc], end: dict[str, Proc], samples: dict[str, list], seconds: float
+) -> dict[str, dict]:
+    """Each role's series (``samples``: role -> points), the snapshots at its ends: first, last, max, the last
+    half's slope."""
+    out = {}
+    for role, a in start.items():
+        points = [(0.0, a.rss_bytes, a.open_fds), *samples.get(role, [])]
+        if (b := end.get(role)) is not None:
+            points.append((max(seconds, points[-1][0]), b.rss_bytes, b.open_fds))
+        out[role] = {**Series(points).summary(), "span_s": round(points[-1][0])}
+    return out
+
+
+async def engine_pid(client: httpx.AsyncClient) -> int | None:
+    return ((await client.get("/health")).json().get("engine") or {}).get("pid")
+
+
+async def sample(client: httpx.AsyncClient, server_pid: int | None, every: float, into: dict[str, list]) -> None:
+    """Until cancelled: each role's (seconds since the start, RSS, fds) every ``every`` seconds."""
+    began = time.monotonic()
+    while True:
+        await asyncio.sleep(every)
+        with contextlib.suppress(httpx.HTTPError):  # an engine restarting: the next sample
+            roles, _ = tree(server_pid, await engine_pid(client))
+            for role, p in roles.items():
+                into.setdefault(role, []).append((time.monotonic() - began, p.rss_bytes, p.open_fds))

@@ -56,7 +56,7 @@ if not __package__:  # run as a script: its neighbours import by name
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hostile_tenant import hostile_loop, hostile_round, tenant_flags, unexpected, upload
-from soak_procs import Proc, Series, listener_pid, tree
+from soak_procs import Proc, engine_pid, listener_pid, sample, summarize, tree
 
 FD_SLACK, RSS_SLACK, RSS_SLACK_BYTES = 4, 0.10, 32 << 20
 WEIGHTS = {"stream": 30, "whole": 25, "cancel": 20, "oversized": 5, "malformed": 20}
@@ -127,21 +127,6 @@ async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapsho
         await asyncio.sleep(0.25)
     roles, each = tree(server_pid, await engine_pid(client))
     return Snapshot(_sum(page, "pie_kv_pages_used"), roles, each)
-
-
-async def engine_pid(client: httpx.AsyncClient) -> int | None:
-    return ((await client.get("/health")).json().get("engine") or {}).get("pid")
-
-
-async def sample(client: httpx.AsyncClient, server_pid: int | None, every: float, into: dict[str, list]) -> None:
-    """Until cancelled: each role's (seconds since the start, RSS, fds) every ``every`` seconds."""
-    began = time.monotonic()
-    while True:
-        await asyncio.sleep(every)
-        with contextlib.suppress(httpx.HTTPError):  # an engine restarting: the next sample
-            roles, _ = tree(server_pid, await engine_pid(client))
-            for role, p in roles.items():
-                into.setdefault(role, []).append((time.monotonic() - began, p.rss_bytes, p.open_fds))
 
 
 def _sum(page: str, name: str) -> float:
@@ -355,19 +340,8 @@ def show(label: str, s: Snapshot) -> str:
     return f"{label}: KV pages in use {s.pages_used:g}; {procs}\n  each: {each}"
 
 
-def summarize(start: Snapshot, end: Snapshot, samples: dict[str, list], seconds: float) -> dict[str, dict]:
-    """Each role's series, the snapshots at its ends: first, last, max, the last half's slope."""
-    out = {}
-    for role, a in start.procs.items():
-        points = [(0.0, a.rss_bytes, a.open_fds), *samples.get(role, [])]
-        if (b := end.procs.get(role)) is not None:
-            points.append((max(seconds, points[-1][0]), b.rss_bytes, b.open_fds))
-        out[role] = {**Series(points).summary(), "span_s": round(points[-1][0])}
-    return out
-
-
 def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float, samples: dict[str, list]) -> dict:
-    series = summarize(start, end, samples, seconds)
+    series = summarize(start.procs, end.procs, samples, seconds)
     flat, why = verdict(start, end, tally, series)
     print(show("start", start))
     print(show("end  ", end))
