@@ -18,8 +18,9 @@ and its host; "hosts" sums them). Between the two it samples the same every ``--
 both snapshots, each role's first, last and largest RSS and fds and its RSS slope over the run's last half
 (MiB a minute), every outcome by kind, status and error code, and a verdict: FLAT when the pages are back to
 their start value, no host process more than at the start, the descriptors grew by at most 4 a role, RSS by at
-most 10% + 32 MiB a role and by no more than that over the last half at its slope, and no request got an
-answer it should not have (a 5xx, a refused good request, an accepted bad one, a dropped connection).
+most 10% + 32 MiB a role, and no request got an answer it should not have (a 5xx, a refused good request, an
+accepted bad one, a dropped connection). The samples and their slope are not in the verdict: they are taken
+with requests in flight (a hog run's host holds its readouts for a moment), so they show a trend, not a level.
 
 ``--hostile``: the server it starts has four API keys; the clients take turns with three of them, and the
 fourth runs examples/hostile_tenant.py's loop for the whole time (uploads allowed). The verdict is the same,
@@ -306,7 +307,7 @@ async def kill_engine(client: httpx.AsyncClient, after: float, tally: Tally) -> 
 # ---- the report ----------------------------------------------------------------------------------------------
 
 
-def verdict(start: Snapshot, end: Snapshot, tally: Tally, series: dict[str, dict]) -> tuple[bool, list[str]]:
+def verdict(start: Snapshot, end: Snapshot, tally: Tally) -> tuple[bool, list[str]]:
     why = []
     if end.pages_used != start.pages_used:
         why.append(f"KV pages in use {start.pages_used:g} -> {end.pages_used:g}")
@@ -323,10 +324,6 @@ def verdict(start: Snapshot, end: Snapshot, tally: Tally, series: dict[str, dict
         slack = a.rss_bytes * RSS_SLACK + RSS_SLACK_BYTES
         if b.rss_bytes > a.rss_bytes + slack:
             why.append(f"{name} RSS {a.rss_bytes >> 20} -> {b.rss_bytes >> 20} MiB")
-        sampled = series.get(name, {})
-        slope, points = sampled.get("slope_mib_per_min_last_half"), sampled.get("span_s", 0)
-        if slope is not None and slope * 2**20 * points / 2 / 60 > slack:  # still growing in the last half
-            why.append(f"{name} RSS grows {slope:g} MiB/min over the last half")
     if tally.unexpected:
         why.append(f"{sum(tally.unexpected.values())} unexpected answers")
     return not why, why
@@ -342,7 +339,7 @@ def show(label: str, s: Snapshot) -> str:
 
 def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float, samples: dict[str, list]) -> dict:
     series = summarize(start.procs, end.procs, samples, seconds)
-    flat, why = verdict(start, end, tally, series)
+    flat, why = verdict(start, end, tally)
     print(show("start", start))
     print(show("end  ", end))
     for role, s in series.items():
