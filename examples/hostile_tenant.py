@@ -20,6 +20,7 @@ fail (their limits are the point), other keys' must not.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections import Counter
@@ -28,7 +29,23 @@ from pathlib import Path
 import httpx
 
 HOSTILE_PAGES = 64  # the hostile key's KV-page quota
-HOG = """
+
+
+def plus(k: int) -> list[dict]:
+    """A program that puts the greedy token of row 0 plus ``k`` into slot 0: one hash per ``k`` (the hog
+    registers many; tests/engine import it too)."""
+    return [
+        {"op": "logits", "attrs": {"rows": [0]}},
+        {"op": "argmax", "inputs": [0], "attrs": {"dim": -1, "keepdim": False}},
+        {"op": "const", "attrs": {"value": [k], "dtype": "int"}},
+        {"op": "add", "inputs": [1, 2]},
+        {"op": "put", "inputs": [3], "attrs": {"slot": 0, "shape": [1], "dtype": "int32"}},
+    ]
+
+
+# the hog's source: its own code around plus() (the same function, so its programs are the tests')
+HOG = (
+    """
 import asyncio
 import collections
 import random
@@ -45,14 +62,9 @@ ENGINE = "ipc:///run/pie/engine.sock"
 BIG = {"op": "channel_open", "shape": [1 << 20], "dtype": "float32", "capacity": 16}
 
 
-def plus(k):
-    return [
-        {"op": "logits", "attrs": {"rows": [0]}},
-        {"op": "argmax", "inputs": [0], "attrs": {"dim": -1, "keepdim": False}},
-        {"op": "const", "attrs": {"value": [k], "dtype": "int"}},
-        {"op": "add", "inputs": [1, 2]},
-        {"op": "put", "inputs": [3], "attrs": {"slot": 0, "shape": [1], "dtype": "int32"}},
-    ]
+"""
+    + inspect.getsource(plus)
+    + """
 
 
 class Conn:
@@ -148,6 +160,7 @@ async def main(args: dict) -> dict:
     seen.update(counts)
     return {"rounds": rounds, "seen": seen}
 """
+)
 
 FLOOD = """
 import asyncio

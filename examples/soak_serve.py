@@ -10,12 +10,17 @@ request abandoned after 0.2 s: the client disconnects), oversized ones (a body p
 a prompt past the model's context: 400) and malformed ones (bad JSON, wrong types, an unknown model, an empty
 prompt, a negative max_tokens, deeply nested JSON: 4xx with an error object).
 
-After a warm-up (a few requests of each kind) and again at the end, once no request runs, it reads: the
-engine's KV pages in use (``pie_kv_pages_used`` from /metrics), and the RSS and open file descriptors of the
-server, the engine (its pid from /health) and the inferlet hosts (the server's other children). It prints
-both, every outcome by kind, status and error code, and a verdict: FLAT when the pages are back to their start
-value, the descriptors grew by at most 4 a process, RSS by at most 10% + 32 MiB a process, and no request got
-an answer it should not have (a 5xx, a refused good request, an accepted bad one, a dropped connection).
+After a warm-up (a few requests of each kind, and with ``--hostile`` one hostile round, so that its sandbox
+is up) and again at the end, once no request runs, it reads: the engine's KV pages in use
+(``pie_kv_pages_used`` from /metrics), and the RSS and open file descriptors of every process of the server's
+tree: the server, the engine (its pid from /health) and each inferlet host below the server (a sandbox's bwrap
+and its host; "hosts" sums them). Between the two it samples the same every ``--sample-seconds``. It prints
+both snapshots, each role's first, last and largest RSS and fds and its RSS slope over the run's last half
+(MiB a minute), every outcome by kind, status and error code, and a verdict: FLAT when the pages are back to
+their start value, no host process more than at the start, the descriptors grew by at most 4 a role, RSS by at
+most 10% + 32 MiB a role, and no request got an answer it should not have (a 5xx, a refused good request, an
+accepted bad one, a dropped connection). The samples and their slope are not in the verdict: they are taken
+with requests in flight (a hog run's host holds its readouts for a moment), so they show a trend, not a level.
 
 ``--hostile``: the server it starts has four API keys; the clients take turns with three of them, and the
 fourth runs examples/hostile_tenant.py's loop for the whole time (uploads allowed). The verdict is the same,
@@ -51,8 +56,8 @@ import httpx
 if not __package__:  # run as a script: its neighbours import by name
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hostile_tenant import hostile_loop, tenant_flags, unexpected
-from soak_procs import Proc, children, descendants, footprint, listener_pid
+from hostile_tenant import hostile_loop, hostile_round, tenant_flags, unexpected, upload
+from soak_procs import Proc, engine_pid, listener_pid, sample, summarize, tree
 
 FD_SLACK, RSS_SLACK, RSS_SLACK_BYTES = 4, 0.10, 32 << 20
 WEIGHTS = {"stream": 30, "whole": 25, "cancel": 20, "oversized": 5, "malformed": 20}
@@ -63,6 +68,7 @@ DELIBERATE = {"engine_lost", "engine_restarting"}  # 503s expected after --kill-
 class Snapshot:
     pages_used: float
     procs: dict[str, Proc]  # "server", "engine", "hosts" (summed; pid: the first's)
+    each: dict[str, Proc] = field(default_factory=dict)  # every process alone, by "name pid"
 
 
 @dataclass
@@ -120,15 +126,8 @@ async def snapshot(client: httpx.AsyncClient, server_pid: int | None) -> Snapsho
         if (busy == 0 and now - held[1] >= 1.0) or now > deadline:
             break
         await asyncio.sleep(0.25)
-    engine_pid = ((await client.get("/health")).json().get("engine") or {}).get("pid")
-    procs = {"engine": footprint(engine_pid) if engine_pid else None}
-    if server_pid is not None:
-        procs["server"] = footprint(server_pid)
-        below = [d for c in children(server_pid) if c != engine_pid for d in (c, *descendants(c))]
-        hosts = [fp for p in below if (fp := footprint(p)) is not None]  # a sandboxed host is bwrap's child
-        if hosts:  # summed: a restarted engine comes with new hosts
-            procs["hosts"] = Proc(hosts[0].pid, sum(h.rss_bytes for h in hosts), sum(h.open_fds for h in hosts))
-    return Snapshot(_sum(page, "pie_kv_pages_used"), {k: v for k, v in procs.items() if v is not None})
+    roles, each = tree(server_pid, await engine_pid(client))
+    return Snapshot(_sum(page, "pie_kv_pages_used"), roles, each)
 
 
 def _sum(page: str, name: str) -> float:
@@ -312,6 +311,9 @@ def verdict(start: Snapshot, end: Snapshot, tally: Tally) -> tuple[bool, list[st
     why = []
     if end.pages_used != start.pages_used:
         why.append(f"KV pages in use {start.pages_used:g} -> {end.pages_used:g}")
+    hosts = [sum(not k.startswith(("server", "engine")) for k in s.each) for s in (start, end)]
+    if hosts[1] > hosts[0]:
+        why.append(f"host processes {hosts[0]} -> {hosts[1]}")
     for name, a in start.procs.items():
         b = end.procs.get(name)
         if b is None:
@@ -319,7 +321,8 @@ def verdict(start: Snapshot, end: Snapshot, tally: Tally) -> tuple[bool, list[st
             continue
         if b.open_fds > a.open_fds + FD_SLACK:
             why.append(f"{name} open fds {a.open_fds} -> {b.open_fds}")
-        if b.rss_bytes > a.rss_bytes * (1 + RSS_SLACK) + RSS_SLACK_BYTES:
+        slack = a.rss_bytes * RSS_SLACK + RSS_SLACK_BYTES
+        if b.rss_bytes > a.rss_bytes + slack:
             why.append(f"{name} RSS {a.rss_bytes >> 20} -> {b.rss_bytes >> 20} MiB")
     if tally.unexpected:
         why.append(f"{sum(tally.unexpected.values())} unexpected answers")
@@ -330,13 +333,21 @@ def show(label: str, s: Snapshot) -> str:
     procs = ", ".join(
         f"{n} (pid {p.pid}) RSS {p.rss_bytes / 2**20:.0f} MiB, {p.open_fds} fds" for n, p in s.procs.items()
     )
-    return f"{label}: KV pages in use {s.pages_used:g}; {procs}"
+    each = "; ".join(f"{n} {p.rss_bytes / 2**20:.0f} MiB {p.open_fds} fds" for n, p in s.each.items())
+    return f"{label}: KV pages in use {s.pages_used:g}; {procs}\n  each: {each}"
 
 
-def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float) -> dict:
+def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float, samples: dict[str, list]) -> dict:
+    series = summarize(start.procs, end.procs, samples, seconds)
     flat, why = verdict(start, end, tally)
     print(show("start", start))
     print(show("end  ", end))
+    for role, s in series.items():
+        r, f = s["rss_mib"], s["fds"]
+        print(
+            f"{role}: RSS first/last/max {r['first']:g}/{r['last']:g}/{r['max']:g} MiB, fds {f['first']}/{f['last']}/"
+            f"{f['max']}, last-half slope {s['slope_mib_per_min_last_half']} MiB/min ({s['samples']} samples)"
+        )
     print(f"sent in {seconds:.0f} s: " + ", ".join(f"{k} {n}" for k, n in sorted(tally.sent.items())))
     print("outcomes (kind status code: count):")
     for key, n in sorted(tally.outcomes.items()):
@@ -349,6 +360,7 @@ def report(start: Snapshot, end: Snapshot, tally: Tally, seconds: float) -> dict
         "sent": dict(tally.sent),
         "outcomes": dict(tally.outcomes),
         "unexpected": dict(tally.unexpected),
+        "series": series,
         "flat": flat,
         "why": why,
     }
@@ -364,11 +376,17 @@ async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
         for kind in WEIGHTS:  # warm-up: the first requests of each kind allocate what later ones reuse
             for i in range(3):
                 await one(client, t, kind, random.Random(i), warm)
+        if a.hostile_key:  # its sandboxed host starts on its first run: up before the baseline
+            await upload(client, a.hostile_key)
+            print(f"hostile warm-up round: {dict(await hostile_round(client, a.hostile_key, 5.0, 5.0))}", flush=True)
         start = await snapshot(client, server_pid)
         print(show("start", start), flush=True)
+        samples: dict[str, list] = {}
+        sampler = asyncio.create_task(sample(client, server_pid, a.sample_seconds, samples))
         began = time.monotonic()
         tally, killed = await traffic(client, t, a, seconds)
         elapsed = time.monotonic() - began
+        sampler.cancel()
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=keyed) as client:  # fresh: the soak's are closed
         end = await snapshot(client, server_pid)
     if killed is not None:
@@ -377,7 +395,7 @@ async def soak(url: str, server_pid: int | None, a: argparse.Namespace) -> dict:
             None if first is None or tally.killed_at is None else round((first - tally.killed_at) * 1e3)
         )
         print(f"engine kill: {json.dumps({k: v for k, v in killed.items() if k != 'health'})}")
-    return {**report(start, end, tally, elapsed), "engine_kill": killed}
+    return {**report(start, end, tally, elapsed, samples), "engine_kill": killed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="overrides --minutes")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-seconds", type=float, default=10.0, help="how often RSS and fds are sampled")
     p.add_argument("--oversize-bytes", type=int, default=9 << 20, help="a body past the server's --max-body-bytes")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     p.add_argument(

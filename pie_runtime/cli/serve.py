@@ -360,8 +360,10 @@ def _uvicorn(app, host: str, port: int, args: argparse.Namespace):
     """The uvicorn server of ``app``: graceful shutdown waits --drain-timeout seconds."""
     import uvicorn
 
+    from ..serve.streams import Droppable
+
     config = uvicorn.Config(
-        app,
+        Droppable(app),  # a stalled stream's connection can be dropped (serve/streams.py)
         host=host,
         port=port,
         log_level=args.log_level,

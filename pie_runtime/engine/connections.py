@@ -12,7 +12,12 @@ not a connection. So the descriptor stays the key, read so that it can never fai
 - :func:`message_fd` answers None where a message carries no descriptor (a peer gone before libzmq could
   name it) instead of raising;
 - a client is tracked from its first message that names its connection; a client never tracked is refused
-  (:meth:`Connections.note` says False), since nothing it held could be released when it leaves.
+  (:meth:`Connections.note` says False), since nothing it held could be released when it leaves;
+- a client's messages read after its connection's end was handled (a request sent just before it closed,
+  still queued in the socket) are dropped unanswered (:meth:`Connections.departed`): handling one would track
+  the departed client again on a descriptor that is closed, or reused by another connection, so what it then
+  opened would be held until that descriptor closes again, and a newcomer on the descriptor would take the
+  departed client's identity (a tenant's connection the operator's, and the per-client limits with it).
 
 Each connection also has an identity (identities.py), which the engine's per-client limits are charged to:
 a connection made to a tenant listener (``--tenant-listen``: the kernel names the listener's path as the
@@ -22,6 +27,13 @@ hosts as a uid of their own) is ``uid:N``; any other connection (the operator's 
 tcp) is None: its clients are each their own identity. A tenant identity holds at most
 ``MAX_IDENTITY_CONNECTIONS`` connections at once (:meth:`Connections.admit`): its limits are its identity's
 whatever it opens, and the cap bounds the descriptors it can make the engine hold.
+
+Routing ids are the engine's own (:func:`chosen_routing_id`): a peer may announce one of its own at the
+handshake (``ZMQ_ROUTING_ID``), and the engine's state and replies are keyed by it, so a tenant that picked a
+name another client uses could wait for it. libzmq already ignores a second live connection announcing a
+routing id in use (``ZMQ_ROUTER_HANDOVER`` off, set so explicitly in server.py: a handover would move the
+victim's replies to the newcomer); a routing id that was not libzmq's own is refused ``unsupported`` before
+anything else, so every client the engine serves has a name libzmq drew, which no other client can know.
 """
 
 from __future__ import annotations
@@ -29,10 +41,14 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections import OrderedDict
 
 import zmq
 
 MAX_IDENTITY_CONNECTIONS = 4  # connections one tenant identity holds at once (a sandboxed host needs one)
+# routing ids of departed clients remembered, so that their messages still queued when their connection's end
+# was handled are dropped (Connections.departed): more than the messages one socket queues (ZMQ_RCVHWM)
+REMEMBER_DEPARTED = 4096
 
 
 def message_fd(frame: zmq.Frame) -> int | None:
@@ -42,6 +58,12 @@ def message_fd(frame: zmq.Frame) -> int | None:
     except zmq.ZMQError:
         return None
     return fd if isinstance(fd, int) and fd >= 0 else None
+
+
+def chosen_routing_id(client: bytes) -> bool:
+    """Whether ``client`` is a routing id its peer chose: libzmq names a peer that announces none with 5 bytes,
+    a zero byte and a counter from a random start (router.cpp ``identify_peer``)."""
+    return len(client) != 5 or client[0] != 0
 
 
 def ipc_path(address: str) -> str | None:
@@ -84,6 +106,7 @@ class Connections:
         self.clients_on: dict[int, set[bytes]] = {}  # descriptor → the routing ids heard on it
         self.fd_of: dict[bytes, int] = {}
         self.identity_on: dict[int, str | None] = {}  # descriptor → its identity, None: not a tenant's
+        self._departed: OrderedDict[bytes, None] = OrderedDict()  # the latest departed clients, oldest first
 
     def admit(self, fd: int | None) -> str | None:
         """Why a message on ``fd`` is refused (its tenant identity holds too many connections), else None."""
@@ -115,9 +138,17 @@ class Connections:
         return True
 
     def closed(self, fd: int) -> set[bytes]:
-        """The clients of a connection that has just closed; they are forgotten."""
+        """The clients of a connection that has just closed; they are forgotten (and remembered as departed)."""
         self.identity_on.pop(fd, None)
         gone = self.clients_on.pop(fd, set())
         for client in gone:
             self.fd_of.pop(client, None)
+            self._departed[client] = None
+        while len(self._departed) > REMEMBER_DEPARTED:
+            self._departed.popitem(last=False)
         return gone
+
+    def departed(self, client: bytes) -> bool:
+        """Whether ``client``'s connection has ended: its messages still queued are dropped. Routing ids are
+        libzmq's counter (chosen ones are refused), so a departed one does not come back on a new connection."""
+        return client in self._departed

@@ -7,7 +7,8 @@ drained before every receive, so a connection's end is always handled before a n
 descriptor is heard.
 
 Nothing about one message ends the loop: a message is one frame after the routing id (else ``bad_message``),
-from a client whose connection is known (else ``unsupported``), and any exception while handling it is
+from a client libzmq named itself (a routing id the client chose is refused ``unsupported``: connections.py)
+whose connection is known (else ``unsupported``), and any exception while handling it is
 logged and answered ``internal``; the loop goes on to the next message.
 
 Auth (tcp://, ``--token``): a client is unauthenticated until a hello that fully succeeds (the engine's token
@@ -33,11 +34,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import ErrorCode, PieError
 from ..protocol.codec import MAX_MESSAGE_BYTES, pack, parse_request, unpack
-from .connections import Connections, ipc_path, message_fd
+from .connections import Connections, chosen_routing_id, ipc_path, message_fd
 from .core import EngineCore
+from .jobs import Reply
 
 log = logging.getLogger("pie.engine")
 PRE_AUTH_BYTES = 4096  # the largest message an unauthenticated client may send (its hello)
+CHOSEN_ID = "the engine names its clients: connect without setting a routing id (ZMQ_ROUTING_ID)"
 
 
 class EngineServer:
@@ -72,6 +75,9 @@ class EngineServer:
         # a ZAP domain refuses ZMTP 1.0/2.0 peers at the handshake, whose messages name no connection
         # (connections.py); with no ZAP handler bound, ZMTP 3 peers pass as before
         self.sock.setsockopt(zmq.ZAP_DOMAIN, b"pie")
+        # a second connection announcing a routing id in use is ignored, never given the first one's replies
+        # (libzmq's default, set so that nobody turns it on; connections.py)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.sock.bind(address)
         for extra in [*(also or []), *tenants]:
             self.sock.bind(extra)
@@ -92,15 +98,17 @@ class EngineServer:
                 self.core.new_round()
                 self._drain()
                 if self.core.has_work():
-                    replies = self.core.step()
-                    if self.simulate_step_s:
-                        time.sleep(self.simulate_step_s)
-                    for client, reply in replies:
-                        self._send(client, reply)
+                    self._answer(self.core.step())
         finally:
             self.sock.disable_monitor()
             self.monitor.close(0)
             self.sock.close(0)
+
+    def _answer(self, replies: list[Reply]) -> None:
+        if self.simulate_step_s:
+            time.sleep(self.simulate_step_s)
+        for client, reply in replies:
+            self._send(client, reply)
 
     def stop(self) -> None:
         self._running = False
@@ -121,6 +129,12 @@ class EngineServer:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         """One message off the ROUTER: its routing id, then (for a well-formed request) one payload frame."""
         client = frames[0].bytes
+        if chosen_routing_id(client):  # tracked by nothing: its connection holds no identity or state
+            self._refuse(client, ErrorCode.UNSUPPORTED, CHOSEN_ID)
+            return
+        if self.connections.departed(client):  # sent just before its connection ended: nobody to answer
+            log.debug("dropped a message of departed client %s", client.hex())
+            return
         fd = message_fd(frames[-1])
         refused = self.connections.admit(fd)
         if refused is not None:

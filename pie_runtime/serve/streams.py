@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from starlette.types import Message, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferlet.tokenizer import Tokenizer
 
@@ -240,15 +240,46 @@ async def prime(events: AsyncIterator[Any]) -> Any:
         return None
 
 
+DROP = "pie.drop_connection"  # the scope's key for dropping its connection (:class:`Droppable`)
+
+
+class Droppable:
+    """The server's outermost ASGI app: puts in each HTTP scope a callable (``scope[DROP]``) that drops the
+    request's connection at once, by aborting the server's transport.
+
+    For a stream that cannot end cleanly: its client stopped reading, so neither its last chunk nor the final
+    empty one can be written (the server waits for the socket to drain before each send). Returning without
+    that final message makes uvicorn log "ASGI callable returned without completing response" as an error and
+    ``close()`` the transport, which keeps the socket until its unread bytes are taken: never, for a client
+    that does not read. ASGI has no message for an abort, so this reaches uvicorn's transport through the
+    ``send`` it hands the outermost app (its request cycle's bound method); where that is not there (another
+    server, a test client) the scope has no ``DROP`` and a stall ends as before."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):
+            scope = {**scope, DROP: transport.abort}  # type: ignore[union-attr]
+        await self.app(scope, receive, send)
+
+
 class StallGuardedStream(StreamingResponse):
     """A streaming response that ends when its client stops reading: a chunk the connection would not take
     within ``stall_s`` seconds (the socket's buffers full) closes the chunk iterator, which cancels the run and
-    frees its slot and pages, and the connection is dropped."""
+    frees its slot and pages, and the connection is dropped (:class:`Droppable`): the response ends there,
+    with nothing more written and nothing logged but the warning."""
 
     def __init__(self, content: AsyncIterator[str], stall_s: float | None, **kw: Any) -> None:
         super().__init__(content, **kw)
         self.stall_s = stall_s
         self.stalled = False
+        self._drop: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._drop = scope.get(DROP)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         async def guarded(message: Message) -> None:
@@ -271,6 +302,11 @@ class StallGuardedStream(StreamingResponse):
             closer = getattr(self.body_iterator, "aclose", None)
             if closer is not None:
                 await closer()  # the run's events end here: it is cancelled in its host, its lease released
+        if self.stalled and self._drop is not None:
+            self._drop()
+            # the transport tells the server the connection is lost on the loop's next turn: let it, so that the
+            # server sees a client gone, not a response left unfinished
+            await asyncio.sleep(0)
 
 
 def sse_response(

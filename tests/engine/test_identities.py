@@ -8,13 +8,15 @@ listener does not, and a departed connection gives its share back."""
 
 from __future__ import annotations
 
+import collections
 import signal
 import threading
 
 import pytest
 import zmq
 
-from pie_runtime.engine import fire_requests, identities, ws_requests
+from examples.hostile_tenant import plus
+from pie_runtime.engine import connections, fire_requests, identities, ws_requests
 from pie_runtime.engine.connections import MAX_IDENTITY_CONNECTIONS
 from pie_runtime.engine.programs.registry import ProgramTable
 from pie_runtime.engine.server import EngineServer
@@ -22,7 +24,6 @@ from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol import messages as m
 from pie_runtime.protocol.codec import pack, unpack
 
-from .programs.test_registry import plus
 from .test_core import PROMPT, VOCAB, Core
 
 A1, A2, B = b"tenant-a-1", b"tenant-a-2", b"other-b"
@@ -184,14 +185,14 @@ def tenant_server(tmp_path, monkeypatch):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     ctx = zmq.Context()
-    yield ctx, plain, tenant
+    yield ctx, plain, tenant, server
     server.stop()
     thread.join(10)
     ctx.destroy(0)
 
 
 def test_connections_to_a_tenant_listener_share_one_identitys_totals(tenant_server):
-    ctx, plain, tenant = tenant_server
+    ctx, plain, tenant, _ = tenant_server
     big = {"shape": [1 << 20], "dtype": "float32", "capacity": 16}
     fit = identities.MAX_IDENTITY_CHANNEL_BYTES // (64 << 20)
     conns = [Conn(ctx, tenant) for _ in range(MAX_IDENTITY_CONNECTIONS)]
@@ -218,3 +219,82 @@ def test_connections_to_a_tenant_listener_share_one_identitys_totals(tenant_serv
         threading.Event().wait(0.1)
     else:
         raise AssertionError("the departed connection's channels were never given back")
+
+
+def held_counts(obj: object, path: str = "server", seen: set[int] | None = None) -> dict[str, int]:
+    """The length of every container the engine's objects hold (their attributes, recursively through
+    pie_runtime.engine's own objects): working sets, channels, programs, waiters, per-identity and
+    per-connection maps, queues. Containers' contents are counted, not walked (their values are what the
+    lengths count)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return {}
+    seen.add(id(obj))
+    out: dict[str, int] = {}
+    for name, value in vars(obj).items():
+        where = f"{path}.{name}"
+        if isinstance(value, (dict, list, set, frozenset, tuple, collections.deque)):
+            out[where] = len(value)
+            if isinstance(value, dict):  # a model table's values, e.g. each served model's queue and pages
+                for k, v in value.items():
+                    if type(v).__module__.startswith("pie_runtime.engine"):
+                        out.update(held_counts(v, f"{where}[{k!r}]", seen))
+        elif type(value).__module__.startswith("pie_runtime.engine"):
+            out.update(held_counts(value, where, seen))
+    return out
+
+
+def hostile_session(ctx: zmq.Context, plain: str, tenant: str, seed: int) -> None:
+    """What examples/hostile_tenant.py's hog does, on a small scale, from every connection its identity may
+    hold and one of the operator's: channels to the identity's cap, programs, fires with rows of logits read
+    out, evicts of many ranges; then every socket closes with all of it still held, a fire's reply unread."""
+    big = {"shape": [1 << 20], "dtype": "float32", "capacity": 16}
+    conns = [Conn(ctx, tenant) for _ in range(MAX_IDENTITY_CONNECTIONS)] + [Conn(ctx, plain)]
+    for conn in conns:
+        assert conn.hello()["ok"]
+    for i, conn in enumerate(conns):
+        while conn.call("channel_open", **big)["ok"]:
+            pass
+        for k in range(5):
+            assert conn.call("program_register", nodes=plus(seed * 100 + i * 10 + k))["ok"]
+        ws = conn.call("ws_open")["ws"]
+        fire = conn.call("fire", ws=ws, tokens=PROMPT, readouts=[{"rows": [0] * 8, "kind": "logits"}])
+        assert fire["ok"], fire
+        assert conn.call("ws_evict", ws=ws, ranges=[[0, 1]] * 64)["ok"]
+        more = conn.call("ws_open")["ws"]
+        conn.sock.send(pack({"id": 999, "op": "fire", "ws": more, "tokens": PROMPT}))  # its reply never read
+    for conn in conns:
+        conn.sock.close(0)
+
+
+def test_a_hostile_clients_session_leaves_the_engines_holdings_as_they_were(tenant_server):
+    """Every container the engine holds is back to its length after a hostile session's clients leave (a
+    leak per client, identity or connection would grow one). It found one: a request sent just before its
+    socket closed was read after the departure, tracking the departed client again on its closed descriptor,
+    which a later connection on that descriptor then inherited with its identity (connections.py)."""
+    ctx, plain, tenant, server = tenant_server
+    pages = server.core.models["tiny"].pages
+
+    def settled() -> dict[str, int]:
+        for _ in range(300):  # the departures are handled on the server's thread
+            if not server.connections.fd_of and not server.core.has_work():
+                threading.Event().wait(0.3)  # the idle loop goes round (every 0.1 s): a round's evict spans go
+                try:
+                    return held_counts(server)
+                except RuntimeError:  # a map changed size under the walk: the loop is still at it
+                    pass
+            threading.Event().wait(0.05)
+        raise AssertionError(f"the clients never all left: {server.connections.fd_of}")
+
+    hostile_session(ctx, plain, tenant, seed=1)  # a first session: whatever is made once, is made
+    before, free = settled(), pages.free
+    assert before["server.core.sets._sets"] == 0 and before["server.core.channels.channels"] == 0
+    for seed in (2, 3):
+        hostile_session(ctx, plain, tenant, seed)
+        after = settled()  # the next session's connections are let in once these are gone
+    # the departed clients' routing ids are remembered on purpose, a bounded number of them
+    departed = "server.connections._departed"
+    assert before[departed] < after[departed] <= connections.REMEMBER_DEPARTED
+    grown = {k: (before.get(k), n) for k, n in after.items() if n != before.get(k) and k != departed}
+    assert grown == {}, grown
+    assert pages.free == free

@@ -190,3 +190,37 @@ def test_over_tcp_a_client_with_the_token_is_served_and_released_when_it_leaves(
         srv.sock.disable_monitor()
         srv.monitor.close(0)
         srv.sock.close(0)
+
+
+def test_a_routing_id_a_client_chose_is_refused_and_takes_no_other_clients_replies(server):
+    """Routing ids are libzmq's (engine/connections.py): a client announcing its own is refused, and one
+    announcing the name of a live client (as if it had learnt it) is ignored while that client keeps its
+    replies: a handover would have moved them to the newcomer."""
+    victim = dealer(server)
+    ws = ask(server, victim, pack({"id": 1, "op": "ws_open"}))["ws"]
+    [name] = server.connections.fd_of  # the name libzmq drew for the victim
+    assert name[0] == 0 and len(name) == 5
+
+    def chooser(routing_id: bytes) -> zmq.Socket:
+        sock = server.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.connect(server.address)
+        return sock
+
+    own = chooser(b"tenant-picked-name")
+    reply = ask(server, own, pack({"id": 5, "op": "ws_open"}))
+    assert reply["error"]["code"] == "unsupported" and "ZMQ_ROUTING_ID" in reply["error"]["message"], reply
+    assert set(server.connections.fd_of) == {name} and len(server.core.sets) == 1  # it holds nothing
+
+    thief = chooser(name)
+    thief.send(pack({"id": 9, "op": "ws_release", "ws": ws}))  # would release the victim's set if it got through
+    fire = {"id": 2, "op": "fire", "ws": ws, "tokens": PROMPT, "readouts": [{"rows": [29], "kind": "argmax"}]}
+    reply = ask(server, victim, pack(fire))
+    assert reply["ok"] and reply["id"] == 2 and reply["committed"] == len(PROMPT), reply
+    pump(server, 0.3)
+    assert not thief.poll(0), "the duplicate routing id got a reply"
+    closed = ask(server, victim, pack({"id": 3, "op": "ws_release", "ws": ws}))
+    assert closed["ok"], closed  # its set was still its own
+    for sock in (victim, own, thief):
+        sock.close(0)

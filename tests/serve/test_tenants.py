@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from examples.hostile_tenant import FLOOD
 from pie_runtime.engine.connections import MAX_IDENTITY_CONNECTIONS
 from pie_runtime.engine.identities import MAX_IDENTITY_CHANNEL_BYTES
 from pie_runtime.serve.sandbox import Sandbox
@@ -363,21 +364,7 @@ def test_an_inferlet_run_passes_the_same_admission_as_a_completion(served):
     assert run(served, K2, "text-completion", {"prompt": "hi", "max_tokens": 4}).status_code == 200
 
 
-FLOOD = """
-import asyncio
-
-import inferlet
-
-
-@inferlet.main
-async def main(args: dict) -> dict:
-    while True:
-        inferlet.emit("x" * 65536)
-        await asyncio.sleep(0.01)
-"""
-
-
-def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
+def test_a_stream_nobody_reads_is_cancelled_frees_its_slot_and_ends_cleanly(served, quiet):
     upload(served, K3, "flood", FLOOD)
     upload(served, K3, "nap", SLEEPER)
     assert run(served, K3, "nap", {"seconds": 0}).status_code == 200  # K3's sandbox is up before the flood
@@ -404,8 +391,15 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(served, quiet):
                 break
             time.sleep(0.2)
         assert statuses[0] == 429 and statuses[-1] == 200, statuses
+        # the server dropped the connection: what it had sent, then the end (no chunk after the stall's)
+        sock.settimeout(60)
+        while sock.recv(1 << 16):
+            pass
     finally:
         sock.close()
+    log = served.stderr()
+    assert "read nothing for" in log  # the stall's warning, and nothing about a response left unfinished
+    assert "ASGI callable returned without completing response" not in log
     assert greedy(served, K1) == quiet
 
 

@@ -9,6 +9,7 @@ import argparse
 import numpy as np
 import pytest
 
+from examples.hostile_tenant import plus
 from pie_runtime.cli.engine import add_engine_options
 from pie_runtime.engine.options import DEFAULT_MAX_PROGRAMS
 from pie_runtime.engine.programs.registry import ProgramTable
@@ -16,17 +17,6 @@ from pie_runtime.protocol import ErrorCode, PieError
 from pie_runtime.protocol.arrays import decode_array
 from pie_runtime.protocol.codec import pack, parse_request
 from tests.engine.test_core import PROMPT, A, B, Core
-
-
-def plus(k: int) -> list[dict]:
-    """A program that puts the greedy token of row 0 plus ``k`` into slot 0: one hash per ``k``."""
-    return [
-        {"op": "logits", "attrs": {"rows": [0]}},
-        {"op": "argmax", "inputs": [0], "attrs": {"dim": -1, "keepdim": False}},
-        {"op": "const", "attrs": {"value": [k], "dtype": "int"}},
-        {"op": "add", "inputs": [1, 2]},
-        {"op": "put", "inputs": [3], "attrs": {"slot": 0, "shape": [1], "dtype": "int32"}},
-    ]
 
 
 def capped(n: int) -> Core:
