@@ -27,21 +27,30 @@ DEFAULT_COMPILE = False
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-THREAD_WAITS = ("spin", "passive")
+THREAD_WAITS = ("spin", "short", "passive")
+# --thread-wait short: spins before a waiting thread sleeps; enough to cover the waits at a step's barriers (the
+# partner arrives within microseconds), not the gap between steps, where the cores go to the inferlet host and
+# the server (docs/measurements-http.md)
+SHORT_SPINS = 30000
 
 
 def apply_thread_wait(wait: str) -> None:
     """``passive``: the OpenMP runtime (torch's libgomp, which the native kernels share) puts a thread that waits
-    for work, at a barrier or between steps, to sleep at once instead of spinning. libgomp reads its policy once,
-    when it loads with torch, so this sets it for this process (and the ranks it starts) before torch is imported.
-    ``spin`` leaves the runtime's default (or the user's ``$OMP_WAIT_POLICY``) alone."""
-    if wait != "passive":
+    for work, at a barrier or between steps, to sleep at once instead of spinning; ``short``: it spins
+    ``SHORT_SPINS`` times first. libgomp reads its policy once, when it loads with torch, so this sets it for this
+    process (and the ranks it starts) before torch is imported. ``spin`` leaves the runtime's default (or the
+    user's ``$OMP_WAIT_POLICY`` / ``$GOMP_SPINCOUNT``) alone."""
+    if wait == "spin":
         return
     if "torch" in sys.modules:  # an engine run in a process that already loaded torch: too late to apply
-        logging.getLogger("pie.engine").warning("--thread-wait passive: torch is already loaded; ignored")
+        logging.getLogger("pie.engine").warning(f"--thread-wait {wait}: torch is already loaded; ignored")
         return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ.pop("GOMP_SPINCOUNT", None)
+    if wait == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.pop("GOMP_SPINCOUNT", None)
+    else:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ["GOMP_SPINCOUNT"] = str(SHORT_SPINS)
 
 
 def weights_value(value: str) -> str:
@@ -181,9 +190,11 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
         choices=THREAD_WAITS,
         default="spin",
         help="how the compute threads wait for work: spin (the OpenMP runtime's default, or $OMP_WAIT_POLICY: "
-        "a waiting thread keeps its core a while, the fastest step where the engine has its cores to itself) or "
-        "passive (a waiting thread sleeps at once: slower steps on idle cores, but an engine that shares its "
-        "cores with other busy processes no longer burns them spinning; docs/measurements-http.md)",
+        "a waiting thread keeps its core a while, the fastest step where the engine has its cores to itself), "
+        "short (it spins 30,000 times, then sleeps: a step's barriers still spin, the gaps between steps leave "
+        "the cores to the inferlet host and the server; the fastest HTTP stream on an otherwise idle machine) or "
+        "passive (it sleeps at once: slower steps on idle cores, but an engine that shares its cores with other "
+        "busy processes no longer burns them spinning; docs/measurements-http.md)",
     )
     p.add_argument(
         "--tensor-parallel",

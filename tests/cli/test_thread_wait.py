@@ -28,6 +28,8 @@ def runtime_settings(wait: str, **env: str) -> str:
 
 
 @pytest.mark.parametrize(("wait", "env", "spin"), [("spin", {}, "300000"), ("passive", {}, "0"),
+                                                    ("short", {}, "30000"),
+                                                    ("short", {"OMP_WAIT_POLICY": "PASSIVE"}, "30000"),
                                                     ("spin", {"OMP_WAIT_POLICY": "PASSIVE"}, "0"),
                                                     ("passive", {"GOMP_SPINCOUNT": "5000"}, "0")])  # fmt: skip
 def test_passive_threads_never_spin_and_spin_keeps_the_runtime_default(wait, env, spin):
