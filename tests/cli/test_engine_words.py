@@ -15,6 +15,7 @@ ASKED = [
     "--threads", "3", "--compile", "--no-prefix-cache", "--kv-swa-full", "--state-slots", "5",
     "--recurrent-fold", "replay", "--per-row-states", "3", "--pass-cost-rows", "4", "--pass-cost-cache", "off",
     "--program-memory", "32", "--max-programs", "7", "--no-prepack", "--simulate-step-ms", "250",
+    "--thread-wait", "short",
 ]  # fmt: skip
 
 
