@@ -12,13 +12,13 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 from .llama_cpp_env import VERSION, LlamaCppUnavailable, cache_dir, cmake_args
+from .logged_step import run_step
 
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 EXTRA_CMAKE_ARGS = (
@@ -42,19 +42,7 @@ def server_binary(root: Path | None = None) -> Path:
 
 def _run(cmd: list[str], log: Path, what: str, cwd: Path | None = None) -> None:
     """Runs one build step, its output appended to ``log``; LlamaCppUnavailable when it fails."""
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        try:
-            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, timeout=BUILD_TIMEOUT_S)
-        except FileNotFoundError as e:
-            raise LlamaCppUnavailable(f"{what}: {e.filename} not found") from None
-        except subprocess.TimeoutExpired:
-            raise LlamaCppUnavailable(f"{what} ran past {BUILD_TIMEOUT_S} s (log {log})") from None
-    if done.returncode != 0:
-        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-        last = tail[0].strip()[:200] if tail else "no output"
-        raise LlamaCppUnavailable(f"{what} failed ({last}; log {log})")
+    run_step(cmd, log, what, LlamaCppUnavailable, BUILD_TIMEOUT_S, cwd)
 
 
 def fetch_source(work: Path, log: Path) -> Path:

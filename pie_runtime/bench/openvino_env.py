@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..store import ModelStore, StoreError
+from .logged_step import run_step
 
 PACKAGES = ("openvino-genai", "optimum-intel[openvino]", "nncf")
 IMPORTS = "import openvino_genai, optimum.intel"
@@ -57,14 +58,7 @@ def _importable(python: Path) -> bool:
 
 def _run(cmd: list[str], log: Path, what: str, timeout: float = INSTALL_TIMEOUT_S) -> None:
     """Runs ``cmd`` with its output appended to ``log``; OpenVinoUnavailable naming ``what`` when it fails."""
-    with open(log, "a") as out:
-        try:
-            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise OpenVinoUnavailable(f"{what} ran past {timeout:.0f} s (log {log})") from None
-    if done.returncode != 0:
-        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-        raise OpenVinoUnavailable(f"{what} failed ({tail[0].strip()[:200] if tail else 'no output'}; log {log})")
+    run_step(cmd, log, what, OpenVinoUnavailable, timeout)
 
 
 def _make_venv(root: Path, log: Path) -> Path:
