@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,20 @@ def write_tiny_smol(folder: Path, tokenizer_json: Path, seed: int = 0) -> None:
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)
     shutil.copy(tokenizer_json, folder / "tokenizer.json")
+
+
+def home_with_checkpoint(tmp_path_factory, prefix: str, name: str, write: Callable[[Path, Path], None]) -> Path:
+    """A fresh PIE_HOME holding one Hugging Face checkpoint that ``write(folder, tokenizer_json)`` makes (with the
+    default model's tokenizer), imported by the ``pie`` CLI as ``name``."""
+    real = ensure_default_model()
+    home = tmp_path_factory.mktemp(prefix)
+    (home / "models").mkdir()
+    ckpt = home / "ckpt"
+    write(ckpt, ModelStore().path(real.name) / "tokenizer.json")
+    pie = str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie"
+    env = {**os.environ, "PIE_HOME": str(home)}
+    subprocess.run([pie, "model", "import", str(ckpt), "--name", name], check=True, env=env, capture_output=True)
+    return home
 
 
 @pytest.fixture(scope="session")

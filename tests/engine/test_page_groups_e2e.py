@@ -6,16 +6,12 @@ engine's stats count pages per group; and every page is back after the inferlets
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from pie_runtime.shipped import ensure_default_model
-from pie_runtime.store import ModelStore
-from tests.conftest import REPO, run, start_engine
+from tests.conftest import home_with_checkpoint, run, start_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -48,14 +44,7 @@ def write_tiny_mistral(folder: Path, tokenizer_json: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    real = ensure_default_model()
-    home = tmp_path_factory.mktemp("pie-home-swa")
-    (home / "models").mkdir()
-    ckpt = home / "ckpt"
-    write_tiny_mistral(ckpt, ModelStore().path(real.name) / "tokenizer.json")
-    pie = str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie"
-    env = {**os.environ, "PIE_HOME": str(home)}
-    subprocess.run([pie, "model", "import", str(ckpt), "--name", NAME], check=True, env=env, capture_output=True)
+    home = home_with_checkpoint(tmp_path_factory, "pie-home-swa", NAME, write_tiny_mistral)
     paged = start_engine(home, [NAME], "--page-size", str(PAGE))
     full = start_engine(home, [NAME], "--page-size", str(PAGE), "--kv-swa-full")
     yield paged, full

@@ -7,18 +7,14 @@ window's pages, and every page is back when the working set is released."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import inferlet
-from pie_runtime.shipped import ensure_default_model
-from pie_runtime.store import ModelStore
-from tests.conftest import REPO, start_engine
+from tests.conftest import home_with_checkpoint, start_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -59,15 +55,7 @@ def write_tiny_gemma3(folder: Path, tokenizer_json: Path) -> None:
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
-    real = ensure_default_model()
-    home = tmp_path_factory.mktemp("pie-home-tp-gemma")
-    (home / "models").mkdir()
-    ckpt = home / "ckpt"
-    write_tiny_gemma3(ckpt, ModelStore().path(real.name) / "tokenizer.json")
-    pie = str(REPO / ".venv/bin/pie") if (REPO / ".venv/bin/pie").exists() else "pie"
-    env = {**os.environ, "PIE_HOME": str(home)}
-    subprocess.run([pie, "model", "import", str(ckpt), "--name", NAME], check=True, env=env, capture_output=True)
-    return home
+    return home_with_checkpoint(tmp_path_factory, "pie-home-tp-gemma", NAME, write_tiny_gemma3)
 
 
 async def greedy(address: str, steps: int = 80, evict_at: int = 40) -> tuple[list[int], np.ndarray, list[list]]:
